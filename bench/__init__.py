@@ -1,0 +1,1 @@
+"""kvtopo benchmarks (`kvtopo bench ...`): the data path, the registry and the operator."""

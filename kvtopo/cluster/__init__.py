@@ -1,0 +1,1 @@
+"""The local Kubernetes control plane: binaries, certificates, processes (`kvtopo cluster`)."""

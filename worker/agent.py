@@ -1,0 +1,374 @@
+"""The worker's control API: how the operator (and peers) talk to an engine's KV registry.
+
+Owns the aiohttp server that runs inside the engine process on its own thread and loop:
+
+    GET    /v1/metadata            this rank's EngineMetadata (versioned msgpack envelope)
+    PUT    /v1/peers/{engine_id}   {endpoint, role}: fetch the peer's metadata, add its agent
+    DELETE /v1/peers/{engine_id}   evict the peer (deferred while transfers are in flight)
+    GET    /v1/state               WorkerState JSON: peers, failure counters, request counts
+    GET    /metrics                Prometheus text (no token)
+    GET    /healthz                liveness (no token)
+
+Every other route needs `Authorization: Bearer <token>`; the token comes from a file (a
+mounted Secret) and is re-read when the file changes. Bad bodies get a 4xx with an
+`ErrorBody`; peers' bytes are decoded in two phases and never reach NIXL unchecked. NIXL
+handshakes run on one single-thread executor, at most one per engine (the registry's
+handshake futures). Used by `emulated` and by real engines embedding kvtopo.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hmac
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import aiohttp
+import msgspec
+from aiohttp import web
+from prometheus_client import generate_latest
+
+from kvtopo_worker.metrics import WorkerMetrics
+from kvtopo_worker.protocol import (
+    MAX_ID_LEN,
+    EngineMetadata,
+    ErrorBody,
+    FailureType,
+    IncompatibleEngine,
+    MalformedMessage,
+    PeerAddRequest,
+    PeerResult,
+    ProtocolError,
+    Role,
+    WorkerState,
+    decode_json_body,
+    decode_metadata,
+    encode_metadata,
+)
+from kvtopo_worker.registry import EngineRegistry
+
+log = logging.getLogger(__name__)
+
+MAX_METADATA_BYTES = 4 << 20
+OPEN_PATHS = frozenset({"/healthz", "/metrics"})
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class PeerTransport(Protocol):
+    """What the control API needs from the transport to add a peer."""
+
+    def add_remote(
+        self, agent_metadata: bytes, kv_descs: bytes, num_blocks: int, block_len: int
+    ) -> str: ...
+
+
+class TokenSource:
+    """The bearer token, from a file (re-read when its mtime changes) or a fixed string."""
+
+    def __init__(self, *, path: str | Path | None = None, value: str | None = None) -> None:
+        if (path is None) == (value is None):
+            raise ValueError("give exactly one of a token file path or a token value")
+        self._path = Path(path) if path is not None else None
+        self._value = value or ""
+        self._mtime = -1.0
+        if self._path is not None:
+            self._reload()
+
+    def _reload(self) -> None:
+        assert self._path is not None
+        try:
+            st = self._path.stat()
+        except OSError as exc:
+            raise ValueError(
+                f"cannot read the worker token file {self._path}: {exc.strerror}; "
+                "mount the kvtopo worker token Secret there or pass --token-file"
+            ) from None
+        if st.st_mtime != self._mtime:
+            self._value = self._path.read_text().strip()
+            self._mtime = st.st_mtime
+            if not self._value:
+                raise ValueError(f"the worker token file {self._path} is empty")
+
+    def current(self) -> str:
+        if self._path is not None:
+            self._reload()
+        return self._value
+
+
+@dataclass
+class LocalEngine:
+    """Everything the control API serves about the engine it lives in."""
+
+    engine_id: str
+    role: Role
+    metadata: EngineMetadata
+    started_at: float
+
+    @property
+    def compat_hash(self) -> str:
+        return self.metadata.compat_hash
+
+
+StateExtras = Callable[[], tuple[int, int, int]]  # (done, failed, in flight)
+
+
+def _error(status: int, error: str, message: str, **extra: object) -> web.Response:
+    body = ErrorBody(error=error, message=message, **extra)  # type: ignore[arg-type]
+    return web.Response(
+        status=status, body=msgspec.json.encode(body), content_type="application/json"
+    )
+
+
+def _json(obj: object, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=msgspec.json.encode(obj), content_type="application/json")
+
+
+class ControlServer:
+    """The control API of one engine rank, on a background thread with its own loop."""
+
+    def __init__(
+        self,
+        *,
+        engine: LocalEngine,
+        registry: EngineRegistry,
+        transport: PeerTransport,
+        token: TokenSource,
+        metrics: WorkerMetrics,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        handshake_timeout_s: float = 5.0,
+        request_counts: StateExtras | None = None,
+    ) -> None:
+        self.engine = engine
+        self.registry = registry
+        self.transport = transport
+        self.token = token
+        self.metrics = metrics
+        self.host = host
+        self.port = port
+        self.handshake_timeout_s = handshake_timeout_s
+        self._request_counts = request_counts or (lambda: (0, 0, 0))
+        self._metadata_bytes = encode_metadata(engine.metadata)
+        # NIXL is not promised thread-safe: handshakes and teardown go through one thread.
+        self.nixl_executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="kvtopo-nixl"
+        )
+        self.app = web.Application(middlewares=[self._auth_middleware], client_max_size=1 << 20)
+        self.app.router.add_get("/healthz", self._healthz)
+        self.app.router.add_get("/metrics", self._metrics)
+        self.app.router.add_get("/v1/metadata", self._get_metadata)
+        self.app.router.add_get("/v1/state", self._get_state)
+        self.app.router.add_put("/v1/peers/{engine_id}", self._put_peer)
+        self.app.router.add_delete("/v1/peers/{engine_id}", self._delete_peer)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    # --- life cycle ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Binds and serves on a background thread; returns once the port is bound."""
+        self._thread = threading.Thread(target=self._serve, name="kvtopo-control", daemon=True)
+        self._thread.start()
+        self._ready.wait(30)
+        if self._start_error is not None:
+            raise RuntimeError(
+                f"control server could not bind {self.host}:{self.port}: {self._start_error}"
+            ) from self._start_error
+
+    def _serve(self) -> None:
+        loop = asyncio.new_event_loop()
+        self.loop = loop
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self._start_site())
+        except BaseException as exc:
+            self._start_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        loop.run_forever()
+        loop.run_until_complete(self._cleanup())
+        loop.close()
+
+    async def _start_site(self) -> None:
+        self._runner = web.AppRunner(self.app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        server = site._server
+        if self.port == 0 and server is not None:
+            self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    async def _cleanup(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def stop(self) -> None:
+        if self.loop is not None and self._thread is not None:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+        self.nixl_executor.shutdown(wait=True, cancel_futures=True)
+
+    # --- middleware ----------------------------------------------------------------------
+
+    @web.middleware
+    async def _auth_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path not in OPEN_PATHS:
+            header = request.headers.get("Authorization", "")
+            given = header[7:] if header.startswith("Bearer ") else ""
+            if not given or not hmac.compare_digest(given.encode(), self.token.current().encode()):
+                self.metrics.reject("control_auth")
+                return _error(401, "unauthorized", "a valid 'Authorization: Bearer <token>' is required")
+        try:
+            return await handler(request)
+        except ProtocolError as exc:
+            self.metrics.reject("control")
+            return _error(400, "bad_request", exc.message)
+        except web.HTTPException:
+            raise
+        except Exception as exc:
+            log.exception("control API %s %s", request.method, request.path)
+            return _error(500, "internal", f"{type(exc).__name__}: {exc}")
+
+    # --- routes --------------------------------------------------------------------------
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        self.metrics.peers.set(len(self.registry.engine_ids()))
+        return web.Response(
+            body=generate_latest(self.metrics.registry),
+            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+        )
+
+    async def _get_metadata(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._metadata_bytes, content_type="application/msgpack")
+
+    def state(self) -> WorkerState:
+        done, failed, in_flight = self._request_counts()
+        return WorkerState(
+            engine_id=self.engine.engine_id,
+            role=self.engine.role,
+            compat_hash=self.engine.compat_hash,
+            protocol_version=self.engine.metadata.compat.protocol_version,
+            peers=self.registry.peer_states(),
+            failures=self.metrics.failure_counts(),
+            requests_done=done,
+            requests_failed=failed,
+            requests_in_flight=in_flight,
+            started_at=self.engine.started_at,
+        )
+
+    async def _get_state(self, request: web.Request) -> web.Response:
+        return _json(self.state())
+
+    @staticmethod
+    def _path_engine_id(request: web.Request) -> str:
+        engine_id = request.match_info["engine_id"]
+        if not 0 < len(engine_id) <= MAX_ID_LEN:
+            raise MalformedMessage(f"engine_id must be 1..{MAX_ID_LEN} characters")
+        return engine_id
+
+    async def _put_peer(self, request: web.Request) -> web.Response:
+        engine_id = self._path_engine_id(request)
+        body = decode_json_body(await request.read(), PeerAddRequest)
+        if engine_id == self.engine.engine_id:
+            raise MalformedMessage("an engine cannot be its own peer")
+        if body.role == self.engine.role:
+            raise MalformedMessage(f"a {body.role} engine pairs with the other role, not itself")
+        present = self.registry.snapshot(engine_id)
+        if present:
+            self.metrics.handshakes_total.labels("present").inc()
+            return _json(PeerResult(engine_id=engine_id, result="present", agents=present))
+        try:
+            meta = await self._fetch_metadata(body.endpoint)
+            meta = decode_metadata(meta, self.engine.compat_hash)
+        except IncompatibleEngine as exc:
+            self.metrics.handshakes_total.labels("incompatible").inc()
+            self.metrics.record_failure(
+                FailureType.INCOMPATIBLE, {"engine_id": engine_id, "msg": exc.message}
+            )
+            return _error(
+                409,
+                "incompatible",
+                exc.message,
+                failure_type=FailureType.INCOMPATIBLE,
+                local_hash=exc.local_hash,
+                remote_hash=exc.remote_hash,
+            )
+        except ProtocolError as exc:
+            return self._handshake_failed(engine_id, exc.failure_type, exc.message, 502)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            msg = f"fetching metadata from {body.endpoint}: {type(exc).__name__}: {exc}"
+            return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 502)
+        if meta.engine_id != engine_id:
+            msg = f"{body.endpoint} serves engine {meta.engine_id}, not {engine_id}"
+            return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 409)
+        if meta.role != body.role:
+            msg = f"{body.endpoint} is a {meta.role} engine, not {body.role}"
+            return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 409)
+
+        def add() -> dict[int, str]:
+            name = self.transport.add_remote(
+                meta.agent_metadata, meta.kv_descs, meta.num_blocks, meta.block_len
+            )
+            agents = {meta.tp_rank: name}
+            self.registry.add_engine(engine_id, agents)
+            return agents
+
+        fut = self.registry.handshake(engine_id, lambda: self.nixl_executor.submit(add))
+        try:
+            agents = await asyncio.wait_for(asyncio.wrap_future(fut), self.handshake_timeout_s)
+        except Exception as exc:
+            msg = f"adding the NIXL agent of {engine_id}: {type(exc).__name__}: {exc}"
+            return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 502)
+        self.metrics.handshakes_total.labels("added").inc()
+        log.info("peer %s (%s) added: %s", engine_id, meta.role, agents)
+        return _json(PeerResult(engine_id=engine_id, result="added", agents=agents))
+
+    def _handshake_failed(
+        self, engine_id: str, failure: FailureType, message: str, status: int
+    ) -> web.Response:
+        self.metrics.handshakes_total.labels("failed").inc()
+        self.metrics.record_failure(failure, {"engine_id": engine_id, "msg": message})
+        return _error(status, "handshake_failed", message, failure_type=failure)
+
+    async def _fetch_metadata(self, endpoint: str) -> bytes:
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        url = f"http://{endpoint}/v1/metadata"
+        headers = {"Authorization": f"Bearer {self.token.current()}"}
+        timeout = aiohttp.ClientTimeout(total=self.handshake_timeout_s)
+        async with self._session.get(url, headers=headers, timeout=timeout) as resp:
+            if resp.status != 200:
+                text = (await resp.text())[:300]
+                raise ValueError(f"peer answered HTTP {resp.status}: {text}")
+            data = await resp.content.read(MAX_METADATA_BYTES + 1)
+            if len(data) > MAX_METADATA_BYTES:
+                raise ValueError(f"peer metadata exceeds {MAX_METADATA_BYTES} bytes")
+            return data
+
+    async def _delete_peer(self, request: web.Request) -> web.Response:
+        engine_id = self._path_engine_id(request)
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(self.nixl_executor, self.registry.evict, engine_id)
+        self.metrics.evictions_total.labels(result).inc()
+        return _json(PeerResult(engine_id=engine_id, result=result))
+

@@ -1,0 +1,386 @@
+"""`kvtopo-worker`: an emulated prefill or decode engine that moves real KV bytes over NIXL.
+
+Owns the stand-in for an LLM engine: a torch KV cache of equal blocks (CPU, or CUDA where
+present), a block allocator, deterministic KV content derived from the request id (so the
+receiver verifies every byte it was pushed), the engine thread that drains
+`PushConnector.get_finished()`, and two extra control routes for traffic generators:
+
+    POST /v1/requests   SubmitRequest: start a request (prefill: fill and offer its blocks;
+                        decode: allocate blocks and register them with the prefill engine)
+    GET  /v1/finished   drain ended requests as a list of RequestOutcome (each exactly once)
+
+Used by tests, the drill and the benchmarks; a real engine embeds `push` and `agent` instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+
+import msgspec
+import torch
+from aiohttp import web
+
+from kvtopo_worker.agent import ControlServer, LocalEngine, TokenSource
+from kvtopo_worker.metrics import WorkerMetrics
+from kvtopo_worker.protocol import (
+    CompatInfo,
+    EngineMetadata,
+    FailureType,
+    MalformedMessage,
+    RequestOutcome,
+    Role,
+    SubmitRequest,
+    compat_hash,
+    decode_json_body,
+)
+from kvtopo_worker.push import PushConfig, PushConnector
+from kvtopo_worker.registry import EngineRegistry
+from kvtopo_worker.transport import NixlTransport
+
+log = logging.getLogger(__name__)
+
+_MULT = 0x9E3779B97F4A7C15 - (1 << 64)  # odd 64-bit constant as a signed int64
+
+
+def _seed(request_id: str, index: int) -> int:
+    digest = hashlib.blake2b(f"{request_id}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+class KVContent:
+    """Deterministic block content: word k of block i of request R is k * MULT + seed(R, i)."""
+
+    def __init__(self, block_len: int, device: torch.device) -> None:
+        if block_len % 8:
+            raise ValueError("block_len must be a multiple of 8 bytes")
+        self._ramp = torch.arange(block_len // 8, dtype=torch.int64, device=device) * _MULT
+
+    def fill(self, block: torch.Tensor, request_id: str, index: int) -> None:
+        torch.add(self._ramp, _seed(request_id, index), out=block.view(torch.int64))
+
+    def matches(self, block: torch.Tensor, request_id: str, index: int) -> bool:
+        return bool(torch.equal(block.view(torch.int64), self._ramp + _seed(request_id, index)))
+
+
+@dataclass
+class _Request:
+    request_id: str
+    peer_engine_id: str
+    block_ids: list[int]
+
+
+class EmulatedEngine:
+    """One engine rank with a real NIXL agent, a KV cache and the control API."""
+
+    def __init__(
+        self,
+        *,
+        role: Role,
+        engine_id: str | None = None,
+        num_blocks: int = 256,
+        block_len: int = 64 * 1024,
+        model_id: str = "emulated",
+        device: str = "cpu",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: TokenSource,
+        push_config: PushConfig | None = None,
+        idle_ttl_s: float = 0.0,
+        progress_thread: bool | None = None,
+        handshake_timeout_s: float = 5.0,
+    ) -> None:
+        self.role: Role = role
+        self.engine_id = engine_id or uuid.uuid4().hex
+        self.device = torch.device(device)
+        self.metrics = WorkerMetrics()
+        self.transport = NixlTransport(
+            f"kvtopo-{self.engine_id}", progress_thread=progress_thread
+        )
+        self.kv = torch.zeros((num_blocks, block_len), dtype=torch.uint8, device=self.device)
+        self.content = KVContent(block_len, self.device)
+        self.registry = EngineRegistry(
+            remove_agent=self.transport.remove_remote, idle_ttl_s=idle_ttl_s
+        )
+        self.connector = PushConnector(
+            engine_id=self.engine_id,
+            role=role,
+            transport=self.transport,
+            registry=self.registry,
+            metrics=self.metrics,
+            config=push_config,
+        )
+        self.connector.register_kv_caches(self.kv)
+        compat = CompatInfo(block_len=block_len, model_id=model_id, dtype="uint8")
+        meta = EngineMetadata(
+            engine_id=self.engine_id,
+            role=role,
+            agent_name=self.transport.agent_name,
+            agent_metadata=self.transport.agent_metadata(),
+            kv_descs=self.transport.serialized_block_descs(),
+            num_blocks=num_blocks,
+            block_len=block_len,
+            compat=compat,
+            compat_hash=compat_hash(compat),
+        )
+        self.server = ControlServer(
+            engine=LocalEngine(self.engine_id, role, meta, time.time()),
+            registry=self.registry,
+            transport=self.transport,
+            token=token,
+            metrics=self.metrics,
+            host=host,
+            port=port,
+            handshake_timeout_s=handshake_timeout_s,
+            request_counts=self._request_counts,
+        )
+        self.server.app.router.add_post("/v1/requests", self._post_request)
+        self.server.app.router.add_get("/v1/finished", self._get_finished)
+        self._alloc_lock = threading.Lock()
+        self._free = deque(range(num_blocks))
+        self._requests: dict[str, _Request] = {}
+        self._outcomes: deque[RequestOutcome] = deque()
+        self._outcomes_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._engine_thread = threading.Thread(
+            target=self._engine_loop, name="kvtopo-engine", daemon=True
+        )
+        self.verified_bytes = 0
+
+    @property
+    def endpoint(self) -> str:
+        return self.server.endpoint
+
+    def start(self) -> None:
+        self.connector.start()
+        self._engine_thread.start()
+        self.server.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.server.stop()
+        self.connector.stop()
+        self._engine_thread.join(5)
+        self.transport.close()
+
+    def _request_counts(self) -> tuple[int, int, int]:
+        return (
+            self.connector.requests_done,
+            self.connector.requests_failed,
+            self.connector.in_flight(),
+        )
+
+    # --- requests ------------------------------------------------------------------------
+
+    def submit(self, req: SubmitRequest) -> None:
+        """Starts a request; raises ValueError when it cannot be taken (nothing is lost)."""
+        if not 0 < req.num_blocks <= self.kv.shape[0]:
+            raise ValueError(f"num_blocks must be 1..{self.kv.shape[0]}")
+        with self._alloc_lock:
+            if req.request_id in self._requests:
+                raise ValueError(f"request {req.request_id} is already in flight")
+            if len(self._free) < req.num_blocks:
+                raise BlockingIOError(f"only {len(self._free)} free KV blocks")
+            blocks = [self._free.popleft() for _ in range(req.num_blocks)]
+            self._requests[req.request_id] = _Request(req.request_id, req.peer_engine_id, blocks)
+        try:
+            if self.role == "prefill":
+                for i, b in enumerate(blocks):
+                    self.content.fill(self.kv[b], req.request_id, i)
+                self.connector.request_send(req.request_id, blocks)
+            else:
+                self.connector.request_receive(req.request_id, req.peer_engine_id, blocks)
+        except Exception:
+            self._release(req.request_id)
+            raise
+
+    def _release(self, request_id: str) -> _Request | None:
+        with self._alloc_lock:
+            req = self._requests.pop(request_id, None)
+            if req is not None:
+                self._free.extend(req.block_ids)
+            return req
+
+    def _engine_loop(self) -> None:
+        while not self._stop.is_set():
+            fin = self.connector.get_finished()
+            now = time.time()
+            outcomes: list[RequestOutcome] = []
+            for rid in fin.done_sending:
+                req = self._release(rid)
+                outcomes.append(
+                    RequestOutcome(
+                        request_id=rid,
+                        status="done",
+                        peer_engine_id=req.peer_engine_id if req else "",
+                        ended_at=now,
+                    )
+                )
+            for rid in fin.done_receiving:
+                outcomes.append(self._verify(rid, now))
+            for f in fin.failed:
+                req = self._release(f.request_id)
+                outcomes.append(
+                    RequestOutcome(
+                        request_id=f.request_id,
+                        status="failed",
+                        reason=f.reason,
+                        message=f.message,
+                        peer_engine_id=req.peer_engine_id if req else "",
+                        ended_at=now,
+                    )
+                )
+            if outcomes:
+                with self._outcomes_lock:
+                    self._outcomes.extend(outcomes)
+            else:
+                self._stop.wait(0.001)
+
+    def _verify(self, request_id: str, now: float) -> RequestOutcome:
+        with self._alloc_lock:
+            req = self._requests.get(request_id)
+        if req is None:
+            return RequestOutcome(
+                request_id=request_id, status="failed", reason=FailureType.MALFORMED_MESSAGE,
+                message="completion for an unknown request", ended_at=now,
+            )
+        bad = [
+            i for i, b in enumerate(req.block_ids)
+            if not self.content.matches(self.kv[b], request_id, i)
+        ]
+        self._release(request_id)
+        if bad:
+            self.metrics.record_failure(
+                FailureType.TRANSFER_FAILED,
+                {"request_id": request_id, "msg": f"blocks {bad[:8]} hold the wrong bytes"},
+            )
+            return RequestOutcome(
+                request_id=request_id, status="failed", reason=FailureType.TRANSFER_FAILED,
+                message=f"{len(bad)} blocks failed verification",
+                peer_engine_id=req.peer_engine_id, ended_at=now,
+            )
+        nbytes = len(req.block_ids) * int(self.kv.shape[1])
+        self.verified_bytes += nbytes
+        return RequestOutcome(
+            request_id=request_id, status="done", verified_bytes=nbytes,
+            peer_engine_id=req.peer_engine_id, ended_at=now,
+        )
+
+    def drain_outcomes(self, limit: int = 10_000) -> list[RequestOutcome]:
+        with self._outcomes_lock:
+            n = min(limit, len(self._outcomes))
+            return [self._outcomes.popleft() for _ in range(n)]
+
+    # --- control routes ------------------------------------------------------------------
+
+    async def _post_request(self, request: web.Request) -> web.Response:
+        body = decode_json_body(await request.read(), SubmitRequest)
+        try:
+            self.submit(body)
+        except BlockingIOError as exc:
+            return _json_error(503, "no_capacity", str(exc))
+        except ValueError as exc:
+            raise MalformedMessage(str(exc)) from None
+        return web.Response(status=202, body=b'{"accepted":true}', content_type="application/json")
+
+    async def _get_finished(self, request: web.Request) -> web.Response:
+        try:
+            limit = int(request.query.get("max", "10000"))
+        except ValueError:
+            raise MalformedMessage("max must be an integer") from None
+        return web.Response(
+            body=msgspec.json.encode(self.drain_outcomes(max(1, min(limit, 100_000)))),
+            content_type="application/json",
+        )
+
+
+def _json_error(status: int, error: str, message: str) -> web.Response:
+    return web.Response(
+        status=status,
+        body=json.dumps({"error": error, "message": message}).encode(),
+        content_type="application/json",
+    )
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="kvtopo-worker",
+        description="An emulated prefill or decode engine: a torch KV cache, a real NIXL agent "
+        "and the kvtopo control API. Prints one JSON line {engine_id, endpoint, role} on "
+        "stdout when ready.",
+    )
+    p.add_argument("--role", choices=["prefill", "decode"], required=True)
+    p.add_argument("--engine-id", help="default: a fresh uuid per start")
+    p.add_argument("--host", default="127.0.0.1", help="control API bind address")
+    p.add_argument("--port", type=int, default=8975, help="control API port (0: pick a free one)")
+    p.add_argument("--token-file", required=True, help="file holding the control API token")
+    p.add_argument("--num-blocks", type=int, default=256)
+    p.add_argument("--block-bytes", type=int, default=64 * 1024)
+    p.add_argument("--model-id", default="emulated", help="part of the compatibility hash")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda[:N] where a GPU is present")
+    p.add_argument("--registration-timeout", type=float, default=30.0, metavar="S")
+    p.add_argument("--kv-lease", type=float, default=30.0, metavar="S")
+    p.add_argument("--idle-ttl", type=float, default=0.0, metavar="S", help="0: off")
+    p.add_argument(
+        "--progress-thread",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="NIXL progress thread (auto: off on hosts with < 8 cores, where it costs a core)",
+    )
+    p.add_argument("--log-level", default="WARNING")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    try:
+        token = TokenSource(path=args.token_file)
+    except ValueError as exc:
+        print(f"kvtopo-worker: {exc}", file=sys.stderr)
+        return 2
+    progress = {"auto": None, "on": True, "off": False}[args.progress_thread]
+    engine = EmulatedEngine(
+        role=args.role,
+        engine_id=args.engine_id,
+        num_blocks=args.num_blocks,
+        block_len=args.block_bytes,
+        model_id=args.model_id,
+        device=args.device,
+        host=args.host,
+        port=args.port,
+        token=token,
+        push_config=PushConfig(
+            registration_timeout_s=args.registration_timeout, kv_lease_s=args.kv_lease
+        ),
+        idle_ttl_s=args.idle_ttl,
+        progress_thread=progress,
+    )
+    try:
+        engine.start()
+    except RuntimeError as exc:
+        print(f"kvtopo-worker: {exc}", file=sys.stderr)
+        return 1
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    line = {"engine_id": engine.engine_id, "endpoint": engine.endpoint, "role": engine.role}
+    print(json.dumps(line), flush=True)
+    done.wait()
+    engine.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Worker counters: one Prometheus registry per worker and the single failure-recording helper.
+
+Owns the per-worker `CollectorRegistry` (several workers may live in one process in tests and
+benchmarks, so nothing is registered globally), the failure counters by `FailureType` that
+`GET /v1/state` reports to the operator, and `record_failure`, the one structured log line
+for every failure ("kvtopo transfer failure: <type> | context: {...}").
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter as _Tally
+from collections.abc import Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvtopo_worker.protocol import FailureType
+
+log = logging.getLogger("kvtopo_worker.failures")
+
+
+class WorkerMetrics:
+    """Counters of one worker; thread-safe."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._lock = threading.Lock()
+        self._failures: _Tally[str] = _Tally()
+        self.failures_total = Counter(
+            "kvtopo_worker_failures",
+            "Failures by type (transfer, notification, handshake, timeout, bad input).",
+            ["type"],
+            registry=self.registry,
+        )
+        self.requests_total = Counter(
+            "kvtopo_worker_requests",
+            "Requests ended, by outcome.",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.rejected_total = Counter(
+            "kvtopo_worker_rejected_messages",
+            "Malformed or unexpected messages from peers or the control API, by source.",
+            ["source"],
+            registry=self.registry,
+        )
+        self.duplicate_outcomes_total = Counter(
+            "kvtopo_worker_duplicate_outcomes",
+            "Second outcomes for an already ended request (dropped; must stay 0).",
+            registry=self.registry,
+        )
+        self.handshakes_total = Counter(
+            "kvtopo_worker_handshakes",
+            "Peer handshakes by result.",
+            ["result"],
+            registry=self.registry,
+        )
+        self.evictions_total = Counter(
+            "kvtopo_worker_evictions",
+            "Peer evictions by result (evicted, deferred, absent).",
+            ["result"],
+            registry=self.registry,
+        )
+        self.peers = Gauge(
+            "kvtopo_worker_peers", "Remote engines in the registry.", registry=self.registry
+        )
+        self.transfer_seconds = Histogram(
+            "kvtopo_worker_transfer_seconds",
+            "WRITE time from post to DONE.",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1, 5),
+            registry=self.registry,
+        )
+        self.transfer_bytes_total = Counter(
+            "kvtopo_worker_transfer_bytes", "Bytes written to peers.", registry=self.registry
+        )
+
+    def record_failure(
+        self, failure: FailureType, context: Mapping[str, object], *, level: int = logging.WARNING
+    ) -> None:
+        """Counts a failure and logs it once, in one structured line."""
+        with self._lock:
+            self._failures[failure.value] += 1
+        self.failures_total.labels(failure.value).inc()
+        log.log(level, "kvtopo transfer failure: %s | context: %s", failure.value, dict(context))
+
+    def reject(self, source: str) -> None:
+        """Counts a malformed or unexpected message (it was dropped, nothing crashed)."""
+        with self._lock:
+            self._failures[FailureType.MALFORMED_MESSAGE.value] += 1
+        self.rejected_total.labels(source).inc()
+
+    def failure_counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._failures)

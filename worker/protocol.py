@@ -1,0 +1,329 @@
+"""The worker's wire contract: every byte two engines or the operator exchange.
+
+Owns the message structs (engine metadata, push registrations, notifications, control-API
+bodies), the protocol version, the compatibility hash, and the two-phase decode that turns
+garbage or a mismatch into a typed error instead of a crash. Imported by every other worker
+module and by the operator; it imports neither torch, nixl, kopf nor kubernetes.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from typing import Literal, TypeVar
+
+import msgspec
+
+# Protocol version history (bump on any change to a struct below that an old peer would
+# misread; peers with different versions refuse to connect instead of corrupting KV):
+#   1: first release: EngineMetadata envelope, PUSH_REG / PUSH_DONE / PUSH_FAIL notifications.
+PROTOCOL_VERSION = 1
+
+REG_PREFIX = b"PUSH_REG:"
+DONE_PREFIX = b"PUSH_DONE:"
+FAIL_PREFIX = b"PUSH_FAIL:"
+
+# Bounds on what a peer may send; anything larger is refused before it is decoded further.
+MAX_ID_LEN = 256
+MAX_BLOCKS_PER_REQUEST = 65536
+MAX_NOTIFICATION_BYTES = 1 << 20
+
+_T = TypeVar("_T")
+
+Role = Literal["prefill", "decode"]
+TransferMode = Literal["push", "pull"]
+
+
+class FailureType(enum.StrEnum):
+    """The closed set of failure types (vLLM's vocabulary, plus kvtopo's own)."""
+
+    HANDSHAKE_FAILED = "handshake_failed"
+    INCOMPATIBLE = "incompatible"
+    PUSH_REG_NOTIF_FAILED = "push_reg_notif_failed"
+    TRANSFER_FAILED = "transfer_failed"
+    TRANSFER_SETUP_FAILED = "transfer_setup_failed"
+    NOTIFICATION_FAILED = "notification_failed"
+    REGISTRATION_TIMEOUT = "registration_timeout"
+    KV_EXPIRED = "kv_expired"
+    EVICTED_INFLIGHT = "evicted_inflight"
+    MALFORMED_MESSAGE = "malformed_message"
+    REMOTE_REJECTED = "remote_rejected"
+
+
+class ProtocolError(Exception):
+    """A message that cannot be used; `failure_type` says how it is counted."""
+
+    failure_type: FailureType = FailureType.MALFORMED_MESSAGE
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class MalformedMessage(ProtocolError):
+    """Bytes that do not decode to the expected struct (garbage, truncation, wrong types)."""
+
+
+class VersionMismatch(ProtocolError):
+    """The peer speaks another protocol version."""
+
+    failure_type = FailureType.INCOMPATIBLE
+
+
+class IncompatibleEngine(ProtocolError):
+    """The peer's compatibility hash differs: its KV cannot be read as ours."""
+
+    failure_type = FailureType.INCOMPATIBLE
+
+    def __init__(self, message: str, local_hash: str, remote_hash: str) -> None:
+        super().__init__(message)
+        self.local_hash = local_hash
+        self.remote_hash = remote_hash
+
+
+class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What both sides of a KV transfer must agree on byte for byte."""
+
+    transfer_mode: TransferMode = "push"
+    kv_layout: str = "blocks"
+    dtype: str = "uint8"
+    block_size: int = 16
+    block_len: int = 0
+    model_id: str = "emulated"
+    protocol_version: int = PROTOCOL_VERSION
+
+
+def compat_hash(info: CompatInfo) -> str:
+    """A short stable hash of `info`; equal hashes mean the KV layouts are interchangeable."""
+    return hashlib.sha256(msgspec.msgpack.encode(info)).hexdigest()[:16]
+
+
+class EngineMetadata(msgspec.Struct, frozen=True, kw_only=True):
+    """One engine rank as its peers see it: enough to add its NIXL agent and address its KV."""
+
+    engine_id: str
+    role: Role
+    agent_name: str
+    agent_metadata: bytes
+    kv_descs: bytes
+    num_blocks: int
+    block_len: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    compat: CompatInfo
+    compat_hash: str
+
+
+class Envelope(msgspec.Struct, frozen=True):
+    """Phase one of a decode: checked before the payload is even looked at."""
+
+    version: int
+    compat_hash: str
+    payload: msgspec.Raw
+
+
+def encode_metadata(meta: EngineMetadata) -> bytes:
+    """Wraps engine metadata in a versioned envelope (`GET /v1/metadata` body)."""
+    payload = msgspec.Raw(msgspec.msgpack.encode(meta))
+    return msgspec.msgpack.encode(Envelope(PROTOCOL_VERSION, meta.compat_hash, payload))
+
+
+_envelope_decoder = msgspec.msgpack.Decoder(Envelope)
+_metadata_decoder = msgspec.msgpack.Decoder(EngineMetadata)
+
+
+def decode_metadata(data: bytes, expected_hash: str) -> EngineMetadata:
+    """Two-phase decode of a peer's metadata.
+
+    Raises MalformedMessage for garbage, VersionMismatch for another protocol version and
+    IncompatibleEngine when the peer's hash differs from `expected_hash`.
+    """
+    try:
+        env = _envelope_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MalformedMessage(f"metadata envelope does not decode: {exc}") from None
+    if env.version != PROTOCOL_VERSION:
+        raise VersionMismatch(
+            f"peer speaks protocol version {env.version}, this worker {PROTOCOL_VERSION}"
+        )
+    if env.compat_hash != expected_hash:
+        raise IncompatibleEngine(
+            f"compatibility hash {env.compat_hash} differs from ours {expected_hash}",
+            local_hash=expected_hash,
+            remote_hash=env.compat_hash,
+        )
+    try:
+        meta = _metadata_decoder.decode(env.payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MalformedMessage(f"metadata payload does not decode: {exc}") from None
+    if meta.compat_hash != env.compat_hash or compat_hash(meta.compat) != meta.compat_hash:
+        raise MalformedMessage("metadata payload disagrees with its envelope's hash")
+    _check_id("engine_id", meta.engine_id)
+    _check_id("agent_name", meta.agent_name)
+    if meta.num_blocks <= 0 or meta.block_len <= 0:
+        raise MalformedMessage("metadata must name a positive num_blocks and block_len")
+    if not 0 <= meta.tp_rank < meta.tp_size:
+        raise MalformedMessage(f"tp_rank {meta.tp_rank} outside tp_size {meta.tp_size}")
+    return meta
+
+
+def _check_id(field: str, value: str) -> None:
+    if not value or len(value) > MAX_ID_LEN:
+        raise MalformedMessage(f"{field} must be 1..{MAX_ID_LEN} characters")
+
+
+# --- Notifications (NIXL notif bytes between engines) -------------------------------------
+
+
+class PushRegistration(msgspec.Struct, frozen=True, kw_only=True):
+    """Decode -> prefill: 'request R may be written into these blocks of my engine'."""
+
+    request_id: str
+    decode_engine_id: str
+    prefill_engine_id: str
+    block_ids: list[int]
+    decode_tp_rank: int = 0
+
+
+class PushDone(msgspec.Struct, frozen=True, kw_only=True):
+    """Prefill -> decode, attached to the WRITE: the blocks of request R have landed."""
+
+    request_id: str
+    prefill_engine_id: str
+    num_blocks: int
+
+
+class PushFail(msgspec.Struct, frozen=True, kw_only=True):
+    """Prefill -> decode: request R will not be written, and why."""
+
+    request_id: str
+    prefill_engine_id: str
+    reason: FailureType
+    message: str = ""
+
+
+Notification = PushRegistration | PushDone | PushFail
+
+_decoders: dict[bytes, msgspec.msgpack.Decoder[PushRegistration | PushDone | PushFail]] = {
+    REG_PREFIX: msgspec.msgpack.Decoder(PushRegistration),  # type: ignore[dict-item]
+    DONE_PREFIX: msgspec.msgpack.Decoder(PushDone),  # type: ignore[dict-item]
+    FAIL_PREFIX: msgspec.msgpack.Decoder(PushFail),  # type: ignore[dict-item]
+}
+_prefix_of: dict[type, bytes] = {
+    PushRegistration: REG_PREFIX,
+    PushDone: DONE_PREFIX,
+    PushFail: FAIL_PREFIX,
+}
+
+
+def encode_notification(msg: Notification) -> bytes:
+    """Prefix + msgpack, as vLLM's push connector frames its registrations."""
+    return _prefix_of[type(msg)] + msgspec.msgpack.encode(msg)
+
+
+def decode_notification(data: bytes) -> Notification:
+    """Decodes a notification from a peer; raises MalformedMessage for anything unusable."""
+    if len(data) > MAX_NOTIFICATION_BYTES:
+        raise MalformedMessage(f"notification of {len(data)} bytes exceeds the limit")
+    for prefix, decoder in _decoders.items():
+        if data.startswith(prefix):
+            try:
+                msg = decoder.decode(data[len(prefix) :])
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise MalformedMessage(f"{prefix.decode()} body does not decode: {exc}") from None
+            _check_id("request_id", msg.request_id)
+            if isinstance(msg, PushRegistration):
+                _check_id("decode_engine_id", msg.decode_engine_id)
+                _check_id("prefill_engine_id", msg.prefill_engine_id)
+                if not 0 < len(msg.block_ids) <= MAX_BLOCKS_PER_REQUEST:
+                    raise MalformedMessage("a registration must name 1..65536 blocks")
+                if any(b < 0 for b in msg.block_ids):
+                    raise MalformedMessage("block ids must be non-negative")
+            return msg
+    raise MalformedMessage(f"unknown notification prefix {data[:16]!r}")
+
+
+# --- Control API bodies (JSON over the worker's aiohttp server) ----------------------------
+
+
+class PeerAddRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`PUT /v1/peers/{engine_id}`: add this peer, fetching its metadata from `endpoint`."""
+
+    endpoint: str
+    role: Role
+
+
+class PeerResult(msgspec.Struct, frozen=True, kw_only=True):
+    """Answer to a peer add or delete."""
+
+    engine_id: str
+    result: Literal["added", "present", "evicted", "deferred", "absent"]
+    agents: dict[int, str] = {}
+
+
+class ErrorBody(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Every 4xx/5xx answer of the control API."""
+
+    error: str
+    message: str
+    failure_type: FailureType | None = None
+    local_hash: str | None = None
+    remote_hash: str | None = None
+
+
+class PeerState(msgspec.Struct, frozen=True, kw_only=True):
+    """One remote engine as the worker's registry holds it."""
+
+    engine_id: str
+    agents: dict[int, str]
+    transfers_in_flight: int
+    eviction_pending: bool
+    idle_s: float
+
+
+class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
+    """`GET /v1/state`: what the operator gathers from each worker."""
+
+    engine_id: str
+    role: Role
+    compat_hash: str
+    protocol_version: int
+    peers: list[PeerState]
+    failures: dict[str, int]
+    requests_done: int
+    requests_failed: int
+    requests_in_flight: int
+    started_at: float
+
+
+class SubmitRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`POST /v1/requests` of the emulated engine: start one request's KV transfer.
+
+    On a prefill worker: the request's KV is computed (filled deterministically) and waits
+    for the decode side's registration. On a decode worker: blocks are allocated and a
+    registration is sent to `peer_engine_id` (the prefill engine).
+    """
+
+    request_id: str
+    peer_engine_id: str
+    num_blocks: int
+
+
+class RequestOutcome(msgspec.Struct, frozen=True, kw_only=True):
+    """How one request ended (exactly once)."""
+
+    request_id: str
+    status: Literal["done", "failed"]
+    reason: FailureType | None = None
+    message: str = ""
+    verified_bytes: int = 0
+    peer_engine_id: str = ""
+    ended_at: float = 0.0
+
+
+def decode_json_body(data: bytes, kind: type[_T]) -> _T:
+    """Decodes a control-API JSON body; raises MalformedMessage with the field at fault."""
+    try:
+        return msgspec.json.decode(data, type=kind)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MalformedMessage(f"bad {kind.__name__} body: {exc}") from None

@@ -1,0 +1,486 @@
+"""Push-mode KV transfer between one prefill and one decode engine rank.
+
+Owns the request life cycle on both sides and the engine-thread API:
+
+- decode side: `request_receive` queues a `PUSH_REG` registration; the writer thread takes a
+  registry snapshot under the lock and sends it to every rank of the prefill engine outside
+  the lock. No agents, or a send that fails, puts the request on `failed_requests`; the
+  writer never fails a request itself. A registration never answered fails after
+  `registration_timeout_s`.
+- prefill side: `request_send` marks a request's blocks finished; the progress thread
+  matches them with the registration when it arrives and WRITEs them into the decode
+  engine's blocks with a `PUSH_DONE` completion notification. The decode engine is pinned
+  in the registry for the transfer, so it cannot be evicted under it.
+- `get_finished()` (engine thread) drains done sending, done receiving and failed requests.
+  Every request ends exactly once: each producer claims the request by removing it from its
+  pending table under `_state_lock` before reporting, and the engine thread drops (and
+  counts) any second outcome.
+
+Called by the emulated engine (`emulated`) and the benchmarks; uses `registry`, a
+`KVTransport` and `WorkerMetrics`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtopo_worker.metrics import WorkerMetrics
+from kvtopo_worker.protocol import (
+    FailureType,
+    MalformedMessage,
+    PushDone,
+    PushFail,
+    PushRegistration,
+    Role,
+    decode_notification,
+    encode_notification,
+)
+from kvtopo_worker.registry import EngineRegistry
+from kvtopo_worker.transport import KVTransport, TransportError, XferHandle
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PushConfig:
+    """Timing of the push path. Defaults suit a real engine; tests shorten them."""
+
+    registration_timeout_s: float = 30.0  # decode: registration sent, no completion yet
+    kv_lease_s: float = 30.0  # prefill: finished blocks (or a registration) waiting for a match
+    transfer_timeout_s: float = 30.0  # prefill: WRITE posted, not DONE yet
+    idle_poll_s: float = 0.002  # progress-thread sleep when nothing is in flight
+    busy_poll_s: float = 0.0  # sleep between polls while transfers are in flight
+
+
+@dataclass(frozen=True)
+class FailedRequest:
+    """One request that ended in failure, and why."""
+
+    request_id: str
+    reason: FailureType
+    message: str
+
+
+@dataclass
+class Finished:
+    """What `get_finished()` hands the engine thread."""
+
+    done_sending: list[str] = field(default_factory=list)
+    done_receiving: list[str] = field(default_factory=list)
+    failed: list[FailedRequest] = field(default_factory=list)
+
+
+@dataclass
+class _PendingRecv:
+    prefill_engine_id: str
+    block_ids: list[int]
+    deadline: float
+
+
+@dataclass
+class _PendingSend:
+    block_ids: list[int]
+    deadline: float
+
+
+@dataclass
+class _InFlight:
+    handle: XferHandle
+    decode_engine_id: str
+    agent_name: str
+    deadline: float
+    started: float
+    nbytes: int
+
+
+class PushConnector:
+    """The worker side of push-mode KV transfer for one engine rank."""
+
+    def __init__(
+        self,
+        *,
+        engine_id: str,
+        role: Role,
+        transport: KVTransport,
+        registry: EngineRegistry,
+        metrics: WorkerMetrics | None = None,
+        config: PushConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        tp_rank: int = 0,
+        block_len: int = 0,
+    ) -> None:
+        self.engine_id = engine_id
+        self.role = role
+        self.tp_rank = tp_rank
+        self.block_len = block_len
+        self.transport = transport
+        self.registry = registry
+        self.metrics = metrics or WorkerMetrics()
+        self.config = config or PushConfig()
+        self._clock = clock
+        # Background threads put failures here; only the engine thread drains it.
+        self.failed_requests: queue.SimpleQueue[FailedRequest] = queue.SimpleQueue()
+        self._finished_q: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
+        self._reg_q: queue.SimpleQueue[PushRegistration | None] = queue.SimpleQueue()
+        self._state_lock = threading.Lock()
+        self._pending_recv: dict[str, _PendingRecv] = {}
+        self._pending_send: dict[str, _PendingSend] = {}
+        self._pending_reg: dict[str, tuple[PushRegistration, float]] = {}
+        self._in_flight: dict[str, _InFlight] = {}
+        self._ended: OrderedDict[str, None] = OrderedDict()
+        self._ended_cap = 200_000
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.requests_done = 0
+        self.requests_failed = 0
+
+    # --- life cycle ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Starts the registration writer and the progress thread."""
+        if self._threads:
+            return
+        for name, target in (("writer", self._writer_loop), ("progress", self._progress_loop)):
+            t = threading.Thread(target=target, name=f"kvtopo-{name}-{self.engine_id[:8]}")
+            t.daemon = True
+            t.start()
+            self._threads.append(t)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._reg_q.put(None)
+        for t in self._threads:
+            t.join(timeout)
+        self._threads.clear()
+
+    # --- engine-thread API ---------------------------------------------------------------
+
+    def register_kv_caches(self, kv: Any) -> None:
+        """Registers the engine's KV cache with the transport (NIXL memory registration)."""
+        register = getattr(self.transport, "register_kv_cache", None)
+        if register is None:
+            raise TypeError("this transport cannot register KV caches")
+        register(kv)
+        self.block_len = int(getattr(self.transport, "block_len", self.block_len))
+
+    def request_receive(
+        self, request_id: str, prefill_engine_id: str, block_ids: Sequence[int]
+    ) -> None:
+        """Decode side: ask the prefill engine to push `request_id` into `block_ids`."""
+        if self.role != "decode":
+            raise RuntimeError("request_receive is the decode side's call")
+        reg = PushRegistration(
+            request_id=request_id,
+            decode_engine_id=self.engine_id,
+            prefill_engine_id=prefill_engine_id,
+            block_ids=list(block_ids),
+            decode_tp_rank=self.tp_rank,
+        )
+        with self._state_lock:
+            if request_id in self._pending_recv or request_id in self._ended:
+                raise ValueError(f"request {request_id} was already submitted")
+            self._pending_recv[request_id] = _PendingRecv(
+                prefill_engine_id, reg.block_ids, self._clock() + self.config.registration_timeout_s
+            )
+        self._reg_q.put(reg)
+
+    def request_send(self, request_id: str, block_ids: Sequence[int]) -> None:
+        """Prefill side: the request's KV is in `block_ids`; push it when D registers."""
+        if self.role != "prefill":
+            raise RuntimeError("request_send is the prefill side's call")
+        with self._state_lock:
+            if request_id in self._pending_send or request_id in self._ended:
+                raise ValueError(f"request {request_id} was already submitted")
+            self._pending_send[request_id] = _PendingSend(
+                list(block_ids), self._clock() + self.config.kv_lease_s
+            )
+        self._wake.set()
+
+    def get_finished(self) -> Finished:
+        """Drains every outcome since the last call; each request appears exactly once."""
+        out = Finished()
+        while True:
+            try:
+                kind, rid = self._finished_q.get_nowait()
+            except queue.Empty:
+                break
+            if self._end(rid, "done"):
+                (out.done_sending if kind == "sent" else out.done_receiving).append(rid)
+        while True:
+            try:
+                failed = self.failed_requests.get_nowait()
+            except queue.Empty:
+                break
+            if self._end(failed.request_id, "failed"):
+                out.failed.append(failed)
+        return out
+
+    def in_flight(self) -> int:
+        with self._state_lock:
+            return len(self._pending_recv) + len(self._pending_send) + len(self._in_flight)
+
+    def _end(self, request_id: str, outcome: str) -> bool:
+        with self._state_lock:
+            if request_id in self._ended:
+                duplicate = True
+            else:
+                duplicate = False
+                self._ended[request_id] = None
+                if len(self._ended) > self._ended_cap:
+                    self._ended.popitem(last=False)
+        if duplicate:
+            self.metrics.duplicate_outcomes_total.inc()
+            log.error("request %s reported twice; second outcome (%s) dropped", request_id, outcome)
+            return False
+        if outcome == "done":
+            self.requests_done += 1
+        else:
+            self.requests_failed += 1
+        self.metrics.requests_total.labels(outcome).inc()
+        return True
+
+    # --- decode side: the registration writer --------------------------------------------
+
+    def _writer_loop(self) -> None:
+        while not self._stop.is_set():
+            reg = self._reg_q.get()
+            if reg is None:
+                return
+            try:
+                self.send_registration(reg)
+            except Exception as exc:  # never let one request kill the writer
+                log.exception("registration writer")
+                self._fail_recv(reg.request_id, FailureType.PUSH_REG_NOTIF_FAILED, repr(exc))
+
+    def send_registration(self, reg: PushRegistration) -> None:
+        """Sends `reg` to every rank of the prefill engine (writer thread).
+
+        Snapshot under the registry lock, send outside it: eviction may pop the engine the
+        moment after, and then the send fails cleanly (counted, the request failed once).
+        """
+        agents = self.registry.snapshot(reg.prefill_engine_id)
+        if not agents:
+            self._fail_recv(
+                reg.request_id,
+                FailureType.PUSH_REG_NOTIF_FAILED,
+                f"No remote agents for engine {reg.prefill_engine_id}",
+            )
+            return
+        payload = encode_notification(reg)
+        for rank, agent_name in sorted(agents.items()):
+            try:
+                self.transport.send_notif(agent_name, payload)
+            except TransportError as exc:
+                self._fail_recv(
+                    reg.request_id,
+                    FailureType.PUSH_REG_NOTIF_FAILED,
+                    f"sending registration to rank {rank} ({agent_name}): {exc}",
+                )
+                return
+        self.registry.touch(reg.prefill_engine_id)
+
+    def _fail_recv(self, request_id: str, reason: FailureType, message: str) -> None:
+        with self._state_lock:
+            pending = self._pending_recv.pop(request_id, None)
+        if pending is None:
+            return  # already ended (completed or timed out): exactly once
+        self.metrics.record_failure(
+            reason,
+            {"request_id": request_id, "engine_id": pending.prefill_engine_id, "msg": message},
+        )
+        self.failed_requests.put(FailedRequest(request_id, reason, message))
+
+    # --- the progress thread (both sides) ------------------------------------------------
+
+    def _progress_loop(self) -> None:
+        next_ttl_check = 0.0
+        while not self._stop.is_set():
+            try:
+                busy = self.progress_once()
+                now = self._clock()
+                if now >= next_ttl_check:
+                    for eid in self.registry.evict_idle():
+                        log.info("idle TTL evicted engine %s", eid)
+                    next_ttl_check = now + 1.0
+            except Exception:
+                log.exception("progress loop iteration failed")
+                busy = False
+            if busy:
+                if self.config.busy_poll_s > 0:
+                    time.sleep(self.config.busy_poll_s)
+            else:
+                self._wake.wait(self.config.idle_poll_s)
+                self._wake.clear()
+
+    def progress_once(self) -> bool:
+        """One pass: notifications, matches, transfer polls, deadlines. True if busy."""
+        for agent_name, data in self.transport.get_notifs():
+            self._on_notification(agent_name, data)
+        if self.role == "prefill":
+            self._start_matched_transfers()
+            self._poll_transfers()
+        self._expire(self._clock())
+        with self._state_lock:
+            return bool(self._in_flight)
+
+    def _on_notification(self, agent_name: str, data: bytes) -> None:
+        try:
+            msg = decode_notification(data)
+        except MalformedMessage as exc:
+            self.metrics.reject("notification")
+            log.warning("dropped malformed notification from %s: %s", agent_name, exc.message)
+            return
+        if isinstance(msg, PushRegistration):
+            if self.role != "prefill" or msg.prefill_engine_id != self.engine_id:
+                self.metrics.reject("notification")
+                log.warning("registration for %s reached %s", msg.prefill_engine_id, self.engine_id)
+                return
+            with self._state_lock:
+                if msg.request_id in self._in_flight or msg.request_id in self._ended:
+                    duplicate = True
+                else:
+                    duplicate = False
+                    self._pending_reg[msg.request_id] = (
+                        msg,
+                        self._clock() + self.config.kv_lease_s,
+                    )
+            if duplicate:
+                self.metrics.reject("notification")
+        elif isinstance(msg, PushDone):
+            with self._state_lock:
+                pending = self._pending_recv.pop(msg.request_id, None)
+            if pending is None:
+                self.metrics.reject("notification")  # late (timed out) or unknown
+                return
+            self._finished_q.put(("recv", msg.request_id))
+        else:
+            self._fail_recv(msg.request_id, msg.reason, f"prefill refused: {msg.message}")
+
+    def _start_matched_transfers(self) -> None:
+        with self._state_lock:
+            matched = [rid for rid in self._pending_reg if rid in self._pending_send]
+            work = [(self._pending_reg.pop(r)[0], self._pending_send.pop(r)) for r in matched]
+        for reg, send in work:
+            self._start_transfer(reg, send)
+
+    def _start_transfer(self, reg: PushRegistration, send: _PendingSend) -> None:
+        rid, decode_id = reg.request_id, reg.decode_engine_id
+        if len(reg.block_ids) != len(send.block_ids):
+            msg = f"decode offered {len(reg.block_ids)} blocks, request has {len(send.block_ids)}"
+            self._fail_send(rid, FailureType.TRANSFER_SETUP_FAILED, msg, decode_id)
+            return
+        agents = self.registry.begin_transfer(decode_id)
+        if agents is None:
+            self._fail_send(
+                rid, FailureType.TRANSFER_SETUP_FAILED, f"No remote agents for engine {decode_id}"
+            )
+            return
+        agent = agents.get(reg.decode_tp_rank)
+        if agent is None:
+            self.registry.end_transfer(decode_id)
+            msg = f"engine {decode_id} has no rank {reg.decode_tp_rank}"
+            self._fail_send(rid, FailureType.TRANSFER_SETUP_FAILED, msg)
+            return
+        done = encode_notification(
+            PushDone(request_id=rid, prefill_engine_id=self.engine_id, num_blocks=len(reg.block_ids))
+        )
+        now = self._clock()
+        try:
+            handle = self.transport.write_blocks(agent, send.block_ids, reg.block_ids, done)
+        except TransportError as exc:
+            self.registry.end_transfer(decode_id)
+            self._fail_send(rid, FailureType.TRANSFER_FAILED, str(exc), decode_id)
+            return
+        nbytes = len(send.block_ids) * self.block_len
+        with self._state_lock:
+            self._in_flight[rid] = _InFlight(
+                handle, decode_id, agent, now + self.config.transfer_timeout_s, now, nbytes
+            )
+
+    def _poll_transfers(self) -> None:
+        with self._state_lock:
+            items = list(self._in_flight.items())
+        now = self._clock()
+        for rid, xfer in items:
+            state = self.transport.poll(xfer.handle)
+            if state == "PROC" and now < xfer.deadline:
+                continue
+            with self._state_lock:
+                self._in_flight.pop(rid, None)
+            try:
+                self.transport.release(xfer.handle)
+            finally:
+                self.registry.end_transfer(xfer.decode_engine_id)
+            if state == "DONE":
+                self.metrics.transfer_seconds.observe(now - xfer.started)
+                self.metrics.transfer_bytes_total.inc(xfer.nbytes)
+                self._finished_q.put(("sent", rid))
+            else:
+                why = "WRITE failed" if state == "ERR" else "WRITE timed out"
+                self._fail_send(rid, FailureType.TRANSFER_FAILED, why, xfer.decode_engine_id)
+
+    def _fail_send(
+        self, request_id: str, reason: FailureType, message: str, tell_engine: str | None = None
+    ) -> None:
+        """Fails a prefill-side request once and, best effort, tells the decode engine."""
+        self.metrics.record_failure(
+            reason, {"request_id": request_id, "engine_id": tell_engine or "", "msg": message}
+        )
+        self.failed_requests.put(FailedRequest(request_id, reason, message))
+        if tell_engine is not None:
+            self._notify_fail(request_id, tell_engine, reason, message)
+
+    def _notify_fail(
+        self, request_id: str, decode_engine_id: str, reason: FailureType, message: str
+    ) -> None:
+        for agent in self.registry.snapshot(decode_engine_id).values():
+            payload = encode_notification(
+                PushFail(
+                    request_id=request_id,
+                    prefill_engine_id=self.engine_id,
+                    reason=reason,
+                    message=message[:200],
+                )
+            )
+            try:
+                self.transport.send_notif(agent, payload)
+            except TransportError as exc:
+                self.metrics.record_failure(
+                    FailureType.NOTIFICATION_FAILED,
+                    {"request_id": request_id, "engine_id": decode_engine_id, "msg": str(exc)},
+                    level=logging.INFO,
+                )
+
+    def _expire(self, now: float) -> None:
+        with self._state_lock:
+            recv = [r for r, p in self._pending_recv.items() if p.deadline <= now]
+            sends = [r for r, p in self._pending_send.items() if p.deadline <= now]
+            for r in sends:
+                del self._pending_send[r]
+            regs = [(r, reg) for r, (reg, dl) in self._pending_reg.items() if dl <= now]
+            for r, _ in regs:
+                del self._pending_reg[r]
+        for rid in recv:
+            self._fail_recv(
+                rid,
+                FailureType.REGISTRATION_TIMEOUT,
+                f"no completion within {self.config.registration_timeout_s:g} s",
+            )
+        for rid in sends:
+            msg = f"no registration within the {self.config.kv_lease_s:g} s KV lease"
+            self._fail_send(rid, FailureType.KV_EXPIRED, msg)
+        for rid, reg in regs:
+            # A registration for a request this prefill never had: tell decode, count it.
+            self.metrics.reject("orphan_registration")
+            self._notify_fail(
+                rid, reg.decode_engine_id, FailureType.REMOTE_REJECTED, "unknown request"
+            )

@@ -1,0 +1,227 @@
+"""The remote-engine registry: which NIXL agents this worker may talk to, right now.
+
+Owns `engine_id -> {rank: agent_name}`, the in-flight handshake futures (at most one per
+engine), the per-engine count of transfers in flight and the idle clock, all guarded by one
+RLock (`EngineRegistry.lock`). The rules that close vLLM's X1 race:
+
+- readers take a snapshot under the lock and do their slow NIXL work outside it;
+- eviction pops under the lock and tears the agents down outside it, so a sender that
+  already holds a snapshot either finished before the pop or fails cleanly afterwards;
+- an engine with a transfer in flight is never evicted: the eviction is deferred and runs
+  when the last transfer ends.
+
+Called by `push` (senders, transfers), `agent` (handshakes, operator-driven eviction) and the
+idle-TTL backstop. NIXL teardown is injected (`remove_agent`), so this module needs no nixl.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Literal
+
+from kvtopo_worker.protocol import PeerState
+
+log = logging.getLogger(__name__)
+
+EvictResult = Literal["evicted", "deferred", "absent"]
+
+
+@dataclass
+class _Engine:
+    agents: dict[int, str]
+    last_used: float
+    transfers_in_flight: int = 0
+    eviction_pending: bool = False
+    eviction_reason: str = ""
+
+
+class EngineRegistry:
+    """Lock-guarded map of remote engines to their NIXL agents.
+
+    `remove_agent` is called (outside the lock) once for every agent that leaves the
+    registry; `clock` is injectable for tests; `idle_ttl_s` > 0 turns on the idle backstop
+    (same meaning as vLLM's `engine_ttl`), 0 leaves eviction to the operator.
+    """
+
+    def __init__(
+        self,
+        *,
+        remove_agent: Callable[[str], None],
+        clock: Callable[[], float] = time.monotonic,
+        idle_ttl_s: float = 0.0,
+        on_evicted: Callable[[str, dict[int, str]], None] | None = None,
+    ) -> None:
+        if idle_ttl_s < 0:
+            raise ValueError("idle_ttl_s must be >= 0 (0 turns the backstop off)")
+        # One RLock for the agent map, the handshake futures and the in-flight counts.
+        # Public so that regression tests can hold it and prove who waits on it.
+        self.lock = threading.RLock()
+        self._engines: dict[str, _Engine] = {}
+        self._handshakes: dict[str, Future[dict[int, str]]] = {}
+        self._remove_agent = remove_agent
+        self._on_evicted = on_evicted
+        self._clock = clock
+        self.idle_ttl_s = idle_ttl_s
+        self.teardown_errors = 0
+        self.evictions = 0
+
+    # --- reads ---------------------------------------------------------------------------
+
+    def snapshot(self, engine_id: str) -> dict[int, str]:
+        """A copy of the engine's agents (empty when unknown), taken under the lock."""
+        with self.lock:
+            eng = self._engines.get(engine_id)
+            return dict(eng.agents) if eng is not None else {}
+
+    def engine_ids(self) -> list[str]:
+        with self.lock:
+            return sorted(self._engines)
+
+    def __contains__(self, engine_id: object) -> bool:
+        with self.lock:
+            return engine_id in self._engines
+
+    def peer_states(self) -> list[PeerState]:
+        now = self._clock()
+        with self.lock:
+            return [
+                PeerState(
+                    engine_id=eid,
+                    agents=dict(eng.agents),
+                    transfers_in_flight=eng.transfers_in_flight,
+                    eviction_pending=eng.eviction_pending,
+                    idle_s=round(max(0.0, now - eng.last_used), 3),
+                )
+                for eid, eng in sorted(self._engines.items())
+            ]
+
+    # --- handshakes ----------------------------------------------------------------------
+
+    def add_engine(self, engine_id: str, agents: Mapping[int, str]) -> bool:
+        """Records the engine's agents; returns False when it was already present.
+
+        A re-add while an eviction is pending cancels the eviction: the operator has decided
+        the engine is wanted again (the agents are the same, named by engine id).
+        """
+        if not agents:
+            raise ValueError("an engine needs at least one agent")
+        with self.lock:
+            eng = self._engines.get(engine_id)
+            if eng is None:
+                self._engines[engine_id] = _Engine(agents=dict(agents), last_used=self._clock())
+                return True
+            eng.agents.update(agents)
+            eng.eviction_pending = False
+            eng.last_used = self._clock()
+            return False
+
+    def handshake(
+        self, engine_id: str, start: Callable[[], Future[dict[int, str]]]
+    ) -> Future[dict[int, str]]:
+        """At most one handshake per engine: joins the one in flight or starts one.
+
+        `start` must only submit the work (e.g. to the single NIXL executor) and return its
+        future; it runs under the lock. The future is forgotten when it completes.
+        """
+        with self.lock:
+            fut = self._handshakes.get(engine_id)
+            if fut is not None and not fut.done():
+                return fut
+            fut = start()
+            self._handshakes[engine_id] = fut
+
+        def _forget(done: Future[dict[int, str]]) -> None:
+            with self.lock:
+                if self._handshakes.get(engine_id) is done:
+                    del self._handshakes[engine_id]
+
+        fut.add_done_callback(_forget)
+        return fut
+
+    def handshakes_in_flight(self) -> int:
+        with self.lock:
+            return sum(1 for f in self._handshakes.values() if not f.done())
+
+    # --- transfers -----------------------------------------------------------------------
+
+    def begin_transfer(self, engine_id: str) -> dict[int, str] | None:
+        """Pins the engine for one transfer; None when it is absent or being evicted."""
+        with self.lock:
+            eng = self._engines.get(engine_id)
+            if eng is None or eng.eviction_pending:
+                return None
+            eng.transfers_in_flight += 1
+            eng.last_used = self._clock()
+            return dict(eng.agents)
+
+    def end_transfer(self, engine_id: str) -> None:
+        """Unpins; runs a deferred eviction when this was the last transfer in flight."""
+        popped: dict[int, str] | None = None
+        with self.lock:
+            eng = self._engines.get(engine_id)
+            if eng is None:
+                return
+            eng.transfers_in_flight = max(0, eng.transfers_in_flight - 1)
+            eng.last_used = self._clock()
+            if eng.eviction_pending and eng.transfers_in_flight == 0:
+                popped = self._engines.pop(engine_id).agents
+        if popped is not None:
+            self._teardown(engine_id, popped)
+
+    def touch(self, engine_id: str) -> None:
+        with self.lock:
+            eng = self._engines.get(engine_id)
+            if eng is not None:
+                eng.last_used = self._clock()
+
+    # --- eviction ------------------------------------------------------------------------
+
+    def evict(self, engine_id: str, reason: str = "operator") -> EvictResult:
+        """Removes the engine: popped under the lock, NIXL teardown outside it.
+
+        With a transfer in flight the eviction is only marked and runs when the last
+        transfer ends ("deferred"); new transfers to the engine are refused meanwhile.
+        """
+        with self.lock:
+            eng = self._engines.get(engine_id)
+            if eng is None:
+                return "absent"
+            if eng.transfers_in_flight > 0:
+                eng.eviction_pending = True
+                eng.eviction_reason = reason
+                return "deferred"
+            agents = self._engines.pop(engine_id).agents
+        self._teardown(engine_id, agents)
+        log.info("evicted engine %s (%s): agents %s", engine_id, reason, sorted(agents.values()))
+        return "evicted"
+
+    def evict_idle(self) -> list[str]:
+        """The idle-TTL backstop: evicts engines unused for longer than `idle_ttl_s`."""
+        if self.idle_ttl_s <= 0:
+            return []
+        now = self._clock()
+        with self.lock:
+            stale = [
+                eid
+                for eid, eng in self._engines.items()
+                if eng.transfers_in_flight == 0 and now - eng.last_used > self.idle_ttl_s
+            ]
+        return [eid for eid in stale if self.evict(eid, reason="idle_ttl") == "evicted"]
+
+    def _teardown(self, engine_id: str, agents: dict[int, str]) -> None:
+        self.evictions += 1
+        for agent_name in agents.values():
+            try:
+                self._remove_agent(agent_name)
+            except Exception:
+                # The agent is gone from the registry either way; a failed teardown leaks
+                # at most the NIXL connection, which the peer's death closes anyway.
+                self.teardown_errors += 1
+                log.exception("removing agent %s of engine %s failed", agent_name, engine_id)
+        if self._on_evicted is not None:
+            self._on_evicted(engine_id, agents)
