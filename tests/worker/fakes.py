@@ -1,0 +1,111 @@
+"""Unit-test doubles for the worker: a transport and a clock, injected through the real
+constructors of EngineRegistry and PushConnector (never by mirroring private fields).
+
+`FakeTransport` behaves like NIXL where it matters: sending to an agent that was removed
+raises TransportError('not_found'); each failure mode has its own switch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvtopo_worker.transport import TransportError, XferState
+
+
+class FakeClock:
+    """A monotonic clock that only moves when the test says so."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self.now += seconds
+
+
+@dataclass
+class FakeTransport:
+    agent_name: str = "fake-local"
+    # failure switches
+    fail_sends: bool = False
+    fail_writes: bool = False
+    write_state: XferState = "DONE"
+    on_send: Callable[[str, bytes], None] | None = None
+    on_remove: Callable[[str], None] | None = None
+    # observations
+    sent: list[tuple[str, bytes]] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    writes: list[tuple[str, list[int], list[int], bytes]] = field(default_factory=list)
+    inbox: list[tuple[str, bytes]] = field(default_factory=list)
+    remotes: set[str] = field(default_factory=set)
+    released: list[object] = field(default_factory=list)
+    block_len: int = 64
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        self._handles = itertools.count(1)
+
+    def add_remote(
+        self, agent_metadata: bytes, kv_descs: bytes, num_blocks: int, block_len: int
+    ) -> str:
+        name = agent_metadata.decode()
+        with self._lock:
+            self.remotes.add(name)
+        return name
+
+    def add_agent(self, name: str) -> None:
+        with self._lock:
+            self.remotes.add(name)
+
+    def send_notif(self, agent_name: str, payload: bytes) -> None:
+        if self.on_send is not None:
+            self.on_send(agent_name, payload)
+        with self._lock:
+            if self.fail_sends:
+                raise TransportError("injected send failure", "disconnected")
+            if agent_name not in self.remotes:
+                raise TransportError(f"agent {agent_name} removed", "not_found")
+            self.sent.append((agent_name, payload))
+
+    def get_notifs(self) -> list[tuple[str, bytes]]:
+        with self._lock:
+            out, self.inbox = self.inbox, []
+        return out
+
+    def deliver(self, agent_name: str, payload: bytes) -> None:
+        with self._lock:
+            self.inbox.append((agent_name, payload))
+
+    def write_blocks(
+        self,
+        agent_name: str,
+        local_block_ids: Sequence[int],
+        remote_block_ids: Sequence[int],
+        notif: bytes,
+    ) -> object:
+        with self._lock:
+            if self.fail_writes or agent_name not in self.remotes:
+                raise TransportError("injected write failure")
+            self.writes.append((agent_name, list(local_block_ids), list(remote_block_ids), notif))
+            return next(self._handles)
+
+    def poll(self, handle: object) -> XferState:
+        return self.write_state
+
+    def release(self, handle: object) -> None:
+        self.released.append(handle)
+
+    def remove_remote(self, agent_name: str) -> None:
+        if self.on_remove is not None:
+            self.on_remove(agent_name)
+        with self._lock:
+            self.remotes.discard(agent_name)
+            self.removed.append(agent_name)

@@ -1,0 +1,279 @@
+"""The push path's contracts: the X1 lock regression, the failure-queue contract, exactly-once
+outcomes, deadlines, and the X1 stress test. Threads are real; time is a fake clock."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvtopo_worker.protocol import (
+    FailureType,
+    PushDone,
+    PushFail,
+    PushRegistration,
+    decode_notification,
+    encode_notification,
+)
+from kvtopo_worker.push import PushConnector
+from kvtopo_worker.registry import EngineRegistry
+from tests.worker.conftest import DECODE, PREFILL, add_engine, make_connector
+from tests.worker.fakes import FakeClock, FakeTransport
+
+
+def _done(rid: str) -> bytes:
+    return encode_notification(PushDone(request_id=rid, prefill_engine_id=PREFILL, num_blocks=2))
+
+
+def _send_waits_for_lock(
+    decode: PushConnector, registry: EngineRegistry, transport: FakeTransport
+) -> None:
+    """X1 regression in the seeds' style: the registration send needs the registry lock."""
+    add_engine(transport, registry, PREFILL)
+    sent = threading.Event()
+    transport.on_send = lambda agent, payload: sent.set()
+    decode.start()
+    with registry.lock:
+        decode.request_receive("r1", PREFILL, [3, 4])
+        assert not sent.wait(timeout=0.2), "registration sent while the registry lock was held"
+        assert decode.failed_requests.empty(), "nothing may be failed while the lock is held"
+    assert sent.wait(timeout=5), "registration never sent after the lock was released"
+    decode.stop()
+    assert len(transport.sent) == 1  # exactly once
+    agent, payload = transport.sent[0]
+    reg = decode_notification(payload)
+    assert agent == f"agent-{PREFILL}"
+    assert isinstance(reg, PushRegistration) and reg.block_ids == [3, 4]
+    assert decode.failed_requests.empty()
+
+
+def test_registration_send_is_serialised_by_the_registry_lock(
+    decode: PushConnector, registry: EngineRegistry, transport: FakeTransport
+) -> None:
+    _send_waits_for_lock(decode, registry, transport)
+
+
+class _LocklessSnapshotRegistry(EngineRegistry):
+    """The X1 bug: the writer reads the agent map without the lock."""
+
+    def snapshot(self, engine_id: str) -> dict[int, str]:
+        eng = self._engines.get(engine_id)
+        return dict(eng.agents) if eng is not None else {}
+
+
+def test_the_send_regression_test_catches_a_lockless_snapshot(clock: FakeClock) -> None:
+    transport = FakeTransport()
+    broken = _LocklessSnapshotRegistry(remove_agent=transport.remove_remote, clock=clock)
+    conn = make_connector("decode", transport, broken, clock)
+    try:
+        with pytest.raises(AssertionError, match="registration sent while the registry lock"):
+            _send_waits_for_lock(conn, broken, transport)
+    finally:
+        conn.stop()
+
+
+def test_no_agents_goes_to_the_failed_queue_once_and_sends_nothing(
+    decode: PushConnector, transport: FakeTransport
+) -> None:
+    """The failure-queue contract (second source PR)."""
+    writer_thread = threading.current_thread()
+    decode.request_receive("r1", PREFILL, [1])
+    reg = PushRegistration(
+        request_id="r1", decode_engine_id=DECODE, prefill_engine_id=PREFILL, block_ids=[1]
+    )
+    decode.send_registration(reg)  # what the writer thread runs
+    failed = decode.failed_requests.get_nowait()
+    assert decode.failed_requests.empty()
+    assert failed.request_id == "r1" and failed.reason is FailureType.PUSH_REG_NOTIF_FAILED
+    assert "No remote agents for engine" in failed.message
+    assert transport.sent == []
+    # The writer only enqueued: the request has not ended until the engine thread drains.
+    assert decode.requests_failed == 0 and decode.in_flight() == 0
+    assert threading.current_thread() is writer_thread
+    decode.failed_requests.put(failed)  # hand it back for the engine thread to drain
+    fin = decode.get_finished()
+    assert [f.request_id for f in fin.failed] == ["r1"]
+    assert decode.requests_failed == 1
+    assert decode.get_finished().failed == []
+
+
+def test_writer_thread_fails_through_the_queue(
+    decode: PushConnector, transport: FakeTransport
+) -> None:
+    decode.start()
+    decode.request_receive("r1", PREFILL, [1])
+    failed = decode.failed_requests.get(timeout=5)
+    assert failed.request_id == "r1" and transport.sent == []
+
+
+def test_send_to_an_agent_evicted_after_the_snapshot_fails_cleanly(
+    decode: PushConnector, registry: EngineRegistry, transport: FakeTransport
+) -> None:
+    """The residual window of the X1 fix: a snapshot naming an agent evicted a moment later."""
+    add_engine(transport, registry, PREFILL)
+    snapshot = registry.snapshot
+    registry.snapshot = lambda eid: (snap := snapshot(eid), registry.evict(eid))[0]  # type: ignore[method-assign]
+    decode.request_receive("r1", PREFILL, [1])
+    decode.send_registration(
+        PushRegistration(request_id="r1", decode_engine_id=DECODE, prefill_engine_id=PREFILL, block_ids=[1])
+    )
+    fin = decode.get_finished()
+    assert [(f.request_id, f.reason) for f in fin.failed] == [("r1", FailureType.PUSH_REG_NOTIF_FAILED)]
+    assert decode.metrics.failure_counts() == {"push_reg_notif_failed": 1}
+
+
+def test_completion_after_timeout_is_dropped_exactly_once(
+    decode: PushConnector, registry: EngineRegistry, transport: FakeTransport, clock: FakeClock
+) -> None:
+    add_engine(transport, registry, PREFILL)
+    decode.request_receive("r1", PREFILL, [1, 2])
+    decode.request_receive("r2", PREFILL, [3, 4])
+    transport.deliver(f"agent-{PREFILL}", _done("r2"))
+    decode.progress_once()
+    clock.advance(5.01)
+    decode.progress_once()  # r1 times out
+    transport.deliver(f"agent-{PREFILL}", _done("r1"))  # too late
+    decode.progress_once()
+    fin = decode.get_finished()
+    assert fin.done_receiving == ["r2"]
+    assert [(f.request_id, f.reason) for f in fin.failed] == [("r1", FailureType.REGISTRATION_TIMEOUT)]
+    assert decode.get_finished() == type(fin)()
+    assert decode.metrics.duplicate_outcomes_total._value.get() == 0
+
+
+def test_prefill_matches_registration_and_writes(
+    prefill: PushConnector, registry: EngineRegistry, transport: FakeTransport
+) -> None:
+    agent = add_engine(transport, registry, DECODE)
+    reg = PushRegistration(
+        request_id="r1", decode_engine_id=DECODE, prefill_engine_id=PREFILL, block_ids=[7, 8]
+    )
+    transport.deliver(agent, encode_notification(reg))  # registration first
+    prefill.progress_once()
+    assert transport.writes == []
+    prefill.request_send("r1", [0, 1])
+    prefill.progress_once()
+    assert len(transport.writes) == 1
+    w_agent, local, remote, notif = transport.writes[0]
+    assert (w_agent, local, remote) == (agent, [0, 1], [7, 8])
+    assert decode_notification(notif) == PushDone(request_id="r1", prefill_engine_id=PREFILL, num_blocks=2)
+    prefill.progress_once()
+    assert prefill.get_finished().done_sending == ["r1"]
+    assert registry.peer_states()[0].transfers_in_flight == 0
+
+
+def test_prefill_transfer_error_fails_once_and_tells_decode(
+    prefill: PushConnector, registry: EngineRegistry, transport: FakeTransport
+) -> None:
+    agent = add_engine(transport, registry, DECODE)
+    transport.write_state = "ERR"
+    prefill.request_send("r1", [0])
+    transport.deliver(agent, encode_notification(PushRegistration(
+        request_id="r1", decode_engine_id=DECODE, prefill_engine_id=PREFILL, block_ids=[5])))
+    prefill.progress_once()
+    prefill.progress_once()
+    fin = prefill.get_finished()
+    assert [(f.request_id, f.reason) for f in fin.failed] == [("r1", FailureType.TRANSFER_FAILED)]
+    told = [decode_notification(p) for a, p in transport.sent]
+    assert told == [PushFail(request_id="r1", prefill_engine_id=PREFILL,
+                             reason=FailureType.TRANSFER_FAILED, message="WRITE failed")]
+    assert len(transport.released) == 1
+
+
+def test_eviction_waits_for_the_prefill_write(
+    prefill: PushConnector, registry: EngineRegistry, transport: FakeTransport
+) -> None:
+    agent = add_engine(transport, registry, DECODE)
+    transport.write_state = "PROC"
+    prefill.request_send("r1", [0])
+    transport.deliver(agent, encode_notification(PushRegistration(
+        request_id="r1", decode_engine_id=DECODE, prefill_engine_id=PREFILL, block_ids=[5])))
+    prefill.progress_once()
+    assert registry.evict(DECODE) == "deferred"
+    assert transport.removed == []
+    transport.write_state = "DONE"
+    prefill.progress_once()
+    assert transport.removed == [agent]
+    assert prefill.get_finished().done_sending == ["r1"]
+
+
+def test_kv_lease_expires_unmatched_sends(
+    prefill: PushConnector, clock: FakeClock
+) -> None:
+    prefill.request_send("r1", [0])
+    clock.advance(5.01)
+    prefill.progress_once()
+    fin = prefill.get_finished()
+    assert [(f.request_id, f.reason) for f in fin.failed] == [("r1", FailureType.KV_EXPIRED)]
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [b"", b"PUSH_REG:", b"PUSH_REG:\xff\xff", b"HELLO", b"PUSH_DONE:\x91\x01", b"\x00" * 64],
+)
+def test_malformed_notifications_are_counted_and_dropped(
+    decode: PushConnector, transport: FakeTransport, garbage: bytes
+) -> None:
+    transport.deliver("someone", garbage)
+    decode.progress_once()
+    assert decode.metrics.failure_counts() == {"malformed_message": 1}
+    assert decode.get_finished() == type(decode.get_finished())()
+
+
+def test_x1_stress_eviction_churn_never_fails_a_present_engine(
+    registry: EngineRegistry, transport: FakeTransport, clock: FakeClock
+) -> None:
+    """>= 10,000 registrations while another thread evicts and re-adds the prefill engine.
+
+    `epoch` is bumped before each eviction starts and after each re-add completes, so an
+    even epoch unchanged across a send means the engine was present for the whole send:
+    such a request must never fail. Every request must end exactly once.
+    """
+    decode = make_connector("decode", transport, registry, clock, registration_timeout_s=5.0)
+    add_engine(transport, registry, PREFILL)
+    epoch = [0]
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            epoch[0] += 1  # about to go
+            registry.evict(PREFILL)
+            add_engine(transport, registry, PREFILL)
+            epoch[0] += 1  # back
+
+    churner = threading.Thread(target=churn)
+    churner.start()
+    n = 10_000
+    ids = [f"r{i}" for i in range(n)]
+    present_whole_send: set[str] = set()
+    try:
+        for rid in ids:
+            decode.request_receive(rid, PREFILL, [1])
+            reg = PushRegistration(
+                request_id=rid, decode_engine_id=DECODE, prefill_engine_id=PREFILL, block_ids=[1]
+            )
+            before = epoch[0]
+            decode.send_registration(reg)
+            if before % 2 == 0 and epoch[0] == before:
+                present_whole_send.add(rid)
+    finally:
+        stop.set()
+        churner.join()
+    first = decode.get_finished()  # the engine thread drains the failures
+    failed = [f.request_id for f in first.failed]
+    sent_ids = {decode_notification(p).request_id for _, p in transport.sent}
+    assert not (set(failed) & present_whole_send), "a request failed although its engine was present"
+    assert len(failed) == len(set(failed)), "a request was failed twice"
+    assert sent_ids.isdisjoint(failed) and sent_ids | set(failed) == set(ids)
+    assert len(present_whole_send) >= 100, "the churn left too few clean sends to judge"
+    assert failed, "the churn never removed the engine under a send: the test proved nothing"
+    print(f"x1 stress: {len(present_whole_send)} clean sends, {len(failed)} failed during churn")
+    # Complete the sent ones; every request then has ended exactly once.
+    for rid in sent_ids:
+        transport.deliver(f"agent-{PREFILL}", _done(rid))
+    decode.progress_once()
+    second = decode.get_finished()
+    ended = failed + second.done_receiving + [f.request_id for f in second.failed]
+    assert sorted(ended) == sorted(ids)
+    assert decode.metrics.duplicate_outcomes_total._value.get() == 0
+    assert decode.in_flight() == 0

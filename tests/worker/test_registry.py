@@ -1,0 +1,184 @@
+"""The registry's rules: snapshots copy, eviction pops under the lock and tears down outside
+it, transfers defer eviction, one handshake per engine, the idle backstop."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+
+import pytest
+
+from kvtopo_worker.registry import EngineRegistry
+from tests.worker.conftest import add_engine
+from tests.worker.fakes import FakeClock, FakeTransport
+
+
+def test_snapshot_is_a_copy(transport: FakeTransport, registry: EngineRegistry) -> None:
+    add_engine(transport, registry, "e1")
+    snap = registry.snapshot("e1")
+    snap[7] = "intruder"
+    assert registry.snapshot("e1") == {0: "agent-e1"}
+    assert registry.snapshot("unknown") == {}
+
+
+def _eviction_waits_for_lock(registry: EngineRegistry, transport: FakeTransport) -> None:
+    """Lock-serialisation regression, in the seeds' style (see reference.md)."""
+    removed = threading.Event()
+    transport.on_remove = lambda name: removed.set()
+    add_engine(transport, registry, "e1")
+    results: list[str] = []
+    with registry.lock:
+        t = threading.Thread(target=lambda: results.append(registry.evict("e1")))
+        t.start()
+        # While we hold the lock the eviction must not get anywhere.
+        assert not removed.wait(timeout=0.2), "eviction ran while the registry lock was held"
+        assert "e1" in registry
+    assert removed.wait(timeout=5), "eviction never ran after the lock was released"
+    t.join(5)
+    assert results == ["evicted"]
+    assert transport.removed == ["agent-e1"]  # exactly once
+    assert "e1" not in registry
+
+
+def test_eviction_is_serialised_by_the_registry_lock(
+    registry: EngineRegistry, transport: FakeTransport
+) -> None:
+    _eviction_waits_for_lock(registry, transport)
+
+
+class _LocklessEvictRegistry(EngineRegistry):
+    """The bug the regression test exists for: eviction that ignores the lock."""
+
+    def evict(self, engine_id: str, reason: str = "operator") -> str:  # type: ignore[override]
+        eng = self._engines.pop(engine_id, None)  # no lock
+        if eng is None:
+            return "absent"
+        self._teardown(engine_id, eng.agents)
+        return "evicted"
+
+
+def test_the_eviction_regression_test_catches_a_lockless_evict(clock: FakeClock) -> None:
+    transport = FakeTransport()
+    broken = _LocklessEvictRegistry(remove_agent=transport.remove_remote, clock=clock)
+    with pytest.raises(AssertionError, match="eviction ran while the registry lock was held"):
+        _eviction_waits_for_lock(broken, transport)
+
+
+def test_teardown_runs_outside_the_lock(
+    registry: EngineRegistry, transport: FakeTransport
+) -> None:
+    add_engine(transport, registry, "e1")
+    held: list[bool] = []
+
+    def probe(name: str) -> None:
+        # Another thread must be able to take the lock while NIXL teardown runs.
+        got = threading.Event()
+        threading.Thread(target=lambda: (registry.lock.acquire(), got.set(), registry.lock.release())).start()
+        held.append(got.wait(2))
+
+    transport.on_remove = probe
+    assert registry.evict("e1") == "evicted"
+    assert held == [True]
+
+
+def test_transfer_in_flight_defers_eviction(
+    registry: EngineRegistry, transport: FakeTransport
+) -> None:
+    add_engine(transport, registry, "e1")
+    assert registry.begin_transfer("e1") == {0: "agent-e1"}
+    assert registry.begin_transfer("e1") is not None
+    assert registry.evict("e1") == "deferred"
+    assert transport.removed == []
+    assert registry.begin_transfer("e1") is None, "no new transfer to an engine being evicted"
+    assert registry.snapshot("e1") == {0: "agent-e1"}
+    registry.end_transfer("e1")
+    assert transport.removed == []
+    registry.end_transfer("e1")
+    assert transport.removed == ["agent-e1"]
+    assert "e1" not in registry
+    assert registry.evict("e1") == "absent"
+
+
+def test_readd_cancels_a_deferred_eviction(
+    registry: EngineRegistry, transport: FakeTransport
+) -> None:
+    add_engine(transport, registry, "e1")
+    registry.begin_transfer("e1")
+    assert registry.evict("e1") == "deferred"
+    assert registry.add_engine("e1", {0: "agent-e1"}) is False
+    registry.end_transfer("e1")
+    assert "e1" in registry and transport.removed == []
+
+
+def test_at_most_one_handshake_per_engine(registry: EngineRegistry) -> None:
+    started: list[Future[dict[int, str]]] = []
+
+    def start() -> Future[dict[int, str]]:
+        f: Future[dict[int, str]] = Future()
+        started.append(f)
+        return f
+
+    f1 = registry.handshake("e1", start)
+    f2 = registry.handshake("e1", start)
+    f3 = registry.handshake("e2", start)
+    assert f1 is f2 and f1 is not f3
+    assert len(started) == 2 and registry.handshakes_in_flight() == 2
+    f1.set_result({0: "a"})
+    assert registry.handshakes_in_flight() == 1
+    f4 = registry.handshake("e1", start)
+    assert f4 is not f1 and len(started) == 3
+
+
+def test_idle_ttl_backstop(transport: FakeTransport, clock: FakeClock) -> None:
+    reg = EngineRegistry(remove_agent=transport.remove_remote, clock=clock, idle_ttl_s=60)
+    add_engine(transport, reg, "idle")
+    add_engine(transport, reg, "busy")
+    add_engine(transport, reg, "used")
+    reg.begin_transfer("busy")
+    clock.advance(59)
+    reg.touch("used")
+    assert reg.evict_idle() == []
+    clock.advance(2)
+    assert reg.evict_idle() == ["idle"]
+    assert reg.engine_ids() == ["busy", "used"]
+
+
+def test_idle_ttl_zero_is_off(transport: FakeTransport, clock: FakeClock) -> None:
+    reg = EngineRegistry(remove_agent=transport.remove_remote, clock=clock, idle_ttl_s=0)
+    add_engine(transport, reg, "e1")
+    clock.advance(1e9)
+    assert reg.evict_idle() == [] and "e1" in reg
+    with pytest.raises(ValueError):
+        EngineRegistry(remove_agent=transport.remove_remote, idle_ttl_s=-1)
+
+
+def test_concurrent_evictions_tear_down_once(
+    registry: EngineRegistry, transport: FakeTransport
+) -> None:
+    for _ in range(200):
+        add_engine(transport, registry, "e1")
+        transport.removed.clear()
+        barrier = threading.Barrier(4)
+        results: list[str] = []
+
+        def evict() -> None:
+            barrier.wait()
+            results.append(registry.evict("e1"))
+
+        threads = [threading.Thread(target=evict) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(results) == ["absent", "absent", "absent", "evicted"]
+        assert transport.removed == ["agent-e1"]
+
+
+def test_failed_teardown_is_counted_not_raised(registry: EngineRegistry) -> None:
+    def boom(name: str) -> None:
+        raise RuntimeError("nixl said no")
+
+    reg = EngineRegistry(remove_agent=boom)
+    reg.add_engine("e1", {0: "a", 1: "b"})
+    assert reg.evict("e1") == "evicted"
+    assert reg.teardown_errors == 2 and "e1" not in reg
