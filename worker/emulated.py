@@ -243,7 +243,7 @@ class EmulatedEngine:
                 with self._outcomes_lock:
                     self._outcomes.extend(outcomes)
             else:
-                self._stop.wait(0.001)
+                self.connector.wait_finished(0.05)
 
     def _verify(self, request_id: str, now: float) -> RequestOutcome:
         with self._alloc_lock:

@@ -55,8 +55,12 @@ class PushConfig:
     registration_timeout_s: float = 30.0  # decode: registration sent, no completion yet
     kv_lease_s: float = 30.0  # prefill: finished blocks (or a registration) waiting for a match
     transfer_timeout_s: float = 30.0  # prefill: WRITE posted, not DONE yet
-    idle_poll_s: float = 0.002  # progress-thread sleep when nothing is in flight
-    busy_poll_s: float = 0.0  # sleep between polls while transfers are in flight
+    # Progress-thread pacing. With WRITEs in flight it polls back to back (NIXL progress is
+    # driven by these polls when its own thread is off); with requests waiting on a peer it
+    # polls every `waiting_poll_s`; with nothing pending it backs off up to `idle_poll_s`
+    # (an idle worker must cost well under 2% of a core) and is woken by new requests.
+    waiting_poll_s: float = 0.0002
+    idle_poll_s: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,7 @@ class PushConnector:
         self._ended_cap = 200_000
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._outcome_ready = threading.Event()
         self._threads: list[threading.Thread] = []
         self.requests_done = 0
         self.requests_failed = 0
@@ -192,6 +197,7 @@ class PushConnector:
                 prefill_engine_id, reg.block_ids, self._clock() + self.config.registration_timeout_s
             )
         self._reg_q.put(reg)
+        self._wake.set()
 
     def request_send(self, request_id: str, block_ids: Sequence[int]) -> None:
         """Prefill side: the request's KV is in `block_ids`; push it when D registers."""
@@ -204,6 +210,20 @@ class PushConnector:
                 list(block_ids), self._clock() + self.config.kv_lease_s
             )
         self._wake.set()
+
+    def wait_finished(self, timeout: float) -> bool:
+        """Blocks the engine thread until an outcome may be ready (or `timeout` passes)."""
+        ready = self._outcome_ready.wait(timeout)
+        self._outcome_ready.clear()
+        return ready
+
+    def _report(self, kind: str, request_id: str) -> None:
+        self._finished_q.put((kind, request_id))
+        self._outcome_ready.set()
+
+    def _report_failure(self, failed: FailedRequest) -> None:
+        self.failed_requests.put(failed)
+        self._outcome_ready.set()
 
     def get_finished(self) -> Finished:
         """Drains every outcome since the last call; each request appears exactly once."""
@@ -297,15 +317,16 @@ class PushConnector:
             reason,
             {"request_id": request_id, "engine_id": pending.prefill_engine_id, "msg": message},
         )
-        self.failed_requests.put(FailedRequest(request_id, reason, message))
+        self._report_failure(FailedRequest(request_id, reason, message))
 
     # --- the progress thread (both sides) ------------------------------------------------
 
     def _progress_loop(self) -> None:
         next_ttl_check = 0.0
+        idle_sleep = self.config.waiting_poll_s
         while not self._stop.is_set():
             try:
-                busy = self.progress_once()
+                load = self.progress_once()
                 now = self._clock()
                 if now >= next_ttl_check:
                     for eid in self.registry.evict_idle():
@@ -313,16 +334,26 @@ class PushConnector:
                     next_ttl_check = now + 1.0
             except Exception:
                 log.exception("progress loop iteration failed")
-                busy = False
-            if busy:
-                if self.config.busy_poll_s > 0:
-                    time.sleep(self.config.busy_poll_s)
+                load = "idle"
+            if load == "transferring":
+                time.sleep(0)  # yield the GIL, poll again at once
+                idle_sleep = self.config.waiting_poll_s
+            elif load == "waiting":
+                self._wake.wait(self.config.waiting_poll_s)
+                self._wake.clear()
+                idle_sleep = self.config.waiting_poll_s
             else:
-                self._wake.wait(self.config.idle_poll_s)
+                if self._wake.wait(idle_sleep):
+                    idle_sleep = self.config.waiting_poll_s
+                else:
+                    idle_sleep = min(idle_sleep * 2, self.config.idle_poll_s)
                 self._wake.clear()
 
-    def progress_once(self) -> bool:
-        """One pass: notifications, matches, transfer polls, deadlines. True if busy."""
+    def progress_once(self) -> str:
+        """One pass: notifications, matches, transfer polls, deadlines.
+
+        Returns the load that paces the next pass: "transferring", "waiting" or "idle".
+        """
         for agent_name, data in self.transport.get_notifs():
             self._on_notification(agent_name, data)
         if self.role == "prefill":
@@ -330,7 +361,11 @@ class PushConnector:
             self._poll_transfers()
         self._expire(self._clock())
         with self._state_lock:
-            return bool(self._in_flight)
+            if self._in_flight:
+                return "transferring"
+            if self._pending_recv or self._pending_send or self._pending_reg:
+                return "waiting"
+            return "idle"
 
     def _on_notification(self, agent_name: str, data: bytes) -> None:
         try:
@@ -361,7 +396,7 @@ class PushConnector:
             if pending is None:
                 self.metrics.reject("notification")  # late (timed out) or unknown
                 return
-            self._finished_q.put(("recv", msg.request_id))
+            self._report("recv", msg.request_id)
         else:
             self._fail_recv(msg.request_id, msg.reason, f"prefill refused: {msg.message}")
 
@@ -423,7 +458,7 @@ class PushConnector:
             if state == "DONE":
                 self.metrics.transfer_seconds.observe(now - xfer.started)
                 self.metrics.transfer_bytes_total.inc(xfer.nbytes)
-                self._finished_q.put(("sent", rid))
+                self._report("sent", rid)
             else:
                 why = "WRITE failed" if state == "ERR" else "WRITE timed out"
                 self._fail_send(rid, FailureType.TRANSFER_FAILED, why, xfer.decode_engine_id)
@@ -435,7 +470,7 @@ class PushConnector:
         self.metrics.record_failure(
             reason, {"request_id": request_id, "engine_id": tell_engine or "", "msg": message}
         )
-        self.failed_requests.put(FailedRequest(request_id, reason, message))
+        self._report_failure(FailedRequest(request_id, reason, message))
         if tell_engine is not None:
             self._notify_fail(request_id, tell_engine, reason, message)
 

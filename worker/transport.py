@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -88,6 +89,16 @@ def progress_thread_default() -> bool:
     return (os.cpu_count() or 1) >= 8
 
 
+def _quiet_nixl_logging() -> None:
+    """NIXL's Python logger prints INFO lines to stdout; keep stdout for our own output."""
+    nixl_log = logging.getLogger("nixl")
+    if "NIXL_LOG_LEVEL" not in os.environ:
+        nixl_log.setLevel(logging.WARNING)
+    for handler in nixl_log.handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
+
+
 def _classify(exc: BaseException) -> str:
     name = type(exc).__name__
     if "NotFound" in name:
@@ -109,6 +120,7 @@ class NixlTransport:
     ) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
+        _quiet_nixl_logging()
         self.agent_name = agent_name
         self.progress_thread = (
             progress_thread_default() if progress_thread is None else progress_thread

@@ -1,0 +1,172 @@
+"""Command lines of the control-plane components, as pure functions of the cluster layout.
+
+Owns the flags (see shared/docs/control-plane.md for why each is there): everything binds
+and advertises 127.0.0.1 only, on ports picked free at start-up. Kept free of side effects so
+the loopback-only rule can be checked without starting anything. Called by
+:mod:`kvtopo.cluster.local_cluster`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtopo.cluster.pki import ClusterPki
+
+LOOPBACK = "127.0.0.1"
+SERVICE_CLUSTER_IP_RANGE = "10.0.0.0/24"
+# kwok's fake pod and node addresses; nothing listens there, never connect to them.
+# The pod range must not overlap the service range (kwok's default 10.0.0.0/24 does).
+FAKE_POD_CIDR = "10.244.0.0/16"
+FAKE_NODE_IP = "192.0.2.1"  # TEST-NET-1 (RFC 5737): unroutable by design
+SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
+KWOK_MANAGED_NODES = "kwok.x-k8s.io/node=fake"
+# kwok renews a Lease per fake node at this duration; the heartbeat-with-lease stage only
+# refreshes node conditions every ~10 min, so without leases the node lifecycle controller
+# would mark every node NotReady after its grace period and evict the pods.
+NODE_LEASE_DURATION_S = 40
+
+
+@dataclass(frozen=True)
+class ControlPlanePorts:
+    """The loopback ports of one cluster (0 where the tier runs no such component)."""
+
+    etcd_client: int
+    etcd_peer: int
+    apiserver: int
+    controller_manager: int = 0
+    scheduler: int = 0
+
+
+@dataclass(frozen=True)
+class ControlPlaneLayout:
+    """Where one cluster's files live and which ports it uses."""
+
+    directory: Path
+    etcd_data: Path
+    ports: ControlPlanePorts
+    pki: ClusterPki
+
+    @property
+    def etcd_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.ports.etcd_client}"
+
+    @property
+    def server_url(self) -> str:
+        return f"https://{LOOPBACK}:{self.ports.apiserver}"
+
+    @property
+    def admin_kubeconfig(self) -> Path:
+        return self.directory / "kubeconfig"
+
+    @property
+    def controller_manager_kubeconfig(self) -> Path:
+        return self.directory / "kube-controller-manager.kubeconfig"
+
+    @property
+    def scheduler_kubeconfig(self) -> Path:
+        return self.directory / "kube-scheduler.kubeconfig"
+
+    @property
+    def kwok_stages(self) -> Path:
+        return self.directory / "kwok-stages.yaml"
+
+    def log(self, component: str) -> Path:
+        return self.directory / "logs" / f"{component}.log"
+
+
+def etcd_argv(binary: Path, layout: ControlPlaneLayout) -> list[str]:
+    peer = f"http://{LOOPBACK}:{layout.ports.etcd_peer}"
+    return [
+        str(binary),
+        "--name=kvtopo",
+        f"--data-dir={layout.etcd_data}",
+        f"--listen-client-urls={layout.etcd_url}",
+        f"--advertise-client-urls={layout.etcd_url}",
+        f"--listen-peer-urls={peer}",
+        f"--initial-advertise-peer-urls={peer}",
+        f"--initial-cluster=kvtopo={peer}",
+        "--initial-cluster-state=new",
+        # Throw-away data on tmpfs: durability buys nothing and fsync costs start-up time.
+        "--unsafe-no-fsync",
+        "--log-level=warn",
+    ]
+
+
+def apiserver_argv(binary: Path, layout: ControlPlaneLayout, tier: str) -> list[str]:
+    pki = layout.pki
+    argv = [
+        str(binary),
+        f"--etcd-servers={layout.etcd_url}",
+        f"--bind-address={LOOPBACK}",
+        # Without an explicit address it looks for a default route and refuses to start
+        # on machines without one.
+        f"--advertise-address={LOOPBACK}",
+        f"--secure-port={layout.ports.apiserver}",
+        f"--cert-dir={layout.directory / 'apiserver-certs'}",
+        f"--tls-cert-file={pki.serving_cert}",
+        f"--tls-private-key-file={pki.serving_key}",
+        f"--client-ca-file={pki.ca_cert}",
+        "--authorization-mode=Node,RBAC",
+        f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
+        f"--service-account-key-file={pki.service_account_pub}",
+        f"--service-account-signing-key-file={pki.service_account_key}",
+        f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
+        "--allow-privileged=true",
+        # The `kubernetes` Service's endpoints would be 127.0.0.1, which Endpoints
+        # validation refuses (loopback); the reconciler would log that error forever.
+        "--endpoint-reconciler-type=none",
+    ]
+    if tier == "a":
+        # No controller manager, so no `default` ServiceAccounts for the plugin to find.
+        argv.append("--disable-admission-plugins=ServiceAccount")
+    return argv
+
+
+def controller_manager_argv(binary: Path, layout: ControlPlaneLayout) -> list[str]:
+    pki = layout.pki
+    return [
+        str(binary),
+        f"--kubeconfig={layout.controller_manager_kubeconfig}",
+        f"--bind-address={LOOPBACK}",
+        f"--secure-port={layout.ports.controller_manager}",
+        f"--cert-dir={layout.directory / 'controller-manager-certs'}",
+        f"--tls-cert-file={pki.serving_cert}",
+        f"--tls-private-key-file={pki.serving_key}",
+        f"--service-account-private-key-file={pki.service_account_key}",
+        f"--root-ca-file={pki.ca_cert}",
+        f"--cluster-signing-cert-file={pki.ca_cert}",
+        f"--cluster-signing-key-file={pki.ca_key}",
+        "--use-service-account-credentials=true",
+        "--controllers=*",
+        # One instance only: skipping the Lease election saves seconds at every start.
+        "--leader-elect=false",
+    ]
+
+
+def scheduler_argv(binary: Path, layout: ControlPlaneLayout) -> list[str]:
+    pki = layout.pki
+    return [
+        str(binary),
+        f"--kubeconfig={layout.scheduler_kubeconfig}",
+        f"--bind-address={LOOPBACK}",
+        f"--secure-port={layout.ports.scheduler}",
+        f"--cert-dir={layout.directory / 'scheduler-certs'}",
+        f"--tls-cert-file={pki.serving_cert}",
+        f"--tls-private-key-file={pki.serving_key}",
+        "--leader-elect=false",
+    ]
+
+
+def kwok_argv(binary: Path, layout: ControlPlaneLayout) -> list[str]:
+    # No --server-address and no --node-port: kwok then serves nothing at all (its
+    # logs/exec/metrics server would otherwise bind 0.0.0.0 by default).
+    return [
+        str(binary),
+        f"--kubeconfig={layout.admin_kubeconfig}",
+        f"--config={layout.kwok_stages}",
+        f"--manage-nodes-with-annotation-selector={KWOK_MANAGED_NODES}",
+        f"--cidr={FAKE_POD_CIDR}",
+        f"--node-ip={FAKE_NODE_IP}",
+        f"--node-lease-duration-seconds={NODE_LEASE_DURATION_S}",
+    ]

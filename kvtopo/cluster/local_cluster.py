@@ -1,0 +1,496 @@
+"""A real Kubernetes control plane on loopback, started and stopped as one object.
+
+Owns the life cycle of one local cluster in one directory:
+
+- tier ``a``: etcd + kube-apiserver (integration tests create Pods and patch their status
+  themselves); ready when ``/readyz`` answers 200.
+- tier ``b``: + kube-controller-manager, kube-scheduler and kwok with a few fake Nodes, so
+  Deployments really roll out; ready when those components report healthy, every fake Node
+  is Ready and schedulable, and the ``default`` ServiceAccount exists in ``default``.
+
+The directory holds the certificates, kubeconfigs, one log per component and
+``state.json`` (pids, ports, kubeconfig path), so :func:`stop_cluster` from another process
+(``kvtopo cluster down``) stops what ``kvtopo cluster up`` left running. etcd keeps its data
+on tmpfs (``/dev/shm``). Whatever goes wrong during :meth:`LocalCluster.up` (a component
+exiting, a deadline, Ctrl-C) stops everything already started before the error propagates.
+
+Used by :mod:`kvtopo.cluster.cli` and :mod:`kvtopo.cluster.pytest_fixtures`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal, cast
+from urllib.parse import quote
+
+from kvtopo.cluster import components
+from kvtopo.cluster.admin_api import AdminApi
+from kvtopo.cluster.binaries import ControlPlaneBinaries, cache_root
+from kvtopo.cluster.components import ControlPlaneLayout, ControlPlanePorts
+from kvtopo.cluster.deadlines import wait_until
+from kvtopo.cluster.fake_nodes import (
+    DEFAULT_FAKE_NODES,
+    FAKE_NODE_LABEL,
+    fake_node_manifest,
+    fake_node_name,
+    kwok_stages_yaml,
+    node_is_schedulable,
+)
+from kvtopo.cluster.pki import (
+    ClusterPki,
+    issue_cluster_pki,
+    write_admin_kubeconfig,
+    write_client_kubeconfig,
+)
+from kvtopo.cluster.processes import (
+    ComponentProcess,
+    ControlPlaneProcessError,
+    ProcessRecord,
+    log_tail,
+    stop_processes,
+)
+
+Tier = Literal["a", "b"]
+TIERS: tuple[Tier, ...] = ("a", "b")
+
+STATE_FILE = "state.json"
+TMPFS = Path("/dev/shm")
+# Deadlines for readiness: far above the warm start times (seconds) so a loaded 2-core
+# machine does not fail spuriously, far below pytest's per-test timeout.
+READY_TIMEOUT_S: dict[Tier, float] = {"a": 90.0, "b": 150.0}
+KUBECTL_TIMEOUT_S = 60.0
+PORT_CLASH = "address already in use"
+
+Progress = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+class ClusterAlreadyRunningError(RuntimeError):
+    """``up`` found live processes of an earlier cluster in the same directory."""
+
+
+class KubectlError(subprocess.CalledProcessError):
+    """kubectl failed; unlike its base class, the message includes kubectl's stderr."""
+
+    def __str__(self) -> str:
+        stderr = (self.stderr or "").strip()
+        return f"{super().__str__()}\n{stderr}" if stderr else super().__str__()
+
+
+def default_cluster_dir() -> Path:
+    """Where ``kvtopo cluster up`` keeps its cluster: ``$KVTOPO_CACHE/cluster``."""
+    return cache_root() / "cluster"
+
+
+@dataclass(frozen=True)
+class ClusterState:
+    """What ``state.json`` records about a (possibly detached) cluster."""
+
+    tier: Tier
+    directory: str
+    kubeconfig: str
+    server_url: str
+    etcd_data: str
+    ports: dict[str, int]
+    processes: list[ProcessRecord] = field(default_factory=list)
+    ready_s: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tier": self.tier,
+            "directory": self.directory,
+            "kubeconfig": self.kubeconfig,
+            "server_url": self.server_url,
+            "etcd_data": self.etcd_data,
+            "ports": self.ports,
+            "processes": [record.to_json() for record in self.processes],
+            "ready_s": self.ready_s,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ClusterState:
+        tier = data["tier"]
+        if tier not in TIERS:
+            raise ValueError(f"unknown tier {tier!r} in state file")
+        return cls(
+            tier=cast(Tier, tier),
+            directory=str(data["directory"]),
+            kubeconfig=str(data["kubeconfig"]),
+            server_url=str(data["server_url"]),
+            etcd_data=str(data["etcd_data"]),
+            ports={str(k): int(v) for k, v in data["ports"].items()},
+            processes=[ProcessRecord.from_json(p) for p in data["processes"]],
+            ready_s=None if data.get("ready_s") is None else float(data["ready_s"]),
+        )
+
+    def save(self, directory: Path) -> None:
+        tmp = directory / f".{STATE_FILE}.tmp"
+        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        tmp.replace(directory / STATE_FILE)
+
+    @classmethod
+    def load(cls, directory: Path) -> ClusterState | None:
+        try:
+            return cls.from_json(json.loads((directory / STATE_FILE).read_text()))
+        except FileNotFoundError:
+            return None
+
+    def alive(self) -> list[ProcessRecord]:
+        return [record for record in self.processes if record.is_alive()]
+
+
+def running_cluster(directory: Path) -> ClusterState | None:
+    """The state of a cluster in ``directory`` that is up (all its processes alive)."""
+    state = ClusterState.load(directory)
+    if state is None or state.ready_s is None or not state.processes:
+        return None
+    return state if len(state.alive()) == len(state.processes) else None
+
+
+def _remove_etcd_data(path: str) -> None:
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def stop_cluster(directory: Path, progress: Progress = _quiet) -> bool:
+    """Stop the cluster recorded in ``directory`` (from any process); False if none was."""
+    state = ClusterState.load(directory)
+    if state is None:
+        return False
+    alive = state.alive()
+    for record in reversed(alive):
+        progress(f"stopping {record.name} (pid {record.pid})")
+    killed = stop_processes(reversed(alive))
+    for name in killed:
+        progress(f"{name} ignored SIGTERM and was killed")
+    _remove_etcd_data(state.etcd_data)
+    (directory / STATE_FILE).unlink(missing_ok=True)
+    return True
+
+
+def _free_loopback_ports(count: int) -> list[int]:
+    """Ports free on 127.0.0.1 right now (all held open together so they differ)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind((components.LOOPBACK, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+
+
+def _etcd_data_dir(directory: Path) -> Path:
+    if TMPFS.is_dir() and os.access(TMPFS, os.W_OK):
+        return Path(tempfile.mkdtemp(prefix="kvtopo-etcd-", dir=TMPFS))
+    fallback = directory / "etcd-data"
+    shutil.rmtree(fallback, ignore_errors=True)
+    return fallback
+
+
+class LocalCluster:
+    """One local control plane in ``directory``: ``up(tier)``, ``down()``, or ``with``.
+
+    ``die_with_parent`` ties the components to this Python process (they get SIGTERM if it
+    dies, even by SIGKILL): right for tests; ``kvtopo cluster up`` turns it off to leave the
+    cluster running detached.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        tier: Tier = "a",
+        *,
+        fake_nodes: int = DEFAULT_FAKE_NODES,
+        die_with_parent: bool = True,
+        progress: Progress = _quiet,
+    ) -> None:
+        if tier not in TIERS:
+            raise ValueError(f"unknown tier {tier!r} (known: a, b)")
+        self.directory = Path(directory).resolve()
+        self.tier: Tier = tier
+        self.fake_nodes = fake_nodes
+        self.die_with_parent = die_with_parent
+        self.progress = progress
+        self.ready_s: float | None = None
+        self._layout: ControlPlaneLayout | None = None
+        self._binaries: ControlPlaneBinaries | None = None
+        self._processes: list[ComponentProcess] = []
+        self._api: AdminApi | None = None
+
+    # -- what callers use -------------------------------------------------------------
+
+    @property
+    def layout(self) -> ControlPlaneLayout:
+        if self._layout is None:
+            raise RuntimeError("the cluster is not up")
+        return self._layout
+
+    @property
+    def kubeconfig(self) -> Path:
+        """The admin kubeconfig (``O=system:masters``)."""
+        return self.layout.admin_kubeconfig
+
+    @property
+    def server_url(self) -> str:
+        """``https://127.0.0.1:<port>`` of the kube-apiserver."""
+        return self.layout.server_url
+
+    @property
+    def pki(self) -> ClusterPki:
+        return self.layout.pki
+
+    @property
+    def logs(self) -> dict[str, Path]:
+        return {process.name: process.log for process in self._processes}
+
+    @property
+    def fake_node_names(self) -> list[str]:
+        count = self.fake_nodes if self.tier == "b" else 0
+        return [fake_node_name(i) for i in range(count)]
+
+    def kubectl(
+        self,
+        *args: str,
+        check: bool = True,
+        input: str | None = None,
+        timeout: float = KUBECTL_TIMEOUT_S,
+    ) -> subprocess.CompletedProcess[str]:
+        """Run the cluster's kubectl against this cluster as the admin."""
+        if self._binaries is None:
+            raise RuntimeError("the cluster is not up")
+        argv = [
+            str(self._binaries.kubectl),
+            f"--kubeconfig={self.kubeconfig}",
+            # Per-cluster discovery cache: ports are reused across clusters.
+            f"--cache-dir={self.directory / 'kubectl-cache'}",
+            *args,
+        ]
+        result = subprocess.run(
+            argv, input=input, capture_output=True, text=True, timeout=timeout, check=False
+        )
+        if check and result.returncode != 0:
+            raise KubectlError(result.returncode, argv, result.stdout, result.stderr)
+        return result
+
+    def write_client_kubeconfig(self, path: Path, user: str, groups: tuple[str, ...] = ()) -> Path:
+        """A kubeconfig for ``user`` in ``groups`` (a client certificate from this CA)."""
+        return write_client_kubeconfig(self.pki, path, self.server_url, user, groups)
+
+    def log_tails(self, lines: int = 40) -> str:
+        """The last lines of every component's log, for failure reports."""
+        parts = []
+        for name, log in self.logs.items():
+            parts.append(f"----- {name} ({log}) -----\n{log_tail(log, lines) or '(empty)'}")
+        return "\n".join(parts)
+
+    def state(self) -> ClusterState:
+        layout = self.layout
+        ports = {k: v for k, v in vars(layout.ports).items() if v}
+        return ClusterState(
+            tier=self.tier,
+            directory=str(self.directory),
+            kubeconfig=str(layout.admin_kubeconfig),
+            server_url=layout.server_url,
+            etcd_data=str(layout.etcd_data),
+            ports=ports,
+            processes=[p.record for p in self._processes if p.started],
+            ready_s=self.ready_s,
+        )
+
+    def __enter__(self) -> LocalCluster:
+        if self.ready_s is None:
+            self.up()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.down()
+
+    # -- life cycle -------------------------------------------------------------------
+
+    def up(self, tier: Tier | None = None, timeout_s: float | None = None) -> LocalCluster:
+        """Start the control plane and return once it is ready (see the module docstring).
+
+        Raises :class:`~kvtopo.cluster.binaries.BinariesMissingError`,
+        :class:`ControlPlaneProcessError` (a component exited: its log tail included),
+        :class:`~kvtopo.cluster.deadlines.DeadlineExceededError` or
+        :class:`ClusterAlreadyRunningError`; in every case nothing is left running.
+        """
+        if tier is not None:
+            if tier not in TIERS:
+                raise ValueError(f"unknown tier {tier!r} (known: a, b)")
+            self.tier = tier
+        if self._processes:
+            raise RuntimeError("this LocalCluster is already up; call down() first")
+        self._binaries = ControlPlaneBinaries.for_tier(self.tier)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        earlier = ClusterState.load(self.directory)
+        if earlier is not None and earlier.alive():
+            raise ClusterAlreadyRunningError(
+                f"a tier-{earlier.tier} cluster already runs in {self.directory}; stop it "
+                f"with `kvtopo cluster down --dir {self.directory}`"
+            )
+        stop_cluster(self.directory)  # stale state of a crashed run: clean up its tmpfs
+        deadline_s = timeout_s if timeout_s is not None else READY_TIMEOUT_S[self.tier]
+        try:
+            try:
+                self._start(deadline_s)
+            except ControlPlaneProcessError as error:
+                if PORT_CLASH not in str(error):
+                    raise
+                # Another program took one of the picked ports in between: once more.
+                self.progress(f"{error.name}: port taken meanwhile, retrying with new ports")
+                self.down()
+                self._start(deadline_s)
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def down(self) -> None:
+        """Stop every component (process groups: SIGTERM, then SIGKILL), wait for them,
+        and delete etcd's tmpfs data. Idempotent."""
+        started = [process for process in self._processes if process.started]
+        try:
+            stop_processes(reversed([process.record for process in started]))
+        finally:
+            for process in started:
+                process.reap()
+            self._processes = []
+            if self._layout is not None:
+                _remove_etcd_data(str(self._layout.etcd_data))
+                (self.directory / STATE_FILE).unlink(missing_ok=True)
+            self.ready_s = None
+
+    # -- start-up ---------------------------------------------------------------------
+
+    def _start(self, timeout_s: float) -> None:
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        binaries = self._binaries
+        assert binaries is not None
+        ports = _free_loopback_ports(5 if self.tier == "b" else 3)
+        layout = ControlPlaneLayout(
+            directory=self.directory,
+            etcd_data=_etcd_data_dir(self.directory),
+            ports=ControlPlanePorts(*ports),
+            pki=ClusterPki(self.directory / "pki"),
+        )
+        self._layout = layout
+        shutil.rmtree(self.directory / "logs", ignore_errors=True)
+        shutil.rmtree(self.directory / "kubectl-cache", ignore_errors=True)
+        issue_cluster_pki(layout.pki.directory)
+        write_admin_kubeconfig(layout.pki, layout.admin_kubeconfig, layout.server_url)
+        api = AdminApi(layout.pki, components.LOOPBACK, layout.ports.apiserver)
+        self._api = api
+
+        self.progress(f"starting etcd and kube-apiserver (tier {self.tier}) in {self.directory}")
+        self._launch("etcd", components.etcd_argv(binaries.etcd, layout))
+        self._launch(
+            "kube-apiserver",
+            components.apiserver_argv(binaries.kube_apiserver, layout, self.tier),
+        )
+        self._wait("kube-apiserver /readyz", deadline, lambda: api.is_healthy("/readyz"))
+        self.progress(f"kube-apiserver ready at {layout.server_url} ({time.monotonic() - t0:.1f} s)")
+
+        if self.tier == "b":
+            self._start_tier_b(binaries, layout, api, deadline)
+            self.progress(
+                f"{self.fake_nodes} fake nodes Ready, default ServiceAccount present "
+                f"({time.monotonic() - t0:.1f} s)"
+            )
+        self.ready_s = round(time.monotonic() - t0, 2)
+        self.state().save(self.directory)
+
+    def _start_tier_b(
+        self,
+        binaries: ControlPlaneBinaries,
+        layout: ControlPlaneLayout,
+        api: AdminApi,
+        deadline: float,
+    ) -> None:
+        assert binaries.kube_controller_manager and binaries.kube_scheduler and binaries.kwok
+        server = layout.server_url
+        # The components' own identities, which the bootstrap RBAC policy grants their rights.
+        write_client_kubeconfig(
+            layout.pki, layout.controller_manager_kubeconfig, server,
+            "system:kube-controller-manager",
+        )
+        write_client_kubeconfig(
+            layout.pki, layout.scheduler_kubeconfig, server, "system:kube-scheduler"
+        )
+        layout.kwok_stages.write_text(kwok_stages_yaml())
+        self.progress("starting kube-controller-manager, kube-scheduler and kwok")
+        self._launch(
+            "kube-controller-manager",
+            components.controller_manager_argv(binaries.kube_controller_manager, layout),
+        )
+        self._launch(
+            "kube-scheduler", components.scheduler_argv(binaries.kube_scheduler, layout)
+        )
+        self._launch("kwok", components.kwok_argv(binaries.kwok, layout))
+        for name in self.fake_node_names:
+            api.create("/api/v1/nodes", fake_node_manifest(name))
+
+        kcm_port, scheduler_port = layout.ports.controller_manager, layout.ports.scheduler
+        self._wait(
+            "kube-controller-manager and kube-scheduler /healthz",
+            deadline,
+            lambda: api.is_healthy("/healthz", port=kcm_port)
+            and api.is_healthy("/healthz", port=scheduler_port),
+        )
+        selector = quote(f"{FAKE_NODE_LABEL[0]}={FAKE_NODE_LABEL[1]}")
+
+        def nodes_schedulable() -> bool:
+            nodes = api.get_json(f"/api/v1/nodes?labelSelector={selector}")["items"]
+            ready = [node for node in nodes if node_is_schedulable(node)]
+            return len(ready) == self.fake_nodes
+
+        self._wait(f"{self.fake_nodes} fake nodes Ready and untainted", deadline, nodes_schedulable)
+        self._wait(
+            "the default ServiceAccount in namespace default",
+            deadline,
+            lambda: api.request("GET", "/api/v1/namespaces/default/serviceaccounts/default").status
+            == 200,
+        )
+
+    def _launch(self, name: str, argv: list[str]) -> None:
+        process = ComponentProcess(
+            name, argv, self.layout.log(name), die_with_parent=self.die_with_parent
+        )
+        self._processes.append(process)
+        process.start()
+        # Recorded at once, so `kvtopo cluster down` elsewhere can stop a half-started cluster.
+        self.state().save(self.directory)
+
+    def _check_processes(self) -> None:
+        for process in self._processes:
+            process.check_running()
+
+    def _wait(self, what: str, deadline: float, ready: Callable[[], bool]) -> None:
+        def probe() -> bool:
+            self._check_processes()
+            return ready()
+
+        wait_until(
+            probe,
+            max(0.0, deadline - time.monotonic()),
+            what,
+            describe_last=lambda: "component logs:\n" + self.log_tails(15),
+        )

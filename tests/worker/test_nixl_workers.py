@@ -1,0 +1,143 @@
+"""Two real `kvtopo-worker` processes pushing KV over real NIXL (UCX, CPU, loopback)."""
+
+from __future__ import annotations
+
+import collections
+import signal
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.worker.workers import WorkerProcess, start_worker
+
+pytestmark = pytest.mark.nixl
+
+BLOCK = 64 * 1024
+BLOCKS_PER_REQUEST = 4
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    f = tmp_path / "token"
+    f.write_text("integration-token\n")
+    return f
+
+
+@pytest.fixture
+def pair(token_file: Path, tmp_path: Path) -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
+    opts = ("--num-blocks", "256", "--block-bytes", str(BLOCK), "--registration-timeout", "3",
+            "--kv-lease", "10", "--progress-thread", "off")
+    p = start_worker("prefill", token_file, tmp_path, *opts)
+    d = start_worker("decode", token_file, tmp_path, *opts)
+    try:
+        d.connect(p)
+        p.connect(d)
+        yield p, d
+    finally:
+        for w in (p, d):
+            w.stop()
+
+
+def stream(p: WorkerProcess, d: WorkerProcess, n: int, window: int = 24,
+           stop_after_done: int | None = None, on_stop: object = None,
+           deadline_s: float = 120) -> tuple[list[str], set[str]]:
+    """Streams requests P -> D keeping `window` in flight; returns (submitted, done on D)."""
+    submitted: list[str] = []
+    ended_d: set[str] = set()
+    end = time.monotonic() + deadline_s
+    i = 0
+    stopped = False
+    while time.monotonic() < end:
+        for o in d.drain():
+            assert o["request_id"] not in ended_d, f"request {o['request_id']} ended twice"
+            ended_d.add(o["request_id"])
+        if not stopped:
+            p.drain()
+        if stop_after_done is not None and not stopped and len(ended_d) >= stop_after_done:
+            stopped = True
+            on_stop()  # type: ignore[operator]
+        while not stopped and i < n and len(submitted) - len(ended_d) < window:
+            rid = f"req-{i}"
+            i += 1
+            if p.submit(rid, d, BLOCKS_PER_REQUEST) != 202:
+                continue
+            assert d.submit(rid, p, BLOCKS_PER_REQUEST) == 202
+            submitted.append(rid)
+        if (stopped or i >= n) and len(ended_d) == len(submitted):
+            break
+        time.sleep(0.002)
+    return submitted, ended_d
+
+
+def test_thousand_requests_every_byte_verified(pair: tuple[WorkerProcess, WorkerProcess]) -> None:
+    p, d = pair
+    submitted, ended = stream(p, d, 1000)
+    assert len(submitted) == 1000 and ended == set(submitted)
+    done = [o for o in d.outcomes if o["status"] == "done"]
+    assert len(done) == 1000, collections.Counter(o.get("reason") for o in d.outcomes)
+    assert all(o["verified_bytes"] == BLOCKS_PER_REQUEST * BLOCK for o in done)
+    # The prefill side ended every request exactly once too.
+    deadline = time.monotonic() + 10
+    while len(p.outcomes) < 1000 and time.monotonic() < deadline:
+        p.drain()
+    assert collections.Counter(o["status"] for o in p.outcomes) == {"done": 1000}
+    assert len({o["request_id"] for o in p.outcomes}) == 1000
+    state = d.state()
+    assert state["requests_done"] == 1000 and state["requests_failed"] == 0
+    assert state["failures"] == {}
+
+
+def test_killing_prefill_mid_stream_fails_in_flight_requests_once(
+    pair: tuple[WorkerProcess, WorkerProcess],
+) -> None:
+    p, d = pair
+    parked: list[str] = []
+
+    def kill_prefill() -> None:
+        # Requests whose registrations reach P before their KV is ready: surely in flight.
+        for i in range(16):
+            rid = f"parked-{i}"
+            assert d.submit(rid, p, BLOCKS_PER_REQUEST) == 202
+            parked.append(rid)
+        p.proc.send_signal(signal.SIGKILL)
+
+    submitted, ended = stream(p, d, 10_000, window=32, stop_after_done=150,
+                              on_stop=kill_prefill, deadline_s=60)
+    submitted += parked
+    deadline = time.monotonic() + 15
+    while ended != set(submitted) and time.monotonic() < deadline:
+        ended.update(o["request_id"] for o in d.drain())
+        time.sleep(0.05)
+    assert p.proc.wait(10) == -signal.SIGKILL
+    assert ended == set(submitted), "every request submitted to decode must end"
+    by_id = collections.Counter(o["request_id"] for o in d.outcomes)
+    assert max(by_id.values()) == 1, "a request ended twice"
+    failed = [o for o in d.outcomes if o["status"] == "failed"]
+    assert {o["request_id"] for o in failed} >= set(parked), "in-flight requests must fail"
+    assert all(o["reason"] in ("registration_timeout", "push_reg_notif_failed") and o["message"]
+               for o in failed), failed[:3]
+    assert all(o["verified_bytes"] == BLOCKS_PER_REQUEST * BLOCK
+               for o in d.outcomes if o["status"] == "done")
+    # The decode worker survives and can drop the dead peer.
+    assert d.proc.poll() is None
+    assert urllib.request.urlopen(d.url + "/healthz", timeout=5).status == 200
+    status, body = d.call("DELETE", f"/v1/peers/{p.engine_id}")
+    assert status == 200 and body["result"] in ("evicted", "deferred")
+    assert d.state()["requests_in_flight"] == 0
+
+
+def test_idle_worker_uses_under_two_percent_of_a_core(
+    pair: tuple[WorkerProcess, WorkerProcess],
+) -> None:
+    p, d = pair
+    time.sleep(0.5)  # let start-up work settle before measuring (not synchronisation)
+    before = {w.role: w.cpu_seconds() for w in (p, d)}
+    t0 = time.monotonic()
+    time.sleep(5)
+    elapsed = time.monotonic() - t0
+    for w in (p, d):
+        share = (w.cpu_seconds() - before[w.role]) / elapsed
+        assert share < 0.02, f"idle {w.role} worker used {share:.1%} of a core"
