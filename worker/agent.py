@@ -31,8 +31,6 @@ from typing import Protocol
 import aiohttp
 import msgspec
 from aiohttp import web
-from prometheus_client import generate_latest
-
 from kvtopo_worker.metrics import WorkerMetrics
 from kvtopo_worker.protocol import (
     MAX_ID_LEN,
@@ -51,6 +49,7 @@ from kvtopo_worker.protocol import (
     encode_metadata,
 )
 from kvtopo_worker.registry import EngineRegistry
+from prometheus_client import generate_latest
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +125,9 @@ def _error(status: int, error: str, message: str, **extra: object) -> web.Respon
 
 
 def _json(obj: object, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=msgspec.json.encode(obj), content_type="application/json")
+    return web.Response(
+        status=status, body=msgspec.json.encode(obj), content_type="application/json"
+    )
 
 
 class ControlServer:
@@ -209,9 +210,10 @@ class ControlServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
-        server = site._server
-        if self.port == 0 and server is not None:
-            self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        if self.port == 0:
+            server = site._server
+            sockets = getattr(server, "sockets", None) or []
+            self.port = int(sockets[0].getsockname()[1])
 
     async def _cleanup(self) -> None:
         if self._session is not None:
@@ -234,7 +236,9 @@ class ControlServer:
             given = header[7:] if header.startswith("Bearer ") else ""
             if not given or not hmac.compare_digest(given.encode(), self.token.current().encode()):
                 self.metrics.reject("control_auth")
-                return _error(401, "unauthorized", "a valid 'Authorization: Bearer <token>' is required")
+                return _error(
+                    401, "unauthorized", "a valid 'Authorization: Bearer <token>' is required"
+                )
         try:
             return await handler(request)
         except ProtocolError as exc:
@@ -298,8 +302,8 @@ class ControlServer:
             self.metrics.handshakes_total.labels("present").inc()
             return _json(PeerResult(engine_id=engine_id, result="present", agents=present))
         try:
-            meta = await self._fetch_metadata(body.endpoint)
-            meta = decode_metadata(meta, self.engine.compat_hash)
+            raw = await self._fetch_metadata(body.endpoint)
+            meta = decode_metadata(raw, self.engine.compat_hash)
         except IncompatibleEngine as exc:
             self.metrics.handshakes_total.labels("incompatible").inc()
             self.metrics.record_failure(
@@ -371,4 +375,3 @@ class ControlServer:
         result = await loop.run_in_executor(self.nixl_executor, self.registry.evict, engine_id)
         self.metrics.evictions_total.labels(result).inc()
         return _json(PeerResult(engine_id=engine_id, result=result))
-

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import msgspec
 import torch
 from aiohttp import web
-
 from kvtopo_worker.agent import ControlServer, LocalEngine, TokenSource
 from kvtopo_worker.metrics import WorkerMetrics
 from kvtopo_worker.protocol import (
@@ -103,9 +102,7 @@ class EmulatedEngine:
         self.engine_id = engine_id or uuid.uuid4().hex
         self.device = torch.device(device)
         self.metrics = WorkerMetrics()
-        self.transport = NixlTransport(
-            f"kvtopo-{self.engine_id}", progress_thread=progress_thread
-        )
+        self.transport = NixlTransport(f"kvtopo-{self.engine_id}", progress_thread=progress_thread)
         self.kv = torch.zeros((num_blocks, block_len), dtype=torch.uint8, device=self.device)
         self.content = KVContent(block_len, self.device)
         self.registry = EngineRegistry(
@@ -250,11 +247,15 @@ class EmulatedEngine:
             req = self._requests.get(request_id)
         if req is None:
             return RequestOutcome(
-                request_id=request_id, status="failed", reason=FailureType.MALFORMED_MESSAGE,
-                message="completion for an unknown request", ended_at=now,
+                request_id=request_id,
+                status="failed",
+                reason=FailureType.MALFORMED_MESSAGE,
+                message="completion for an unknown request",
+                ended_at=now,
             )
         bad = [
-            i for i, b in enumerate(req.block_ids)
+            i
+            for i, b in enumerate(req.block_ids)
             if not self.content.matches(self.kv[b], request_id, i)
         ]
         self._release(request_id)
@@ -264,15 +265,21 @@ class EmulatedEngine:
                 {"request_id": request_id, "msg": f"blocks {bad[:8]} hold the wrong bytes"},
             )
             return RequestOutcome(
-                request_id=request_id, status="failed", reason=FailureType.TRANSFER_FAILED,
+                request_id=request_id,
+                status="failed",
+                reason=FailureType.TRANSFER_FAILED,
                 message=f"{len(bad)} blocks failed verification",
-                peer_engine_id=req.peer_engine_id, ended_at=now,
+                peer_engine_id=req.peer_engine_id,
+                ended_at=now,
             )
         nbytes = len(req.block_ids) * int(self.kv.shape[1])
         self.verified_bytes += nbytes
         return RequestOutcome(
-            request_id=request_id, status="done", verified_bytes=nbytes,
-            peer_engine_id=req.peer_engine_id, ended_at=now,
+            request_id=request_id,
+            status="done",
+            verified_bytes=nbytes,
+            peer_engine_id=req.peer_engine_id,
+            ended_at=now,
         )
 
     def drain_outcomes(self, limit: int = 10_000) -> list[RequestOutcome]:

@@ -13,9 +13,8 @@ import threading
 from collections import Counter as _Tally
 from collections.abc import Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
 from kvtopo_worker.protocol import FailureType
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 log = logging.getLogger("kvtopo_worker.failures")
 

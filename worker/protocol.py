@@ -205,9 +205,9 @@ class PushFail(msgspec.Struct, frozen=True, kw_only=True):
 Notification = PushRegistration | PushDone | PushFail
 
 _decoders: dict[bytes, msgspec.msgpack.Decoder[PushRegistration | PushDone | PushFail]] = {
-    REG_PREFIX: msgspec.msgpack.Decoder(PushRegistration),  # type: ignore[dict-item]
-    DONE_PREFIX: msgspec.msgpack.Decoder(PushDone),  # type: ignore[dict-item]
-    FAIL_PREFIX: msgspec.msgpack.Decoder(PushFail),  # type: ignore[dict-item]
+    REG_PREFIX: msgspec.msgpack.Decoder(PushRegistration),
+    DONE_PREFIX: msgspec.msgpack.Decoder(PushDone),
+    FAIL_PREFIX: msgspec.msgpack.Decoder(PushFail),
 }
 _prefix_of: dict[type, bytes] = {
     PushRegistration: REG_PREFIX,

@@ -426,7 +426,9 @@ class PushConnector:
             self._fail_send(rid, FailureType.TRANSFER_SETUP_FAILED, msg)
             return
         done = encode_notification(
-            PushDone(request_id=rid, prefill_engine_id=self.engine_id, num_blocks=len(reg.block_ids))
+            PushDone(
+                request_id=rid, prefill_engine_id=self.engine_id, num_blocks=len(reg.block_ids)
+            )
         )
         now = self._clock()
         try:

@@ -166,6 +166,23 @@ def _remove_etcd_data(path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+# Stopped in this order, one wave at a time: the API server's shutdown still writes to
+# etcd (its own Lease), and stopping both together makes it wait out etcd timeouts.
+STOP_WAVES = (("kwok", "kube-scheduler", "kube-controller-manager"), ("kube-apiserver",), ("etcd",))
+
+
+def stop_components(records: list[ProcessRecord]) -> list[str]:
+    """Stop ``records`` wave by wave (:data:`STOP_WAVES`); returns the names killed."""
+    killed: list[str] = []
+    known = {name for wave in STOP_WAVES for name in wave}
+    waves = [[r for r in records if r.name not in known]]
+    waves += [[r for r in records if r.name in wave] for wave in STOP_WAVES]
+    for wave_records in waves:
+        if wave_records:
+            killed += stop_processes(wave_records)
+    return killed
+
+
 def stop_cluster(directory: Path, progress: Progress = _quiet) -> bool:
     """Stop the cluster recorded in ``directory`` (from any process); False if none was."""
     state = ClusterState.load(directory)
@@ -174,7 +191,7 @@ def stop_cluster(directory: Path, progress: Progress = _quiet) -> bool:
     alive = state.alive()
     for record in reversed(alive):
         progress(f"stopping {record.name} (pid {record.pid})")
-    killed = stop_processes(reversed(alive))
+    killed = stop_components(alive)
     for name in killed:
         progress(f"{name} ignored SIGTERM and was killed")
     _remove_etcd_data(state.etcd_data)
@@ -368,7 +385,7 @@ class LocalCluster:
         and delete etcd's tmpfs data. Idempotent."""
         started = [process for process in self._processes if process.started]
         try:
-            stop_processes(reversed([process.record for process in started]))
+            stop_components([process.record for process in started])
         finally:
             for process in started:
                 process.reap()

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from kvtopo_worker.agent import ControlServer, LocalEngine, TokenSource
 from kvtopo_worker.metrics import WorkerMetrics
 from kvtopo_worker.protocol import CompatInfo, EngineMetadata, compat_hash
 from kvtopo_worker.registry import EngineRegistry
+
 from tests.worker.fakes import FakeTransport
 
 TOKEN = "t0ken-for-tests"
@@ -41,13 +41,21 @@ def make_node(engine_id: str, role: str, model_id: str = "m", token: str = TOKEN
     registry = EngineRegistry(remove_agent=transport.remove_remote)
     compat = CompatInfo(block_len=64, model_id=model_id)
     meta = EngineMetadata(
-        engine_id=engine_id, role=role, agent_name=transport.agent_name,  # type: ignore[arg-type]
-        agent_metadata=transport.agent_name.encode(), kv_descs=b"d", num_blocks=4, block_len=64,
-        compat=compat, compat_hash=compat_hash(compat),
+        engine_id=engine_id,
+        role=role,
+        agent_name=transport.agent_name,  # type: ignore[arg-type]
+        agent_metadata=transport.agent_name.encode(),
+        kv_descs=b"d",
+        num_blocks=4,
+        block_len=64,
+        compat=compat,
+        compat_hash=compat_hash(compat),
     )
     server = ControlServer(
         engine=LocalEngine(engine_id, role, meta, time.time()),  # type: ignore[arg-type]
-        registry=registry, transport=transport, token=TokenSource(value=token),
+        registry=registry,
+        transport=transport,
+        token=TokenSource(value=token),
         metrics=WorkerMetrics(),
     )
     server.start()
@@ -62,8 +70,9 @@ def pair() -> Iterator[tuple[Node, Node]]:
     d.server.stop()
 
 
-def call(method: str, url: str, body: object = None, token: str | None = TOKEN,
-         raw: bytes | None = None) -> tuple[int, dict[str, object]]:
+def call(
+    method: str, url: str, body: object = None, token: str | None = TOKEN, raw: bytes | None = None
+) -> tuple[int, dict[str, object]]:
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     req = urllib.request.Request(url, data=data, method=method)
     if token is not None:
@@ -71,15 +80,21 @@ def call(method: str, url: str, body: object = None, token: str | None = TOKEN,
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
             text = resp.read()
-            return resp.status, (json.loads(text) if resp.headers.get_content_type() == "application/json" else {})
+            return resp.status, (
+                json.loads(text) if resp.headers.get_content_type() == "application/json" else {}
+            )
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read() or b"{}")
 
 
 def test_routes_need_the_token_except_health_and_metrics(pair: tuple[Node, Node]) -> None:
-    p, d = pair
-    for method, path in [("GET", "/v1/state"), ("GET", "/v1/metadata"),
-                         ("PUT", "/v1/peers/x"), ("DELETE", "/v1/peers/x")]:
+    p, _ = pair
+    for method, path in [
+        ("GET", "/v1/state"),
+        ("GET", "/v1/metadata"),
+        ("PUT", "/v1/peers/x"),
+        ("DELETE", "/v1/peers/x"),
+    ]:
         assert call(method, p.url + path, token=None)[0] == 401
         assert call(method, p.url + path, token="wrong")[0] == 401
     assert urllib.request.urlopen(p.url + "/healthz", timeout=5).status == 200
@@ -89,12 +104,18 @@ def test_routes_need_the_token_except_health_and_metrics(pair: tuple[Node, Node]
 
 def test_handshake_both_ways_then_evict(pair: tuple[Node, Node]) -> None:
     p, d = pair
-    status, body = call("PUT", f"{d.url}/v1/peers/pre-1", {"endpoint": p.server.endpoint, "role": "prefill"})
+    status, body = call(
+        "PUT", f"{d.url}/v1/peers/pre-1", {"endpoint": p.server.endpoint, "role": "prefill"}
+    )
     assert (status, body["result"], body["agents"]) == (200, "added", {"0": "agent-pre-1"})
-    status, body = call("PUT", f"{p.url}/v1/peers/dec-1", {"endpoint": d.server.endpoint, "role": "decode"})
+    status, body = call(
+        "PUT", f"{p.url}/v1/peers/dec-1", {"endpoint": d.server.endpoint, "role": "decode"}
+    )
     assert (status, body["result"]) == (200, "added")
     # Idempotent: a second PUT connects nothing twice.
-    status, body = call("PUT", f"{d.url}/v1/peers/pre-1", {"endpoint": p.server.endpoint, "role": "prefill"})
+    status, body = call(
+        "PUT", f"{d.url}/v1/peers/pre-1", {"endpoint": p.server.endpoint, "role": "prefill"}
+    )
     assert (status, body["result"]) == (200, "present")
     assert d.transport.remotes == {"agent-pre-1"}
     status, state = call("GET", f"{d.url}/v1/state")
@@ -108,7 +129,9 @@ def test_handshake_both_ways_then_evict(pair: tuple[Node, Node]) -> None:
 def test_incompatible_peer_is_refused_with_both_hashes() -> None:
     p, d = make_node("pre-x", "prefill", model_id="a"), make_node("dec-x", "decode", model_id="b")
     try:
-        status, body = call("PUT", f"{d.url}/v1/peers/pre-x", {"endpoint": p.server.endpoint, "role": "prefill"})
+        status, body = call(
+            "PUT", f"{d.url}/v1/peers/pre-x", {"endpoint": p.server.endpoint, "role": "prefill"}
+        )
         assert status == 409 and body["error"] == "incompatible"
         assert body["local_hash"] == d.server.engine.compat_hash
         assert body["remote_hash"] == p.server.engine.compat_hash
@@ -121,9 +144,13 @@ def test_incompatible_peer_is_refused_with_both_hashes() -> None:
 
 def test_wrong_engine_behind_endpoint_and_unreachable_peer(pair: tuple[Node, Node]) -> None:
     p, d = pair
-    status, body = call("PUT", f"{d.url}/v1/peers/someone-else", {"endpoint": p.server.endpoint, "role": "prefill"})
+    status, body = call(
+        "PUT", f"{d.url}/v1/peers/someone-else", {"endpoint": p.server.endpoint, "role": "prefill"}
+    )
     assert status == 409 and "serves engine pre-1" in str(body["message"])
-    status, body = call("PUT", f"{d.url}/v1/peers/gone", {"endpoint": "127.0.0.1:9", "role": "prefill"})
+    status, body = call(
+        "PUT", f"{d.url}/v1/peers/gone", {"endpoint": "127.0.0.1:9", "role": "prefill"}
+    )
     assert status == 502 and body["failure_type"] == "handshake_failed"
     assert d.registry.engine_ids() == []
     assert call("GET", f"{d.url}/v1/state")[1]["failures"] == {"handshake_failed": 2}
@@ -132,21 +159,28 @@ def test_wrong_engine_behind_endpoint_and_unreachable_peer(pair: tuple[Node, Nod
 def test_peer_with_another_token_fails_the_handshake() -> None:
     p, d = make_node("pre-t", "prefill", token="other"), make_node("dec-t", "decode")
     try:
-        status, body = call("PUT", f"{d.url}/v1/peers/pre-t", {"endpoint": p.server.endpoint, "role": "prefill"})
+        status, body = call(
+            "PUT", f"{d.url}/v1/peers/pre-t", {"endpoint": p.server.endpoint, "role": "prefill"}
+        )
         assert status == 502 and "HTTP 401" in str(body["message"])
     finally:
         p.server.stop()
         d.server.stop()
 
 
-@pytest.mark.parametrize("body, fragment", [
-    (b"", "bad PeerAddRequest"),
-    (b"not json", "bad PeerAddRequest"),
-    (b'{"endpoint": 3, "role": "prefill"}', "$.endpoint"),
-    (b'{"endpoint": "h:1"}', "role"),
-    (b'{"endpoint": "h:1", "role": "decode"}', "pairs with the other role"),
-])
-def test_bad_bodies_get_400_with_a_message(pair: tuple[Node, Node], body: bytes, fragment: str) -> None:
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        (b"", "bad PeerAddRequest"),
+        (b"not json", "bad PeerAddRequest"),
+        (b'{"endpoint": 3, "role": "prefill"}', "$.endpoint"),
+        (b'{"endpoint": "h:1"}', "role"),
+        (b'{"endpoint": "h:1", "role": "decode"}', "pairs with the other role"),
+    ],
+)
+def test_bad_bodies_get_400_with_a_message(
+    pair: tuple[Node, Node], body: bytes, fragment: str
+) -> None:
     _, d = pair
     status, answer = call("PUT", f"{d.url}/v1/peers/pre-1", raw=body)
     assert status == 400 and fragment in str(answer["message"])
@@ -158,7 +192,9 @@ def test_self_and_oversized_ids_are_refused(pair: tuple[Node, Node]) -> None:
     assert call("DELETE", f"{d.url}/v1/peers/{'x' * 300}")[0] == 400
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(st.binary(max_size=200))
 def test_fuzzed_bodies_never_crash_the_server(pair: tuple[Node, Node], body: bytes) -> None:
     _, d = pair
@@ -174,6 +210,7 @@ def test_token_file_is_reread_when_it_changes(tmp_path: Path) -> None:
     assert src.current() == "one"
     f.write_text("two")
     import os
+
     os.utime(f, (time.time() + 5, time.time() + 5))
     assert src.current() == "two"
     with pytest.raises(ValueError, match="cannot read the worker token file"):

@@ -28,8 +28,18 @@ def token_file(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def pair(token_file: Path, tmp_path: Path) -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
-    opts = ("--num-blocks", "256", "--block-bytes", str(BLOCK), "--registration-timeout", "3",
-            "--kv-lease", "10", "--progress-thread", "off")
+    opts = (
+        "--num-blocks",
+        "256",
+        "--block-bytes",
+        str(BLOCK),
+        "--registration-timeout",
+        "3",
+        "--kv-lease",
+        "10",
+        "--progress-thread",
+        "off",
+    )
     p = start_worker("prefill", token_file, tmp_path, *opts)
     d = start_worker("decode", token_file, tmp_path, *opts)
     try:
@@ -41,9 +51,15 @@ def pair(token_file: Path, tmp_path: Path) -> Iterator[tuple[WorkerProcess, Work
             w.stop()
 
 
-def stream(p: WorkerProcess, d: WorkerProcess, n: int, window: int = 24,
-           stop_after_done: int | None = None, on_stop: object = None,
-           deadline_s: float = 120) -> tuple[list[str], set[str]]:
+def stream(
+    p: WorkerProcess,
+    d: WorkerProcess,
+    n: int,
+    window: int = 24,
+    stop_after_done: int | None = None,
+    on_stop: object = None,
+    deadline_s: float = 120,
+) -> tuple[list[str], set[str]]:
     """Streams requests P -> D keeping `window` in flight; returns (submitted, done on D)."""
     submitted: list[str] = []
     ended_d: set[str] = set()
@@ -104,8 +120,9 @@ def test_killing_prefill_mid_stream_fails_in_flight_requests_once(
             parked.append(rid)
         p.proc.send_signal(signal.SIGKILL)
 
-    submitted, ended = stream(p, d, 10_000, window=32, stop_after_done=150,
-                              on_stop=kill_prefill, deadline_s=60)
+    submitted, ended = stream(
+        p, d, 10_000, window=32, stop_after_done=150, on_stop=kill_prefill, deadline_s=60
+    )
     submitted += parked
     deadline = time.monotonic() + 15
     while ended != set(submitted) and time.monotonic() < deadline:
@@ -117,10 +134,15 @@ def test_killing_prefill_mid_stream_fails_in_flight_requests_once(
     assert max(by_id.values()) == 1, "a request ended twice"
     failed = [o for o in d.outcomes if o["status"] == "failed"]
     assert {o["request_id"] for o in failed} >= set(parked), "in-flight requests must fail"
-    assert all(o["reason"] in ("registration_timeout", "push_reg_notif_failed") and o["message"]
-               for o in failed), failed[:3]
-    assert all(o["verified_bytes"] == BLOCKS_PER_REQUEST * BLOCK
-               for o in d.outcomes if o["status"] == "done")
+    assert all(
+        o["reason"] in ("registration_timeout", "push_reg_notif_failed") and o["message"]
+        for o in failed
+    ), failed[:3]
+    assert all(
+        o["verified_bytes"] == BLOCKS_PER_REQUEST * BLOCK
+        for o in d.outcomes
+        if o["status"] == "done"
+    )
     # The decode worker survives and can drop the dead peer.
     assert d.proc.poll() is None
     assert urllib.request.urlopen(d.url + "/healthz", timeout=5).status == 200

@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-
 from kvtopo_worker.protocol import (
     FailureType,
     PushDone,
@@ -17,6 +16,7 @@ from kvtopo_worker.protocol import (
 )
 from kvtopo_worker.push import PushConnector
 from kvtopo_worker.registry import EngineRegistry
+
 from tests.worker.conftest import DECODE, PREFILL, add_engine, make_connector
 from tests.worker.fakes import FakeClock, FakeTransport
 
@@ -112,13 +112,23 @@ def test_send_to_an_agent_evicted_after_the_snapshot_fails_cleanly(
     """The residual window of the X1 fix: a snapshot naming an agent evicted a moment later."""
     add_engine(transport, registry, PREFILL)
     snapshot = registry.snapshot
-    registry.snapshot = lambda eid: (snap := snapshot(eid), registry.evict(eid))[0]  # type: ignore[method-assign]
+
+    def snapshot_then_evict(eid: str) -> dict[int, str]:
+        snap = snapshot(eid)
+        registry.evict(eid)
+        return snap
+
+    registry.snapshot = snapshot_then_evict  # type: ignore[method-assign]
     decode.request_receive("r1", PREFILL, [1])
     decode.send_registration(
-        PushRegistration(request_id="r1", decode_engine_id=DECODE, prefill_engine_id=PREFILL, block_ids=[1])
+        PushRegistration(
+            request_id="r1", decode_engine_id=DECODE, prefill_engine_id=PREFILL, block_ids=[1]
+        )
     )
     fin = decode.get_finished()
-    assert [(f.request_id, f.reason) for f in fin.failed] == [("r1", FailureType.PUSH_REG_NOTIF_FAILED)]
+    assert [(f.request_id, f.reason) for f in fin.failed] == [
+        ("r1", FailureType.PUSH_REG_NOTIF_FAILED)
+    ]
     assert decode.metrics.failure_counts() == {"push_reg_notif_failed": 1}
 
 
@@ -136,7 +146,9 @@ def test_completion_after_timeout_is_dropped_exactly_once(
     decode.progress_once()
     fin = decode.get_finished()
     assert fin.done_receiving == ["r2"]
-    assert [(f.request_id, f.reason) for f in fin.failed] == [("r1", FailureType.REGISTRATION_TIMEOUT)]
+    assert [(f.request_id, f.reason) for f in fin.failed] == [
+        ("r1", FailureType.REGISTRATION_TIMEOUT)
+    ]
     assert decode.get_finished() == type(fin)()
     assert decode.metrics.duplicate_outcomes_total._value.get() == 0
 
@@ -156,7 +168,9 @@ def test_prefill_matches_registration_and_writes(
     assert len(transport.writes) == 1
     w_agent, local, remote, notif = transport.writes[0]
     assert (w_agent, local, remote) == (agent, [0, 1], [7, 8])
-    assert decode_notification(notif) == PushDone(request_id="r1", prefill_engine_id=PREFILL, num_blocks=2)
+    assert decode_notification(notif) == PushDone(
+        request_id="r1", prefill_engine_id=PREFILL, num_blocks=2
+    )
     prefill.progress_once()
     assert prefill.get_finished().done_sending == ["r1"]
     assert registry.peer_states()[0].transfers_in_flight == 0
@@ -168,15 +182,27 @@ def test_prefill_transfer_error_fails_once_and_tells_decode(
     agent = add_engine(transport, registry, DECODE)
     transport.write_state = "ERR"
     prefill.request_send("r1", [0])
-    transport.deliver(agent, encode_notification(PushRegistration(
-        request_id="r1", decode_engine_id=DECODE, prefill_engine_id=PREFILL, block_ids=[5])))
+    transport.deliver(
+        agent,
+        encode_notification(
+            PushRegistration(
+                request_id="r1", decode_engine_id=DECODE, prefill_engine_id=PREFILL, block_ids=[5]
+            )
+        ),
+    )
     prefill.progress_once()
     prefill.progress_once()
     fin = prefill.get_finished()
     assert [(f.request_id, f.reason) for f in fin.failed] == [("r1", FailureType.TRANSFER_FAILED)]
     told = [decode_notification(p) for a, p in transport.sent]
-    assert told == [PushFail(request_id="r1", prefill_engine_id=PREFILL,
-                             reason=FailureType.TRANSFER_FAILED, message="WRITE failed")]
+    assert told == [
+        PushFail(
+            request_id="r1",
+            prefill_engine_id=PREFILL,
+            reason=FailureType.TRANSFER_FAILED,
+            message="WRITE failed",
+        )
+    ]
     assert len(transport.released) == 1
 
 
@@ -186,8 +212,14 @@ def test_eviction_waits_for_the_prefill_write(
     agent = add_engine(transport, registry, DECODE)
     transport.write_state = "PROC"
     prefill.request_send("r1", [0])
-    transport.deliver(agent, encode_notification(PushRegistration(
-        request_id="r1", decode_engine_id=DECODE, prefill_engine_id=PREFILL, block_ids=[5])))
+    transport.deliver(
+        agent,
+        encode_notification(
+            PushRegistration(
+                request_id="r1", decode_engine_id=DECODE, prefill_engine_id=PREFILL, block_ids=[5]
+            )
+        ),
+    )
     prefill.progress_once()
     assert registry.evict(DECODE) == "deferred"
     assert transport.removed == []
@@ -197,9 +229,7 @@ def test_eviction_waits_for_the_prefill_write(
     assert prefill.get_finished().done_sending == ["r1"]
 
 
-def test_kv_lease_expires_unmatched_sends(
-    prefill: PushConnector, clock: FakeClock
-) -> None:
+def test_kv_lease_expires_unmatched_sends(prefill: PushConnector, clock: FakeClock) -> None:
     prefill.request_send("r1", [0])
     clock.advance(5.01)
     prefill.progress_once()
@@ -262,7 +292,9 @@ def test_x1_stress_eviction_churn_never_fails_a_present_engine(
     first = decode.get_finished()  # the engine thread drains the failures
     failed = [f.request_id for f in first.failed]
     sent_ids = {decode_notification(p).request_id for _, p in transport.sent}
-    assert not (set(failed) & present_whole_send), "a request failed although its engine was present"
+    assert not (set(failed) & present_whole_send), (
+        "a request failed although its engine was present"
+    )
     assert len(failed) == len(set(failed)), "a request was failed twice"
     assert sent_ids.isdisjoint(failed) and sent_ids | set(failed) == set(ids)
     assert len(present_whole_send) >= 100, "the churn left too few clean sends to judge"

@@ -7,8 +7,8 @@ import threading
 from concurrent.futures import Future
 
 import pytest
-
 from kvtopo_worker.registry import EngineRegistry
+
 from tests.worker.conftest import add_engine
 from tests.worker.fakes import FakeClock, FakeTransport
 
@@ -64,16 +64,16 @@ def test_the_eviction_regression_test_catches_a_lockless_evict(clock: FakeClock)
         _eviction_waits_for_lock(broken, transport)
 
 
-def test_teardown_runs_outside_the_lock(
-    registry: EngineRegistry, transport: FakeTransport
-) -> None:
+def test_teardown_runs_outside_the_lock(registry: EngineRegistry, transport: FakeTransport) -> None:
     add_engine(transport, registry, "e1")
     held: list[bool] = []
 
     def probe(name: str) -> None:
         # Another thread must be able to take the lock while NIXL teardown runs.
         got = threading.Event()
-        threading.Thread(target=lambda: (registry.lock.acquire(), got.set(), registry.lock.release())).start()
+        threading.Thread(
+            target=lambda: (registry.lock.acquire(), got.set(), registry.lock.release())
+        ).start()
         held.append(got.wait(2))
 
     transport.on_remove = probe
@@ -161,7 +161,7 @@ def test_concurrent_evictions_tear_down_once(
         barrier = threading.Barrier(4)
         results: list[str] = []
 
-        def evict() -> None:
+        def evict(barrier: threading.Barrier = barrier, results: list[str] = results) -> None:
             barrier.wait()
             results.append(registry.evict("e1"))
 

@@ -30,7 +30,9 @@ class WorkerProcess:
     def url(self) -> str:
         return f"http://{self.endpoint}"
 
-    def call(self, method: str, path: str, body: object = None, timeout: float = 10) -> tuple[int, Any]:
+    def call(
+        self, method: str, path: str, body: object = None, timeout: float = 10
+    ) -> tuple[int, Any]:
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(self.url + path, data=data, method=method)
         req.add_header("Authorization", f"Bearer {self.token}")
@@ -41,14 +43,18 @@ class WorkerProcess:
             return err.code, json.loads(err.read() or b"null")
 
     def connect(self, peer: WorkerProcess) -> dict[str, Any]:
-        status, body = self.call("PUT", f"/v1/peers/{peer.engine_id}",
-                                 {"endpoint": peer.endpoint, "role": peer.role})
+        status, body = self.call(
+            "PUT", f"/v1/peers/{peer.engine_id}", {"endpoint": peer.endpoint, "role": peer.role}
+        )
         assert status == 200, body
         return body  # type: ignore[no-any-return]
 
     def submit(self, request_id: str, peer: WorkerProcess, num_blocks: int) -> int:
-        status, _ = self.call("POST", "/v1/requests", {
-            "request_id": request_id, "peer_engine_id": peer.engine_id, "num_blocks": num_blocks})
+        status, _ = self.call(
+            "POST",
+            "/v1/requests",
+            {"request_id": request_id, "peer_engine_id": peer.engine_id, "num_blocks": num_blocks},
+        )
         return status
 
     def drain(self) -> list[dict[str, Any]]:
@@ -79,12 +85,23 @@ class WorkerProcess:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
 
-def start_worker(role: str, token_file: Path, log_dir: Path, *extra: str,
-                 deadline_s: float = 60) -> WorkerProcess:
+def start_worker(
+    role: str, token_file: Path, log_dir: Path, *extra: str, deadline_s: float = 60
+) -> WorkerProcess:
     log_path = log_dir / f"{role}-{time.monotonic_ns()}.log"
     log = open(log_path, "w")  # noqa: SIM115 - owned by the child for its life
-    cmd = [sys.executable, "-m", "kvtopo_worker.emulated", "--role", role, "--port", "0",
-           "--token-file", str(token_file), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvtopo_worker.emulated",
+        "--role",
+        role,
+        "--port",
+        "0",
+        "--token-file",
+        str(token_file),
+        *extra,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
     assert proc.stdout is not None
     end = time.monotonic() + deadline_s
@@ -100,5 +117,6 @@ def start_worker(role: str, token_file: Path, log_dir: Path, *extra: str,
         proc.kill()
         raise RuntimeError(f"{role} worker did not start: {log_path.read_text()[-2000:]}")
     info = json.loads(line)
-    return WorkerProcess(role, proc, info["engine_id"], info["endpoint"],
-                         token_file.read_text().strip(), log_path)
+    return WorkerProcess(
+        role, proc, info["engine_id"], info["endpoint"], token_file.read_text().strip(), log_path
+    )
