@@ -48,27 +48,75 @@ from kvtopo_worker.transport import NixlTransport
 
 log = logging.getLogger(__name__)
 
-_MULT = 0x9E3779B97F4A7C15 - (1 << 64)  # odd 64-bit constant as a signed int64
+_MULT = 0x9E3779B97F4A7C15 - (1 << 64)  # odd 64-bit constants, as signed int64
+_STRIDE = 0x6A09E667F3BCC909
 
 
-def _seed(request_id: str, index: int) -> int:
-    digest = hashlib.blake2b(f"{request_id}/{index}".encode(), digest_size=8).digest()
+def _request_seed(request_id: str) -> int:
+    digest = hashlib.blake2b(request_id.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little", signed=True)
 
 
 class KVContent:
-    """Deterministic block content: word k of block i of request R is k * MULT + seed(R, i)."""
+    """Deterministic KV bytes: word w of the k-th block of request R is
+    w * MULT + seed(R) + k * STRIDE (int64, wrapping), so every byte depends on the request,
+    the block's position in it and the byte's offset.
+
+    Fill and check work in place on runs of adjacent blocks, in chunks that stay in the CPU
+    cache, so each costs one pass over the KV bytes in memory (the data path is what is
+    being measured, not this emulation)."""
+
+    CHUNK_BYTES = 1 << 20
 
     def __init__(self, block_len: int, device: torch.device) -> None:
         if block_len % 8:
             raise ValueError("block_len must be a multiple of 8 bytes")
-        self._ramp = torch.arange(block_len // 8, dtype=torch.int64, device=device) * _MULT
+        self.block_len = block_len
+        self._device = device
+        self._rows = max(1, self.CHUNK_BYTES // block_len)
+        ramp = torch.arange(block_len // 8, dtype=torch.int64, device=device) * _MULT
+        self._ramp = ramp.unsqueeze(0)  # (1, words)
+        self._scratch = torch.empty((self._rows, block_len // 8), dtype=torch.int64, device=device)
 
-    def fill(self, block: torch.Tensor, request_id: str, index: int) -> None:
-        torch.add(self._ramp, _seed(request_id, index), out=block.view(torch.int64))
+    def _runs(self, block_ids: list[int]) -> list[tuple[int, int, int]]:
+        """(position in request, first block, count) for chunks of adjacent block ids."""
+        runs: list[tuple[int, int, int]] = []
+        pos = 0
+        while pos < len(block_ids):
+            n = 1
+            while (
+                pos + n < len(block_ids)
+                and n < self._rows
+                and block_ids[pos + n] == block_ids[pos] + n
+            ):
+                n += 1
+            runs.append((pos, block_ids[pos], n))
+            pos += n
+        return runs
 
-    def matches(self, block: torch.Tensor, request_id: str, index: int) -> bool:
-        return bool(torch.equal(block.view(torch.int64), self._ramp + _seed(request_id, index)))
+    def _offsets(self, request_id: str, pos: int, n: int) -> torch.Tensor:
+        k = torch.arange(pos, pos + n, dtype=torch.int64, device=self._device) * _STRIDE
+        return (k + _request_seed(request_id)).unsqueeze(1)
+
+    def fill(self, kv: torch.Tensor, block_ids: list[int], request_id: str) -> None:
+        """Writes request `request_id`'s content into `block_ids` of the (N, block_len) cache."""
+        words = kv.view(torch.int64)
+        for pos, first, n in self._runs(block_ids):
+            torch.add(self._ramp, self._offsets(request_id, pos, n), out=words[first : first + n])
+
+    def mismatched_blocks(
+        self, kv: torch.Tensor, block_ids: list[int], request_id: str
+    ) -> list[int]:
+        """Positions (within the request) of blocks whose bytes are not what R's must be."""
+        words = kv.view(torch.int64)
+        bad: list[int] = []
+        for pos, first, n in self._runs(block_ids):
+            expected = self._scratch[:n]
+            torch.add(self._ramp, self._offsets(request_id, pos, n), out=expected)
+            if not torch.equal(words[first : first + n], expected):
+                rows = (words[first : first + n] == expected).all(dim=1)
+                bad.extend(pos + int(i) for i in torch.nonzero(~rows).flatten().tolist())
+        return bad
 
 
 @dataclass
@@ -191,8 +239,7 @@ class EmulatedEngine:
             self._requests[req.request_id] = _Request(req.request_id, req.peer_engine_id, blocks)
         try:
             if self.role == "prefill":
-                for i, b in enumerate(blocks):
-                    self.content.fill(self.kv[b], req.request_id, i)
+                self.content.fill(self.kv, blocks, req.request_id)
                 self.connector.request_send(req.request_id, blocks)
             else:
                 self.connector.request_receive(req.request_id, req.peer_engine_id, blocks)
@@ -253,11 +300,7 @@ class EmulatedEngine:
                 message="completion for an unknown request",
                 ended_at=now,
             )
-        bad = [
-            i
-            for i, b in enumerate(req.block_ids)
-            if not self.content.matches(self.kv[b], request_id, i)
-        ]
+        bad = self.content.mismatched_blocks(self.kv, req.block_ids, request_id)
         self._release(request_id)
         if bad:
             self.metrics.record_failure(

@@ -61,6 +61,10 @@ class PushConfig:
     # (an idle worker must cost well under 2% of a core) and is woken by new requests.
     waiting_poll_s: float = 0.0002
     idle_poll_s: float = 0.05
+    # With the progress thread off, a WRITE advances only while it is polled: poll in-flight
+    # transfers back to back for up to this long before looking at anything else.
+    transfer_poll_burst_s: float = 0.0005
+    deadline_check_s: float = 0.005  # how often timeouts and leases are checked
 
 
 @dataclass(frozen=True)
@@ -146,6 +150,7 @@ class PushConnector:
         self._threads: list[threading.Thread] = []
         self.requests_done = 0
         self.requests_failed = 0
+        self._next_deadline_check = 0.0
 
     # --- life cycle ----------------------------------------------------------------------
 
@@ -358,8 +363,13 @@ class PushConnector:
             self._on_notification(agent_name, data)
         if self.role == "prefill":
             self._start_matched_transfers()
-            self._poll_transfers()
-        self._expire(self._clock())
+            burst_end = time.monotonic() + self.config.transfer_poll_burst_s
+            while self._poll_transfers() == 0 and time.monotonic() < burst_end:
+                pass
+        now = self._clock()
+        if now >= self._next_deadline_check:
+            self._next_deadline_check = now + self.config.deadline_check_s
+            self._expire(now)
         with self._state_lock:
             if self._in_flight:
                 return "transferring"
@@ -443,14 +453,19 @@ class PushConnector:
                 handle, decode_id, agent, now + self.config.transfer_timeout_s, now, nbytes
             )
 
-    def _poll_transfers(self) -> None:
+    def _poll_transfers(self) -> int:
+        """Polls every WRITE in flight once; returns how many ended (or -1 if none in flight)."""
         with self._state_lock:
             items = list(self._in_flight.items())
+        if not items:
+            return -1
         now = self._clock()
+        ended = 0
         for rid, xfer in items:
             state = self.transport.poll(xfer.handle)
             if state == "PROC" and now < xfer.deadline:
                 continue
+            ended += 1
             with self._state_lock:
                 self._in_flight.pop(rid, None)
             try:
@@ -464,6 +479,7 @@ class PushConnector:
             else:
                 why = "WRITE failed" if state == "ERR" else "WRITE timed out"
                 self._fail_send(rid, FailureType.TRANSFER_FAILED, why, xfer.decode_engine_id)
+        return ended
 
     def _fail_send(
         self, request_id: str, reason: FailureType, message: str, tell_engine: str | None = None

@@ -212,6 +212,18 @@ class NixlTransport:
             finally:
                 self._agent.remove_remote_agent(agent_name)
 
+    # --- raw access for the benchmark's NIXL floor ---------------------------------------
+
+    @property
+    def raw_agent(self) -> Any:
+        """The underlying nixl_agent (benchmarks measure raw NIXL on the same descriptors)."""
+        return self._agent
+
+    def prepped_dlists(self, agent_name: str) -> tuple[Any, Any]:
+        """(local, remote) prepped descriptor lists over all blocks, for raw benchmarks."""
+        with self._lock:
+            return self._local_dlist, self._remotes[agent_name][0]
+
     def remote_names(self) -> list[str]:
         with self._lock:
             return sorted(self._remotes)

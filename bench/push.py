@@ -1,0 +1,344 @@
+"""`kvtopo bench push`: the push data path against raw NIXL and a torch copy, in one run.
+
+Owns the two-process benchmark: a prefill process and a decode process (spawned), each with
+a real NIXL agent (UCX) over a torch KV cache. For each case it measures, side by side:
+
+- raw NIXL: WRITEs of the same blocks with the same prepped descriptor lists, each request
+  waiting for its completion notification at the receiver, at every combination of
+  {NIXL progress thread on, off} x {1, 8 requests in flight}; the best is the floor;
+- the kvtopo push path: decode registers (PUSH_REG), prefill matches and WRITEs, decode gets
+  the completion and verifies every byte, through the real PushConnector, best of the same
+  progress-thread settings x {1, 8} requests in flight;
+- a torch copy of the same bytes in one process (the machine's limit).
+
+Throughput is bytes moved over wall time from the first submit to the last completion seen
+by the receiver (CLOCK_MONOTONIC is shared by both processes).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import time
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+CASES = ((2 * 1024 * 1024, 16), (32 * 1024, 64))
+WINDOWS = (1, 8)
+PUSH_WINDOWS = (1, 8, 16)
+EPOCH_BYTES = 1 << 30  # per side: each request of an epoch has blocks of its own
+
+
+@dataclass
+class CaseResult:
+    block_bytes: int
+    blocks_per_request: int
+    requests: int
+    raw_nixl_gbps: float
+    raw_config: str
+    push_gbps: float
+    push_config: str
+    ratio_push_vs_raw: float
+    verified: bool
+    raw_all: dict[str, float]
+    push_all: dict[str, float]
+
+
+def memcpy_gbps(request_bytes: int, slots: int, repeats: int) -> float:
+    """A torch copy of the bytes the transfers move, one request at a time between two
+    buffers of `slots` requests (as large as an epoch's KV, so caches help it no more than
+    they help NIXL); best of `repeats` passes."""
+    import torch
+
+    src = torch.randint(0, 255, (slots, request_bytes), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for i in range(slots):
+            dst[i].copy_(src[i])
+        best = max(best, slots * request_bytes / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+# --- the peer processes ------------------------------------------------------------------
+#
+# A run is a sequence of epochs. In each epoch every request has blocks of its own on both
+# sides (so a stale or misdirected byte cannot pass verification, and raw NIXL gets no
+# cache advantage from a small ring); between epochs, with the clock stopped, the prefill
+# side computes the next epoch's KV (fills it) and the decode side verifies every byte of
+# the last epoch. The clock runs only while requests move: for raw NIXL from the first
+# WRITE to the last completion notification, for push from the first submit to the last
+# completion, both as seen across the two processes (CLOCK_MONOTONIC is system-wide).
+
+
+def _peer_main(
+    role: str, conn: Connection, block_len: int, num_blocks: int, progress: bool
+) -> None:
+    """One side of the benchmark; obeys commands from the parent over `conn`."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    from kvtopo_worker.emulated import KVContent
+    from kvtopo_worker.metrics import WorkerMetrics
+    from kvtopo_worker.push import PushConfig, PushConnector
+    from kvtopo_worker.registry import EngineRegistry
+    from kvtopo_worker.transport import NixlTransport
+
+    torch.set_num_threads(1)
+    engine_id = f"bench-{role}-{os.getpid()}"
+    transport = NixlTransport(f"kvtopo-{engine_id}", progress_thread=progress)
+    kv = torch.zeros((num_blocks, block_len), dtype=torch.uint8)
+    transport.register_kv_cache(kv)
+    conn.send((engine_id, transport.agent_metadata(), transport.serialized_block_descs()))
+    peer_id, peer_meta, peer_descs = conn.recv()
+    peer_agent = transport.add_remote(peer_meta, peer_descs, num_blocks, block_len)
+    content = KVContent(block_len, kv.device)
+    try:
+        while True:
+            cmd = conn.recv()
+            if cmd[0] == "stop":
+                return
+            mode, window, epoch_requests, epochs, per_req = cmd
+            connector = None
+            if mode == "push":
+                registry = EngineRegistry(remove_agent=lambda name: None)
+                registry.add_engine(peer_id, {0: peer_agent})
+                connector = PushConnector(
+                    engine_id=engine_id,
+                    role="prefill" if role == "sender" else "decode",  # type: ignore[arg-type]
+                    transport=transport,
+                    registry=registry,
+                    metrics=WorkerMetrics(),
+                    config=PushConfig(registration_timeout_s=60, kv_lease_s=60),
+                    block_len=block_len,
+                )
+                connector.start()
+            try:
+                for epoch in range(epochs):
+                    ids = [f"{mode}-{window}-{epoch}-{i}" for i in range(epoch_requests)]
+                    slots = [list(range(i * per_req, (i + 1) * per_req)) for i in range(len(ids))]
+                    if role == "sender" and mode == "push":
+                        for rid, blocks in zip(ids, slots, strict=True):
+                            content.fill(kv, blocks, rid)
+                    conn.send("ready")
+                    conn.recv()  # go
+                    if connector is None:
+                        times = _raw_epoch(role, transport, peer_agent, window, slots)
+                    else:
+                        times = _push_epoch(role, connector, peer_id, window, ids, slots)
+                    if role == "receiver" and mode == "push":
+                        done_ids = times.pop("done_ids")
+                        times["verified"] = sum(
+                            1
+                            for rid, blocks in zip(ids, slots, strict=True)
+                            if rid in done_ids and not content.mismatched_blocks(kv, blocks, rid)
+                        )
+                    conn.send(times)
+            finally:
+                if connector is not None:
+                    connector.stop()
+    finally:
+        transport.close()
+
+
+def _raw_epoch(
+    role: str, transport: Any, peer_agent: str, window: int, slots: list[list[int]]
+) -> dict[str, Any]:
+    """Raw NIXL: WRITE each request's blocks with a completion notification."""
+    agent = transport.raw_agent
+    local, remote = transport.prepped_dlists(peer_agent)
+    if role == "receiver":
+        seen = 0
+        while seen < len(slots):
+            for msgs in agent.get_new_notifs().values():
+                seen += len(msgs)
+        return {"t_end": time.monotonic()}
+    t0 = time.monotonic()
+    in_flight: list[Any] = []
+    for i, blocks in enumerate(slots):
+        handle = agent.make_prepped_xfer("WRITE", local, blocks, remote, blocks, str(i).encode())
+        if agent.transfer(handle) == "ERR":
+            raise RuntimeError("raw WRITE failed to post")
+        in_flight.append(handle)
+        while len(in_flight) >= window or (i == len(slots) - 1 and in_flight):
+            still = []
+            for h in in_flight:
+                state = agent.check_xfer_state(h)
+                if state == "PROC":
+                    still.append(h)
+                    continue
+                agent.release_xfer_handle(h)
+                if state != "DONE":
+                    raise RuntimeError(f"raw WRITE ended {state}")
+            in_flight = still
+    return {"t_start": t0}
+
+
+def _push_epoch(
+    role: str, connector: Any, peer_id: str, window: int, ids: list[str], slots: list[list[int]]
+) -> dict[str, Any]:
+    """The push path from the engine thread's side, `window` requests in flight."""
+    t0 = time.monotonic()
+    submitted = ended = 0
+    done: set[str] = set()
+    failed = 0
+    while ended < len(ids):
+        while submitted < len(ids) and submitted - ended < window:
+            if role == "sender":
+                connector.request_send(ids[submitted], slots[submitted])
+            else:
+                connector.request_receive(ids[submitted], peer_id, slots[submitted])
+            submitted += 1
+        fin = connector.get_finished()
+        finished = fin.done_sending if role == "sender" else fin.done_receiving
+        done.update(finished)
+        failed += len(fin.failed)
+        ended += len(finished) + len(fin.failed)
+        if not (finished or fin.failed):
+            connector.wait_finished(0.001)
+    if role == "sender":
+        return {"t_start": t0, "failed": failed}
+    return {"t_end": time.monotonic(), "failed": failed, "done_ids": done}
+
+
+# --- the parent --------------------------------------------------------------------------
+
+
+class _Pair:
+    def __init__(self, block_len: int, num_blocks: int, progress: bool) -> None:
+        ctx = mp.get_context("spawn")
+        self.conns: dict[str, Connection] = {}
+        self.procs = []
+        for role in ("sender", "receiver"):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_peer_main, args=(role, child, block_len, num_blocks, progress), daemon=True
+            )
+            proc.start()
+            self.conns[role] = parent
+            self.procs.append(proc)
+        s, r = self.conns["sender"], self.conns["receiver"]
+        s_info, r_info = s.recv(), r.recv()
+        s.send(r_info)
+        r.send(s_info)
+
+    def run(
+        self, mode: str, window: int, epoch_requests: int, epochs: int, per_req: int
+    ) -> dict[str, Any]:
+        """Runs all epochs; returns the summed clock time, failures and verified count."""
+        s, r = self.conns["sender"], self.conns["receiver"]
+        for c in (r, s):
+            c.send((mode, window, epoch_requests, epochs, per_req))
+        seconds = 0.0
+        failed = verified = 0
+        for _ in range(epochs):
+            for c in (r, s):
+                if c.recv() != "ready":
+                    raise RuntimeError("benchmark peer out of step")
+            for c in (r, s):
+                c.send("go")
+            st, rt = s.recv(), r.recv()
+            seconds += rt["t_end"] - st["t_start"]
+            failed += st.get("failed", 0) + rt.get("failed", 0)
+            verified += rt.get("verified", 0)
+        return {"seconds": seconds, "failed": failed, "verified": verified}
+
+    def close(self) -> None:
+        for c in self.conns.values():
+            c.send(("stop",))
+        for p in self.procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+
+
+def run_case(block_len: int, per_req: int, requests: int, repeats: int, log: Any) -> CaseResult:
+    request_bytes = block_len * per_req
+    epoch_requests = max(2 * max(PUSH_WINDOWS), min(requests, EPOCH_BYTES // request_bytes))
+    epochs = max(1, round(requests / epoch_requests))
+    total = epoch_requests * epochs
+    nbytes = request_bytes * total
+    raw: dict[str, float] = {}
+    push: dict[str, float] = {}
+    verified = True
+    for progress in (False, True):
+        pair = _Pair(block_len, per_req * epoch_requests, progress)
+        try:
+            tag = f"progress_thread={'on' if progress else 'off'}"
+            # Raw and push alternate, and each configuration runs `repeats` times (best kept),
+            # so a burst of load from elsewhere on a shared machine hits both alike.
+            for _ in range(repeats):
+                for window in sorted({*WINDOWS, *PUSH_WINDOWS}):
+                    key = f"{tag},in_flight={window}"
+                    if window in WINDOWS:
+                        res = pair.run("raw", window, epoch_requests, epochs, per_req)
+                        raw[key] = max(raw.get(key, 0.0), nbytes / res["seconds"] / 1e9)
+                    if window in PUSH_WINDOWS:
+                        res = pair.run("push", window, epoch_requests, epochs, per_req)
+                        verified &= res["verified"] == total and res["failed"] == 0
+                        push[key] = max(push.get(key, 0.0), nbytes / res["seconds"] / 1e9)
+            for key in sorted(raw.keys() | push.keys()):
+                if key.startswith(tag):
+                    log(
+                        f"  {block_len // 1024} KiB x {per_req}, {key}: "
+                        f"raw {raw.get(key, float('nan')):.2f} GB/s, "
+                        f"push {push.get(key, float('nan')):.2f} GB/s"
+                    )
+        finally:
+            pair.close()
+    raw_key = max(raw, key=lambda k: raw[k])
+    push_key = max(push, key=lambda k: push[k])
+    return CaseResult(
+        block_bytes=block_len,
+        blocks_per_request=per_req,
+        requests=total,
+        raw_nixl_gbps=round(raw[raw_key], 3),
+        raw_config=raw_key,
+        push_gbps=round(push[push_key], 3),
+        push_config=push_key,
+        ratio_push_vs_raw=round(push[push_key] / raw[raw_key], 3),
+        verified=verified,
+        raw_all={k: round(v, 3) for k, v in raw.items()},
+        push_all={k: round(v, 3) for k, v in push.items()},
+    )
+
+
+def run(json_path: Path | None, quick: bool, log: Any = print) -> dict[str, Any]:
+    """Runs every case; writes the JSON report when `json_path` is given."""
+    requests, repeats = (100, 2) if quick else (300, 3)
+    log(f"kvtopo bench push: {requests} requests per configuration, 2 processes, NIXL UCX")
+    memcpy = min(memcpy_gbps(bl * n, max(4, (256 << 20) // (bl * n)), 3) for bl, n in CASES)
+    log(f"  torch copy (the machine's limit): {memcpy:.2f} GB/s")
+    cases = [run_case(bl, n, requests, repeats, log) for bl, n in CASES]
+    report = {
+        "benchmark": "push",
+        "quick": quick,
+        "cpu_count": os.cpu_count(),
+        "memcpy_gbps": round(memcpy, 3),
+        "cases": [asdict(c) for c in cases],
+    }
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def format_table(report: dict[str, Any]) -> str:
+    rows = [
+        "| case | requests | raw NIXL GB/s (config) | push GB/s (config) | push/raw | push/memcpy "
+        "| verified |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in report["cases"]:
+        rows.append(
+            f"| {c['block_bytes'] // 1024} KiB x {c['blocks_per_request']} | {c['requests']} "
+            f"| {c['raw_nixl_gbps']:.2f} ({c['raw_config']}) "
+            f"| {c['push_gbps']:.2f} ({c['push_config']}) | {c['ratio_push_vs_raw']:.2f} "
+            f"| {c['push_gbps'] / report['memcpy_gbps']:.2f} | {c['verified']} |"
+        )
+    rows.append(f"\ntorch copy of the same bytes: {report['memcpy_gbps']:.2f} GB/s")
+    return "\n".join(rows)
