@@ -452,11 +452,16 @@ class PushConnector:
             self._in_flight[rid] = _InFlight(
                 handle, decode_id, agent, now + self.config.transfer_timeout_s, now, nbytes
             )
+        # Shared-memory WRITEs often finish inside the post: collect them right away.
+        self._poll_transfers([rid])
 
-    def _poll_transfers(self) -> int:
-        """Polls every WRITE in flight once; returns how many ended (or -1 if none in flight)."""
+    def _poll_transfers(self, only: list[str] | None = None) -> int:
+        """Polls WRITEs in flight (all, or `only`) once; returns how many ended, -1 if none."""
         with self._state_lock:
-            items = list(self._in_flight.items())
+            if only is None:
+                items = list(self._in_flight.items())
+            else:
+                items = [(r, self._in_flight[r]) for r in only if r in self._in_flight]
         if not items:
             return -1
         now = self._clock()

@@ -263,9 +263,11 @@ class NixlTransport:
             if entry is None:
                 raise TransportError(f"agent {agent_name} is not (or no longer) added", "not_found")
             remote_dlist, remote = entry
-            if any(not 0 <= b < remote.num_blocks for b in remote_block_ids):
+            if not local_block_ids:
+                raise TransportError("a WRITE needs at least one block")
+            if min(remote_block_ids) < 0 or max(remote_block_ids) >= remote.num_blocks:
                 raise TransportError(f"block id outside peer's {remote.num_blocks} blocks")
-            if any(not 0 <= b < self._num_blocks for b in local_block_ids):
+            if min(local_block_ids) < 0 or max(local_block_ids) >= self._num_blocks:
                 raise TransportError(f"block id outside our {self._num_blocks} blocks")
             handle: XferHandle = None
             try:

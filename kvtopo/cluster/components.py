@@ -141,6 +141,13 @@ def controller_manager_argv(binary: Path, layout: ControlPlaneLayout) -> list[st
         "--controllers=*",
         # One instance only: skipping the Lease election saves seconds at every start.
         "--leader-elect=false",
+        # New nodes carry the not-ready taint until the node lifecycle controller's next
+        # pass sees them Ready: every 1 s instead of 5 s shortens tier-b start-up by ~4 s.
+        "--node-monitor-period=1s",
+        # With per-controller credentials, start-up creates ~40 ServiceAccounts and tokens;
+        # the default client rate limit (20 qps) stretches that to seconds.
+        "--kube-api-qps=200",
+        "--kube-api-burst=400",
     ]
 
 

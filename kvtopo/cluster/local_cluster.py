@@ -65,7 +65,9 @@ Tier = Literal["a", "b"]
 TIERS: tuple[Tier, ...] = ("a", "b")
 
 STATE_FILE = "state.json"
-TMPFS = Path("/dev/shm")
+TMPFS = Path("/dev/shm")  # noqa: S108 - etcd data goes into a private mkdtemp() folder
+ETCD_DATA_PREFIX = "kvtopo-etcd-"
+ORPHAN_MIN_AGE_S = 300.0
 # Deadlines for readiness: far above the warm start times (seconds) so a loaded 2-core
 # machine does not fail spuriously, far below pytest's per-test timeout.
 READY_TIMEOUT_S: dict[Tier, float] = {"a": 90.0, "b": 150.0}
@@ -189,8 +191,8 @@ def stop_cluster(directory: Path, progress: Progress = _quiet) -> bool:
     if state is None:
         return False
     alive = state.alive()
-    for record in reversed(alive):
-        progress(f"stopping {record.name} (pid {record.pid})")
+    if alive:
+        progress("stopping " + ", ".join(f"{r.name} (pid {r.pid})" for r in alive))
     killed = stop_components(alive)
     for name in killed:
         progress(f"{name} ignored SIGTERM and was killed")
@@ -208,9 +210,35 @@ def _free_loopback_ports(count: int) -> list[int]:
         return [sock.getsockname()[1] for sock in sockets]
 
 
+def _in_use_by_live_process(path: Path) -> bool:
+    needle = str(path).encode()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if needle in (entry / "cmdline").read_bytes():
+                    return True
+    return False
+
+
+def sweep_orphaned_etcd_data(min_age_s: float = ORPHAN_MIN_AGE_S) -> list[Path]:
+    """Delete tmpfs etcd folders no live process uses: left by runs killed outright (their
+    components die with them, but nobody is left to clean up). Folders younger than
+    ``min_age_s`` are spared: another cluster may be about to start its etcd there."""
+    removed: list[Path] = []
+    for path in TMPFS.glob(f"{ETCD_DATA_PREFIX}*"):
+        with contextlib.suppress(OSError):
+            young = time.time() - path.stat().st_mtime < min_age_s
+            if young or _in_use_by_live_process(path):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 def _etcd_data_dir(directory: Path) -> Path:
     if TMPFS.is_dir() and os.access(TMPFS, os.W_OK):
-        return Path(tempfile.mkdtemp(prefix="kvtopo-etcd-", dir=TMPFS))
+        sweep_orphaned_etcd_data()
+        return Path(tempfile.mkdtemp(prefix=ETCD_DATA_PREFIX, dir=TMPFS))
     fallback = directory / "etcd-data"
     shutil.rmtree(fallback, ignore_errors=True)
     return fallback
@@ -219,8 +247,8 @@ def _etcd_data_dir(directory: Path) -> Path:
 class LocalCluster:
     """One local control plane in ``directory``: ``up(tier)``, ``down()``, or ``with``.
 
-    ``die_with_parent`` ties the components to this Python process (they get SIGTERM if it
-    dies, even by SIGKILL): right for tests; ``kvtopo cluster up`` turns it off to leave the
+    ``die_with_parent`` ties the components to this Python process (the kernel kills them
+    when it dies, even by SIGKILL): right for tests; ``kvtopo cluster up`` turns it off to leave the
     cluster running detached.
     """
 
@@ -244,7 +272,8 @@ class LocalCluster:
         self._layout: ControlPlaneLayout | None = None
         self._binaries: ControlPlaneBinaries | None = None
         self._processes: list[ComponentProcess] = []
-        self._api: AdminApi | None = None
+        self._logs: dict[str, Path] = {}  # kept after down(), for failure reports
+        self._owns_directory = False
 
     # -- what callers use -------------------------------------------------------------
 
@@ -270,7 +299,7 @@ class LocalCluster:
 
     @property
     def logs(self) -> dict[str, Path]:
-        return {process.name: process.log for process in self._processes}
+        return dict(self._logs)
 
     @property
     def fake_node_names(self) -> list[str]:
@@ -390,9 +419,10 @@ class LocalCluster:
             for process in started:
                 process.reap()
             self._processes = []
-            if self._layout is not None:
+            if self._layout is not None and self._owns_directory:
                 _remove_etcd_data(str(self._layout.etcd_data))
                 (self.directory / STATE_FILE).unlink(missing_ok=True)
+            self._owns_directory = False
             self.ready_s = None
 
     # -- start-up ---------------------------------------------------------------------
@@ -410,12 +440,13 @@ class LocalCluster:
             pki=ClusterPki(self.directory / "pki"),
         )
         self._layout = layout
+        self._owns_directory = True  # until down(): the state file and tmpfs data are ours
         shutil.rmtree(self.directory / "logs", ignore_errors=True)
         shutil.rmtree(self.directory / "kubectl-cache", ignore_errors=True)
         issue_cluster_pki(layout.pki.directory)
         write_admin_kubeconfig(layout.pki, layout.admin_kubeconfig, layout.server_url)
         api = AdminApi(layout.pki, components.LOOPBACK, layout.ports.apiserver)
-        self._api = api
+        self._logs = {}
 
         self.progress(f"starting etcd and kube-apiserver (tier {self.tier}) in {self.directory}")
         self._launch("etcd", components.etcd_argv(binaries.etcd, layout))
@@ -424,7 +455,8 @@ class LocalCluster:
             components.apiserver_argv(binaries.kube_apiserver, layout, self.tier),
         )
         self._wait("kube-apiserver /readyz", deadline, lambda: api.is_healthy("/readyz"))
-        self.progress(f"kube-apiserver ready at {layout.server_url} ({time.monotonic() - t0:.1f} s)")
+        elapsed = time.monotonic() - t0
+        self.progress(f"kube-apiserver ready at {layout.server_url} ({elapsed:.1f} s)")
 
         if self.tier == "b":
             self._start_tier_b(binaries, layout, api, deadline)
@@ -446,7 +478,9 @@ class LocalCluster:
         server = layout.server_url
         # The components' own identities, which the bootstrap RBAC policy grants their rights.
         write_client_kubeconfig(
-            layout.pki, layout.controller_manager_kubeconfig, server,
+            layout.pki,
+            layout.controller_manager_kubeconfig,
+            server,
             "system:kube-controller-manager",
         )
         write_client_kubeconfig(
@@ -458,9 +492,7 @@ class LocalCluster:
             "kube-controller-manager",
             components.controller_manager_argv(binaries.kube_controller_manager, layout),
         )
-        self._launch(
-            "kube-scheduler", components.scheduler_argv(binaries.kube_scheduler, layout)
-        )
+        self._launch("kube-scheduler", components.scheduler_argv(binaries.kube_scheduler, layout))
         self._launch("kwok", components.kwok_argv(binaries.kwok, layout))
         for name in self.fake_node_names:
             api.create("/api/v1/nodes", fake_node_manifest(name))
@@ -469,8 +501,10 @@ class LocalCluster:
         self._wait(
             "kube-controller-manager and kube-scheduler /healthz",
             deadline,
-            lambda: api.is_healthy("/healthz", port=kcm_port)
-            and api.is_healthy("/healthz", port=scheduler_port),
+            lambda: (
+                api.is_healthy("/healthz", port=kcm_port)
+                and api.is_healthy("/healthz", port=scheduler_port)
+            ),
         )
         selector = quote(f"{FAKE_NODE_LABEL[0]}={FAKE_NODE_LABEL[1]}")
 
@@ -483,8 +517,10 @@ class LocalCluster:
         self._wait(
             "the default ServiceAccount in namespace default",
             deadline,
-            lambda: api.request("GET", "/api/v1/namespaces/default/serviceaccounts/default").status
-            == 200,
+            lambda: (
+                api.request("GET", "/api/v1/namespaces/default/serviceaccounts/default").status
+                == 200
+            ),
         )
 
     def _launch(self, name: str, argv: list[str]) -> None:
@@ -492,6 +528,7 @@ class LocalCluster:
             name, argv, self.layout.log(name), die_with_parent=self.die_with_parent
         )
         self._processes.append(process)
+        self._logs[name] = process.log
         process.start()
         # Recorded at once, so `kvtopo cluster down` elsewhere can stop a half-started cluster.
         self.state().save(self.directory)

@@ -12,6 +12,7 @@ Called by :mod:`kvtopo.cluster.local_cluster`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -88,10 +89,8 @@ class ProcessRecord:
 def _signal_group(record: ProcessRecord, sig: signal.Signals) -> None:
     if not record.is_alive():
         return
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(record.pid, sig)  # the component leads its own group: pgid == pid
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _wait_gone(records: list[ProcessRecord], deadline: float) -> list[ProcessRecord]:
@@ -147,10 +146,11 @@ class ComponentProcess:
         argv = list(self.argv)
         setpriv = shutil.which("setpriv")
         if self.die_with_parent and setpriv:
-            # The kernel sends SIGTERM when this Python process dies, even by SIGKILL, so a
-            # killed test run leaves no control plane behind. setpriv execs the component,
-            # so the pid (and the process group) stay the component's own.
-            argv = [setpriv, "--pdeathsig", "TERM", "--", *argv]
+            # The kernel sends SIGKILL when this Python process dies (even by SIGKILL), so a
+            # killed test run leaves no control plane behind. KILL, not TERM: with etcd gone
+            # too, kube-apiserver's graceful shutdown would hang on etcd for long seconds.
+            # setpriv execs the component: the pid and process group stay the component's.
+            argv = [setpriv, "--pdeathsig", "KILL", "--", *argv]
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("ab") as log:
             try:
@@ -194,7 +194,5 @@ class ComponentProcess:
     def reap(self) -> None:
         """Collect the exit status once the process is gone (no zombie left behind)."""
         if self._popen is not None:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self._popen.wait(timeout=KILL_GRACE_S)
-            except subprocess.TimeoutExpired:
-                pass

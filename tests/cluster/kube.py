@@ -1,0 +1,61 @@
+"""Small kubectl helpers for the control-plane tests (JSON reads, waits on real state)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from kvtopo.cluster.deadlines import wait_until
+from kvtopo.cluster.local_cluster import LocalCluster
+
+
+def get_json(cluster: LocalCluster, *args: str) -> Any:
+    return json.loads(cluster.kubectl("get", *args, "-o", "json").stdout)
+
+
+def apply(cluster: LocalCluster, manifest: dict[str, Any] | str) -> str:
+    text = manifest if isinstance(manifest, str) else json.dumps(manifest)
+    return cluster.kubectl("apply", "-f", "-", input=text).stdout
+
+
+def unique_name(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:6]}"
+
+
+def create_namespace(cluster: LocalCluster, prefix: str, *, wait_for_sa: bool) -> str:
+    """A fresh namespace; on tier b wait for its `default` ServiceAccount, without which
+    the ServiceAccount admission plugin refuses every pod in it."""
+    name = unique_name(prefix)
+    cluster.kubectl("create", "namespace", name)
+    if wait_for_sa:
+        wait_until(
+            lambda: (
+                cluster.kubectl("get", "sa", "default", "-n", name, check=False).returncode == 0
+            ),
+            30,
+            f"ServiceAccount default in {name}",
+        )
+    return name
+
+
+def pods(cluster: LocalCluster, namespace: str, selector: str) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = get_json(cluster, "pods", "-n", namespace, "-l", selector)[
+        "items"
+    ]
+    return items
+
+
+def is_ready(pod: dict[str, Any]) -> bool:
+    conditions = pod.get("status", {}).get("conditions", [])
+    return pod.get("status", {}).get("phase") == "Running" and any(
+        c["type"] == "Ready" and c["status"] == "True" for c in conditions
+    )
+
+
+def condition(obj: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    for item in obj.get("status", {}).get("conditions", []):
+        if item.get("type") == kind:
+            result: dict[str, Any] = item
+            return result
+    return None
