@@ -25,7 +25,7 @@ venv:
 	if [ "$$(cat $(STAMP) 2>/dev/null)" != "$$want" ]; then \
 	  echo "[make] installing kvtopo[worker,dev] into $(VENV) (first time: torch and nixl, several GB, minutes)"; \
 	  $(PY) -m pip install --progress-bar off -q --upgrade pip && \
-	  $(PY) -m pip install --progress-bar off -e '.[worker,dev]' && echo "$$want" > $(STAMP); \
+	  $(PY) -m pip install --progress-bar off -q -e '.[worker,dev]' && echo "$$want" > $(STAMP); \
 	fi
 
 toolchain:

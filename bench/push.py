@@ -109,7 +109,7 @@ def _peer_main(
                 registry.add_engine(peer_id, {0: peer_agent})
                 connector = PushConnector(
                     engine_id=engine_id,
-                    role="prefill" if role == "sender" else "decode",  # type: ignore[arg-type]
+                    role="prefill" if role == "sender" else "decode",
                     transport=transport,
                     registry=registry,
                     metrics=WorkerMetrics(),

@@ -46,12 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--quick", action="store_true", help="fewer requests and repeats")
     push.set_defaults(func=_bench_push)
 
-    try:
-        from kvtopo.cluster.cli import add_cluster_parser
-    except ImportError:  # pragma: no cover - the cluster package is part of the install
-        pass
-    else:
-        add_cluster_parser(verbs)
+    from kvtopo.cluster.cli import add_cluster_parser, run_cluster
+
+    add_cluster_parser(verbs).set_defaults(func=run_cluster)
     return parser
 
 

@@ -1,1 +1,1 @@
-"""kvtopo operator: watches engine pods and keeps each KVTopology connected, evicting stale engines."""
+"""kvtopo operator: watches engine pods, keeps each KVTopology connected, evicts stale engines."""
