@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvtopo-installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv toolchain lint test test-fast demo bench crds clean-cache
+.PHONY: help venv toolchain lint test test-fast demo bench clean-cache
 
 help:
 	@echo "make demo    run the rollout churn drill on a local control plane"
@@ -48,14 +48,15 @@ test: venv toolchain lint
 test-fast: venv lint
 	$(PY) -m pytest -q -ra -m "not cluster" $(PYTEST_ARGS)
 
-demo: venv toolchain
-	$(VENV)/bin/kvtopo drill --json out/drill.json --plot out/drill.png
+# Until the rollout churn drill lands (`kvtopo drill`), the demo is the push data path.
+demo: venv
+	@mkdir -p out
+	$(VENV)/bin/kvtopo bench push --quick --json out/push-demo.json
+	@echo "report: out/push-demo.json"
 
-bench: venv toolchain
+bench: venv
+	@mkdir -p bench/results
 	$(VENV)/bin/kvtopo bench push --json bench/results/push.json
-
-crds: venv
-	$(VENV)/bin/kvtopo crds > crds/kvtopology.yaml
 
 clean-cache:
 	rm -rf $(KVTOPO_CACHE)
