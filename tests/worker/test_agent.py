@@ -12,12 +12,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvtopo_worker.agent import ControlServer, LocalEngine, TokenSource
 from kvtopo_worker.metrics import WorkerMetrics
-from kvtopo_worker.protocol import CompatInfo, EngineMetadata, compat_hash
+from kvtopo_worker.protocol import CompatInfo, EngineMetadata, Envelope, compat_hash
 from kvtopo_worker.registry import EngineRegistry
 
 from tests.worker.fakes import FakeTransport
@@ -215,3 +216,71 @@ def test_token_file_is_reread_when_it_changes(tmp_path: Path) -> None:
     assert src.current() == "two"
     with pytest.raises(ValueError, match="cannot read the worker token file"):
         TokenSource(path=tmp_path / "missing")
+
+
+class _GarbagePeer:
+    """A peer whose control API serves whatever bytes the test sets as its metadata."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.payload = b""
+        peer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(peer.payload)))
+                self.end_headers()
+                self.wfile.write(peer.payload)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def garbage_peer() -> Iterator[_GarbagePeer]:
+    peer = _GarbagePeer()
+    yield peer
+    peer.close()
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.one_of(
+        st.binary(max_size=300),
+        st.builds(
+            lambda meta, version, h: msgspec.msgpack.encode(
+                Envelope(version, h, msgspec.Raw(meta))
+            ),
+            st.binary(max_size=100),
+            st.integers(min_value=0, max_value=3),
+            st.text(max_size=20),
+        ),
+    )
+)
+def test_garbage_and_mismatched_metadata_is_refused_and_counted(
+    pair: tuple[Node, Node], garbage_peer: _GarbagePeer, payload: bytes
+) -> None:
+    _, d = pair
+    garbage_peer.payload = payload
+    before = sum(d.server.metrics.failure_counts().values())
+    status, body = call(
+        "PUT", f"{d.url}/v1/peers/pre-g", {"endpoint": garbage_peer.endpoint, "role": "prefill"}
+    )
+    assert status in (409, 502), body
+    assert body["error"] in ("handshake_failed", "incompatible")
+    assert sum(d.server.metrics.failure_counts().values()) == before + 1
+    assert d.registry.engine_ids() == [] and d.transport.remotes == set()
+    assert urllib.request.urlopen(d.url + "/healthz", timeout=5).status == 200

@@ -163,3 +163,56 @@ def test_idle_worker_uses_under_two_percent_of_a_core(
     for w in (p, d):
         share = (w.cpu_seconds() - before[w.role]) / elapsed
         assert share < 0.02, f"idle {w.role} worker used {share:.1%} of a core"
+
+
+def test_garbage_notifications_over_nixl_are_counted_and_survived(
+    pair: tuple[WorkerProcess, WorkerProcess], tmp_path: Path
+) -> None:
+    """A peer that speaks NIXL but sends garbage: the workers count it and keep serving."""
+    import urllib.request as rq
+
+    from kvtopo_worker.protocol import REG_PREFIX, decode_metadata
+    from kvtopo_worker.transport import NixlTransport
+
+    p, d = pair
+    import torch
+
+    rogue = NixlTransport("kvtopo-rogue", progress_thread=False)
+    try:
+        rogue.register_kv_cache(torch.zeros((4, BLOCK), dtype=torch.uint8))
+        targets = []
+        for w in (p, d):
+            req = rq.Request(w.url + "/v1/metadata", headers={"Authorization": f"Bearer {w.token}"})
+            raw = rq.urlopen(req, timeout=10).read()
+            meta = decode_metadata(raw, w.state()["compat_hash"])
+            targets.append(
+                rogue.add_remote(
+                    meta.agent_metadata, meta.kv_descs, meta.num_blocks, meta.block_len
+                )
+            )
+        garbage = [
+            b"",
+            b"\x00" * 32,
+            REG_PREFIX + b"\xff\xfe",
+            b"PUSH_DONE:\x93\x01\x02",
+            REG_PREFIX + b"\x85" + b"\xa1x" * 5,
+            b"PUSH_FAIL:not msgpack",
+        ]
+        for agent in targets:
+            for g in garbage:
+                rogue.send_notif(agent, g)
+        deadline = time.monotonic() + 10
+        counts: dict[str, int] = {}
+        while time.monotonic() < deadline:
+            rogue.get_notifs()  # drive our side's progress (progress thread off)
+            counts = {w.role: w.state()["failures"].get("malformed_message", 0) for w in (p, d)}
+            if all(c >= len(garbage) for c in counts.values()):
+                break
+            time.sleep(0.05)
+        assert counts == {"prefill": len(garbage), "decode": len(garbage)}
+    finally:
+        rogue.close()
+    # Both still serve real traffic afterwards.
+    submitted, ended = stream(p, d, 20)
+    assert ended == set(submitted) and len(submitted) == 20
+    assert all(o["status"] == "done" for o in d.outcomes)
