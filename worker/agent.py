@@ -278,6 +278,7 @@ class ControlServer:
             requests_failed=failed,
             requests_in_flight=in_flight,
             started_at=self.engine.started_at,
+            last_failure=self.metrics.last_failure,
         )
 
     async def _get_state(self, request: web.Request) -> web.Response:

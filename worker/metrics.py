@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter as _Tally
 from collections.abc import Mapping
 
-from kvtopo_worker.protocol import FailureType
+from kvtopo_worker.protocol import FailureRecord, FailureType
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 log = logging.getLogger("kvtopo_worker.failures")
@@ -26,6 +27,7 @@ class WorkerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self._lock = threading.Lock()
         self._failures: _Tally[str] = _Tally()
+        self.last_failure: FailureRecord | None = None
         self.failures_total = Counter(
             "kvtopo_worker_failures",
             "Failures by type (transfer, notification, handshake, timeout, bad input).",
@@ -78,8 +80,16 @@ class WorkerMetrics:
         self, failure: FailureType, context: Mapping[str, object], *, level: int = logging.WARNING
     ) -> None:
         """Counts a failure and logs it once, in one structured line."""
+        record = FailureRecord(
+            time=time.time(),
+            type=failure,
+            request_id=str(context.get("request_id", ""))[:256],
+            engine_id=str(context.get("engine_id", ""))[:256],
+            message=str(context.get("msg", ""))[:512],
+        )
         with self._lock:
             self._failures[failure.value] += 1
+            self.last_failure = record
         self.failures_total.labels(failure.value).inc()
         log.log(level, "kvtopo transfer failure: %s | context: %s", failure.value, dict(context))
 

@@ -281,6 +281,16 @@ class PeerState(msgspec.Struct, frozen=True, kw_only=True):
     idle_s: float
 
 
+class FailureRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """The most recent failure a worker recorded (wall-clock time)."""
+
+    time: float
+    type: FailureType
+    request_id: str = ""
+    engine_id: str = ""
+    message: str = ""
+
+
 class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
     """`GET /v1/state`: what the operator gathers from each worker."""
 
@@ -294,6 +304,7 @@ class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
     requests_failed: int
     requests_in_flight: int
     started_at: float
+    last_failure: FailureRecord | None = None
 
 
 class SubmitRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
