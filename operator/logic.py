@@ -1,0 +1,508 @@
+"""The operator's pure decisions: observed state and time in, a plan and a status out.
+
+Owns `evaluate()`: which prefill/decode pairs must be connected, which engines are gone
+(pod deleted, not Ready, replaced, or restarted with a new engine id), when a gone engine
+is evicted from its peers (after `eviction.graceSeconds`), which pairs are incompatible,
+how worker failure counters accumulate into totals that survive restarts, and the whole
+status (conditions, summary, engines). No I/O, no clock of its own: the same observed state
+and time always give the same plan. Called by `kvtopo_operator.reconcile`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+from kvtopo_operator.api import (
+    MAX_ENGINES_IN_STATUS,
+    Condition,
+    ConditionType,
+    EngineState,
+    EngineStatus,
+    Failures,
+    KVTopologySpec,
+    KVTopologyStatus,
+    LabelSelector,
+    LastFailure,
+    Reason,
+    Summary,
+)
+
+EVICTED_RETENTION = timedelta(minutes=5)
+Role = str  # "prefill" | "decode"
+
+
+# --- observed state ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PodView:
+    """An engine pod as the operator sees it (from the pod watch)."""
+
+    name: str
+    role: Role
+    labels: Mapping[str, str]
+    ready: bool
+    deleting: bool
+    endpoint: str  # the worker's control endpoint, "" when the pod has no address yet
+    ready_since: float | None = None  # when the pod became Ready (epoch seconds), for metrics
+
+
+@dataclass(frozen=True)
+class FailureView:
+    time: float
+    type: str
+    request_id: str = ""
+    engine_id: str = ""
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """A worker's `/v1/state` (what matters to the operator)."""
+
+    engine_id: str
+    role: Role
+    compat_hash: str
+    peers: frozenset[str]
+    evicting: frozenset[str] = frozenset()
+    failures: Mapping[str, int] = field(default_factory=dict)
+    last_failure: FailureView | None = None
+
+
+@dataclass(frozen=True)
+class WorkerUnreachable:
+    """The worker's state could not be read this round."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class Observed:
+    generation: int
+    spec: KVTopologySpec
+    pods: tuple[PodView, ...]
+    workers: Mapping[str, WorkerView | WorkerUnreachable]  # by pod name
+    previous: KVTopologyStatus
+
+
+# --- the plan ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, order=True)
+class Handshake:
+    """Tell the worker at `endpoint` (pod `pod`) to add engine `peer_engine_id`."""
+
+    pod: str
+    endpoint: str
+    peer_engine_id: str
+    peer_endpoint: str
+    peer_role: Role
+
+
+@dataclass(frozen=True, order=True)
+class Eviction:
+    """Tell the worker at `endpoint` (pod `pod`) to evict engine `engine_id`."""
+
+    pod: str
+    endpoint: str
+    engine_id: str
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # "Normal" | "Warning"
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    handshakes: tuple[Handshake, ...]
+    evictions: tuple[Eviction, ...]
+    status: KVTopologyStatus
+    events: tuple[Event, ...]
+    expected_pairs: frozenset[tuple[str, str]]
+    connected_pairs: frozenset[tuple[str, str]]
+
+
+# --- helpers -----------------------------------------------------------------------------
+
+
+def rfc3339(t: datetime) -> str:
+    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(s: str) -> datetime:
+    return datetime.strptime(s, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+
+
+def selector_matches(selector: LabelSelector, labels: Mapping[str, str]) -> bool:
+    """Kubernetes LabelSelector semantics; an empty selector matches nothing here."""
+    if not selector.match_labels and not selector.match_expressions:
+        return False
+    if any(labels.get(k) != v for k, v in selector.match_labels.items()):
+        return False
+    for req in selector.match_expressions:
+        present = req.key in labels
+        value = labels.get(req.key)
+        if req.operator == "In" and value not in req.values:
+            return False
+        if req.operator == "NotIn" and present and value in req.values:
+            return False
+        if req.operator == "Exists" and not present:
+            return False
+        if req.operator == "DoesNotExist" and present:
+            return False
+    return True
+
+
+def pods_of(spec: KVTopologySpec, pods: Iterable[PodView]) -> tuple[PodView, ...]:
+    """The pods this topology owns: role label and the role's selector both match."""
+    out = []
+    for pod in pods:
+        role_spec = spec.prefill if pod.role == "prefill" else spec.decode
+        if pod.role in ("prefill", "decode") and selector_matches(role_spec.selector, pod.labels):
+            out.append(pod)
+    return tuple(sorted(out, key=lambda p: p.name))
+
+
+def _paired(spec: KVTopologySpec, p: PodView, d: PodView) -> bool:
+    return all(p.labels.get(k, "") == d.labels.get(k, "") for k in spec.pairing.match_labels)
+
+
+def _condition(
+    previous: Mapping[str, Condition],
+    ctype: ConditionType,
+    status: str,
+    reason: Reason,
+    message: str,
+    generation: int,
+    now: datetime,
+) -> Condition:
+    old = previous.get(ctype.value)
+    since = old.last_transition_time if old is not None and old.status == status else rfc3339(now)
+    return Condition(
+        type=ctype,
+        status=status,  # type: ignore[arg-type]
+        reason=reason.value,
+        message=message[:1024],
+        last_transition_time=since,
+        observed_generation=generation,
+    )
+
+
+# --- evaluate ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Live:
+    pod: PodView
+    worker: WorkerView
+
+
+def evaluate(obs: Observed, now: datetime) -> Plan:
+    """Gather -> **evaluate** -> act: everything the operator decides, as data."""
+    spec = obs.spec
+    prev_engines = {e.engine_id: e for e in obs.previous.engines if e.engine_id}
+    pods = pods_of(spec, obs.pods)
+    grace = timedelta(seconds=spec.eviction.grace_seconds)
+
+    live: dict[str, _Live] = {}  # engine_id -> usable engine
+    unreachable: dict[str, tuple[PodView, str]] = {}
+    waiting: list[PodView] = []
+    for pod in pods:
+        worker = obs.workers.get(pod.name)
+        if not pod.ready or pod.deleting or not pod.endpoint:
+            continue
+        if isinstance(worker, WorkerUnreachable):
+            unreachable[pod.name] = (pod, worker.message)
+        elif worker is None:
+            waiting.append(pod)
+        elif worker.role != pod.role:
+            unreachable[pod.name] = (pod, f"worker reports role {worker.role}, pod says {pod.role}")
+        else:
+            live[worker.engine_id] = _Live(pod, worker)
+    pods_with_unreachable_worker = set(unreachable)
+
+    # Pairs.
+    prefills = sorted(
+        (e for e in live.values() if e.pod.role == "prefill"), key=lambda e: e.pod.name
+    )
+    decodes = sorted((e for e in live.values() if e.pod.role == "decode"), key=lambda e: e.pod.name)
+    expected: set[tuple[str, str]] = set()
+    incompatible: dict[str, list[str]] = {}
+    connected: set[tuple[str, str]] = set()
+    handshakes: list[Handshake] = []
+    for p in prefills:
+        for d in decodes:
+            if not _paired(spec, p.pod, d.pod):
+                continue
+            pid, did = p.worker.engine_id, d.worker.engine_id
+            if p.worker.compat_hash != d.worker.compat_hash:
+                msg = (
+                    f"{p.pod.name} ({p.worker.compat_hash}) and {d.pod.name} "
+                    f"({d.worker.compat_hash}) have different compatibility hashes"
+                )
+                incompatible.setdefault(pid, []).append(msg)
+                incompatible.setdefault(did, []).append(msg)
+                continue
+            expected.add((pid, did))
+            p_has = did in p.worker.peers and did not in p.worker.evicting
+            d_has = pid in d.worker.peers and pid not in d.worker.evicting
+            if p_has and d_has:
+                connected.add((pid, did))
+            if not p_has:
+                handshakes.append(
+                    Handshake(p.pod.name, p.pod.endpoint, did, d.pod.endpoint, "decode")
+                )
+            if not d_has:
+                handshakes.append(
+                    Handshake(d.pod.name, d.pod.endpoint, pid, p.pod.endpoint, "prefill")
+                )
+
+    # Gone engines: known before (or held as a peer somewhere) but not live now.
+    gone: dict[str, tuple[str, str, str, datetime]] = {}  # id -> (pod, role, endpoint, since)
+    for eid, prev in prev_engines.items():
+        if eid in live or prev.state == EngineState.EVICTED:
+            continue
+        if prev.pod in pods_with_unreachable_worker and prev.state != EngineState.DRAINING:
+            continue  # cannot tell: keep it as it was until its worker answers again
+        since = parse_time(prev.since) if prev.state == EngineState.DRAINING else now
+        gone[eid] = (prev.pod, prev.role, prev.endpoint, since)
+    for e in live.values():
+        for peer in e.worker.peers - e.worker.evicting:
+            if peer not in live and peer not in gone:
+                known = prev_engines.get(peer)
+                if known is not None and known.state == EngineState.EVICTED:
+                    since = parse_time(known.since) - grace  # evicted before: due at once
+                else:
+                    since = now
+                role = "decode" if e.pod.role == "prefill" else "prefill"
+                gone[peer] = (
+                    known.pod if known else "",
+                    role,
+                    known.endpoint if known else "",
+                    since,
+                )
+
+    evictions: list[Eviction] = []
+    still_held: dict[str, int] = {}
+    for eid, (_pod, _role, _ep, since) in gone.items():
+        holders = [e for e in live.values() if eid in e.worker.peers]
+        still_held[eid] = len(holders)
+        if now - since >= grace:
+            evictions.extend(
+                Eviction(h.pod.name, h.pod.endpoint, eid)
+                for h in holders
+                if eid not in h.worker.evicting
+            )
+
+    # Failures: deltas of each worker's counters since the last time we read them.
+    counts = dict(obs.previous.failures.counts)
+    last = obs.previous.failures.last
+    newest: tuple[float, LastFailure] | None = None
+    seen_now: dict[str, dict[str, int]] = {}
+    delta_total: dict[str, int] = {}
+    for eid, e in live.items():
+        prev_seen = prev_engines[eid].failures_seen if eid in prev_engines else {}
+        seen_now[eid] = dict(e.worker.failures)
+        grew = False
+        for ftype, value in e.worker.failures.items():
+            base = prev_seen.get(ftype, 0)
+            delta = value - base if value >= base else value
+            if delta > 0:
+                counts[ftype] = counts.get(ftype, 0) + delta
+                delta_total[ftype] = delta_total.get(ftype, 0) + delta
+                grew = True
+        lf = e.worker.last_failure
+        if grew and lf is not None and (newest is None or lf.time > newest[0]):
+            newest = (
+                lf.time,
+                LastFailure(
+                    time=rfc3339(datetime.fromtimestamp(lf.time, UTC)),
+                    type=lf.type,
+                    engine_id=eid,
+                    pod=e.pod.name,
+                    request_id=lf.request_id,
+                    message=(f"peer {lf.engine_id}: " if lf.engine_id else "") + lf.message,
+                ),
+            )
+    if newest is not None:
+        last = newest[1]
+
+    # Engines in status.
+    engines: list[EngineStatus] = []
+    events: list[Event] = []
+    pair_count: dict[str, tuple[int, int]] = {}
+    for pid, did in expected:
+        for eid in (pid, did):
+            ok, total = pair_count.get(eid, (0, 0))
+            pair_count[eid] = (ok + ((pid, did) in connected), total + 1)
+    for eid, e in sorted(live.items(), key=lambda kv: kv[1].pod.name):
+        was = prev_engines.get(eid)
+        ok, total = pair_count.get(eid, (0, 0))
+        if eid in incompatible:
+            state, message = EngineState.INCOMPATIBLE, "; ".join(incompatible[eid])[:512]
+            if was is None or was.state != EngineState.INCOMPATIBLE:
+                events.append(Event("Warning", "Incompatible", message))
+        elif total == 0:
+            state, message = EngineState.PENDING, "no peer to pair with"
+        elif ok == total:
+            state, message = EngineState.CONNECTED, f"{ok}/{total} pairs connected"
+        else:
+            state, message = EngineState.HANDSHAKING, f"{ok}/{total} pairs connected"
+        stamp = was.since if was is not None and was.state == state else rfc3339(now)
+        engines.append(
+            EngineStatus(
+                pod=e.pod.name,
+                role=e.pod.role,  # type: ignore[arg-type]
+                engine_id=eid,
+                endpoint=e.pod.endpoint,
+                state=state,
+                peers=len(e.worker.peers - e.worker.evicting),
+                since=stamp,
+                message=message,
+                compat_hash=e.worker.compat_hash,
+                failures_seen=seen_now.get(eid, {}),
+            )
+        )
+    for pod, reason in sorted(unreachable.values(), key=lambda pr: pr[0].name):
+        prev_for_pod = next((x for x in obs.previous.engines if x.pod == pod.name), None)
+        engines.append(
+            EngineStatus(
+                pod=pod.name,
+                role=pod.role,  # type: ignore[arg-type]
+                engine_id=prev_for_pod.engine_id if prev_for_pod else "",
+                endpoint=pod.endpoint,
+                state=EngineState.FAILED,
+                since=prev_for_pod.since
+                if prev_for_pod and prev_for_pod.state == EngineState.FAILED
+                else rfc3339(now),
+                message=f"worker unreachable: {reason}"[:512],
+                failures_seen=prev_for_pod.failures_seen if prev_for_pod else {},
+            )
+        )
+    for eid, (pod_name, role, endpoint, since) in sorted(gone.items()):
+        was = prev_engines.get(eid)
+        if still_held[eid] == 0 and (now - since >= grace or not pod_name):
+            state = EngineState.EVICTED
+            if was is not None and was.state != EngineState.EVICTED:
+                events.append(
+                    Event(
+                        "Normal",
+                        "EngineEvicted",
+                        f"engine {eid} ({pod_name}) evicted from every peer",
+                    )
+                )
+            stamp = (
+                prev.since
+                if prev is not None and prev.state == EngineState.EVICTED
+                else rfc3339(now)
+            )
+            message = "evicted from every peer"
+        else:
+            state = EngineState.DRAINING
+            stamp = rfc3339(since)
+            message = (
+                f"gone; evicted from {still_held[eid]} peer(s) "
+                f"after {spec.eviction.grace_seconds}s grace"
+            )
+        if not pod_name and state == EngineState.EVICTED:
+            continue  # an unknown stale peer, now gone: nothing worth keeping
+        engines.append(
+            EngineStatus(
+                pod=pod_name,
+                role=role,  # type: ignore[arg-type]
+                engine_id=eid,
+                endpoint=endpoint,
+                state=state,
+                peers=0,
+                since=stamp,
+                message=message,
+            )
+        )
+    # Keep recently evicted engines a while, then let them go.
+    for old in obs.previous.engines:
+        if (
+            old.state == EngineState.EVICTED
+            and old.engine_id not in gone
+            and old.engine_id not in live
+            and now - parse_time(old.since) < EVICTED_RETENTION
+        ):
+            engines.append(old.model_copy(update={"failures_seen": {}}))
+    engines.sort(key=lambda x: (x.state == EngineState.EVICTED, x.role, x.pod, x.engine_id))
+    engines = engines[:MAX_ENGINES_IN_STATUS]
+
+    if delta_total:
+        desc = ", ".join(f"{k}={v}" for k, v in sorted(delta_total.items()))
+        events.append(
+            Event("Warning", "TransferFailures", f"new failures reported by workers: {desc}")
+        )
+
+    # Conditions.
+    prev_conds = {c.type.value: c for c in obs.previous.conditions}
+    n_exp, n_conn = len(expected), len(connected)
+    draining = [e for e in engines if e.state == EngineState.DRAINING]
+    if n_exp == 0:
+        ready = ("False", Reason.NO_ENGINES, "no prefill/decode pair to connect")
+    elif n_conn == n_exp:
+        ready = ("True", Reason.ALL_PAIRS_CONNECTED, f"{n_conn}/{n_exp} pairs connected")
+    else:
+        ready = ("False", Reason.PAIRS_MISSING, f"{n_conn}/{n_exp} pairs connected")
+    if handshakes:
+        progressing = ("True", Reason.HANDSHAKING, f"{len(handshakes)} handshake(s) to make")
+    elif draining:
+        progressing = ("True", Reason.DRAINING, f"{len(draining)} engine(s) draining")
+    else:
+        progressing = ("False", Reason.STABLE, "nothing to do")
+    if incompatible:
+        degraded = ("True", Reason.INCOMPATIBLE, f"{len(incompatible)} engine(s) incompatible")
+    elif unreachable:
+        names = ", ".join(sorted(unreachable))
+        degraded = ("True", Reason.WORKER_UNREACHABLE, f"unreachable workers: {names}")
+    else:
+        degraded = ("False", Reason.HEALTHY, "")
+    conditions = [
+        _condition(prev_conds, ConditionType.READY, *ready, obs.generation, now),
+        _condition(prev_conds, ConditionType.PROGRESSING, *progressing, obs.generation, now),
+        _condition(prev_conds, ConditionType.DEGRADED, *degraded, obs.generation, now),
+    ]
+
+    def ready_of(role: str) -> str:
+        total = sum(1 for p in pods if p.role == role)
+        usable = sum(1 for e in live.values() if e.pod.role == role)
+        return f"{usable}/{total}"
+
+    status = KVTopologyStatus(
+        observed_generation=obs.generation,
+        conditions=conditions,
+        summary=Summary(
+            prefill=ready_of("prefill"), decode=ready_of("decode"), pairs=f"{n_conn}/{n_exp}"
+        ),
+        engines=engines,
+        failures=Failures(counts=counts, last=last),
+    )
+    return Plan(
+        handshakes=tuple(sorted(handshakes)),
+        evictions=tuple(sorted(evictions)),
+        status=status,
+        events=tuple(events),
+        expected_pairs=frozenset(expected),
+        connected_pairs=frozenset(connected),
+    )
+
+
+def record_operator_failures(
+    status: KVTopologyStatus, failures: Iterable[tuple[str, LastFailure]]
+) -> KVTopologyStatus:
+    """Adds failures the operator itself saw while acting (e.g. a worker it could not reach
+    for a handshake) to the status counters."""
+    items = list(failures)
+    if not items:
+        return status
+    counts = dict(status.failures.counts)
+    for ftype, _ in items:
+        counts[ftype] = counts.get(ftype, 0) + 1
+    return status.model_copy(update={"failures": Failures(counts=counts, last=items[-1][1])})

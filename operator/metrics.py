@@ -1,0 +1,51 @@
+"""The operator's Prometheus metrics, in a registry of its own (served on /metrics).
+
+Owns the counters and histograms the reconciler updates: handshakes and evictions by
+result, reconcile duration, the time from pod Ready to all of its pairs Connected, and the
+expected/connected pair gauges per topology.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class OperatorMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.handshakes = Counter(
+            "kvtopo_operator_handshakes",
+            "Peer adds the operator asked for, by result.",
+            ["result"],
+            registry=self.registry,
+        )
+        self.evictions = Counter(
+            "kvtopo_operator_evictions",
+            "Peer evictions the operator asked for, by result.",
+            ["result"],
+            registry=self.registry,
+        )
+        self.reconcile_seconds = Histogram(
+            "kvtopo_operator_reconcile_seconds",
+            "Duration of one topology reconcile.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=self.registry,
+        )
+        self.ready_to_connected = Histogram(
+            "kvtopo_operator_ready_to_connected_seconds",
+            "From an engine pod becoming Ready to all of its pairs Connected.",
+            buckets=(0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 20, 30, 60),
+            registry=self.registry,
+        )
+        self.pairs_expected = Gauge(
+            "kvtopo_operator_pairs_expected",
+            "Pairs that must be connected.",
+            ["namespace", "name"],
+            registry=self.registry,
+        )
+        self.pairs_connected = Gauge(
+            "kvtopo_operator_pairs_connected",
+            "Pairs connected both ways.",
+            ["namespace", "name"],
+            registry=self.registry,
+        )

@@ -1,0 +1,118 @@
+"""The operator's client for the worker control API (`kvtopo_worker.agent`).
+
+Owns the HTTP calls the operator makes to engine pods: read `/v1/state`, add a peer
+(`PUT /v1/peers/{id}`), evict a peer (`DELETE /v1/peers/{id}`), each with the bearer token,
+a timeout and a shared connection pool. Decodes answers with the worker's wire protocol
+(`kvtopo_worker.protocol`, which imports neither torch nor nixl). Called by `reconcile`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import msgspec
+from kvtopo_operator.logic import FailureView, WorkerUnreachable, WorkerView
+from kvtopo_worker.protocol import ErrorBody, PeerResult, WorkerState
+
+
+@dataclass(frozen=True)
+class CallResult:
+    ok: bool
+    status: int  # HTTP status, 0 when the worker could not be reached
+    message: str
+    result: str = ""  # PeerResult.result on success
+
+
+class WorkerClient:
+    """Async client for many workers; one pool, bounded by the caller's semaphore."""
+
+    def __init__(self, token_file: Path | None, token: str | None = None) -> None:
+        self._token_file = token_file
+        self._token = token
+        self._session: aiohttp.ClientSession | None = None
+
+    def _headers(self) -> dict[str, str]:
+        token = self._token
+        if token is None and self._token_file is not None:
+            token = self._token_file.read_text().strip()
+        return {"Authorization": f"Bearer {token}"} if token else {}
+
+    async def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=256, force_close=False)
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def state(self, endpoint: str, timeout_s: float) -> WorkerView | WorkerUnreachable:
+        try:
+            session = await self._http()
+            async with session.get(
+                f"http://{endpoint}/v1/state",
+                headers=self._headers(),
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+            ) as resp:
+                body = await resp.read()
+                if resp.status != 200:
+                    return WorkerUnreachable(f"HTTP {resp.status}: {body[:200]!r}")
+            st = msgspec.json.decode(body, type=WorkerState)
+        except (aiohttp.ClientError, TimeoutError, OSError, msgspec.DecodeError) as exc:
+            return WorkerUnreachable(f"{type(exc).__name__}: {exc}"[:300])
+        lf = st.last_failure
+        return WorkerView(
+            engine_id=st.engine_id,
+            role=st.role,
+            compat_hash=st.compat_hash,
+            peers=frozenset(p.engine_id for p in st.peers),
+            evicting=frozenset(p.engine_id for p in st.peers if p.eviction_pending),
+            failures=dict(st.failures),
+            last_failure=None
+            if lf is None
+            else FailureView(lf.time, lf.type.value, lf.request_id, lf.engine_id, lf.message),
+        )
+
+    async def add_peer(
+        self,
+        endpoint: str,
+        peer_engine_id: str,
+        peer_endpoint: str,
+        peer_role: str,
+        timeout_s: float,
+    ) -> CallResult:
+        body = {"endpoint": peer_endpoint, "role": peer_role}
+        return await self._call("PUT", endpoint, peer_engine_id, body, timeout_s)
+
+    async def evict_peer(self, endpoint: str, engine_id: str, timeout_s: float) -> CallResult:
+        return await self._call("DELETE", endpoint, engine_id, None, timeout_s)
+
+    async def _call(
+        self, method: str, endpoint: str, engine_id: str, body: object, timeout_s: float
+    ) -> CallResult:
+        try:
+            session = await self._http()
+            async with session.request(
+                method,
+                f"http://{endpoint}/v1/peers/{engine_id}",
+                json=body,
+                headers=self._headers(),
+                # The worker fetches the peer's metadata itself within this budget.
+                timeout=aiohttp.ClientTimeout(total=timeout_s + 2),
+            ) as resp:
+                data = await resp.read()
+                if resp.status == 200:
+                    res = msgspec.json.decode(data, type=PeerResult)
+                    return CallResult(True, 200, "", res.result)
+                try:
+                    err = msgspec.json.decode(data, type=ErrorBody)
+                    message = f"{err.error}: {err.message}"
+                except msgspec.DecodeError:
+                    message = data[:300].decode(errors="replace")
+                return CallResult(False, resp.status, message)
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            return CallResult(False, 0, f"{type(exc).__name__}: {exc}"[:300])

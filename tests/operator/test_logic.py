@@ -1,0 +1,359 @@
+"""The operator's pure decisions: tables of observed states and Hypothesis properties."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvtopo_operator.api import (
+    EngineState,
+    EngineStatus,
+    KVTopologySpec,
+    KVTopologyStatus,
+    dump,
+)
+from kvtopo_operator.logic import (
+    Eviction,
+    FailureView,
+    Handshake,
+    Observed,
+    PodView,
+    WorkerUnreachable,
+    WorkerView,
+    evaluate,
+    rfc3339,
+)
+
+T0 = datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)
+SPEC = KVTopologySpec.model_validate(
+    {
+        "prefill": {"selector": {"matchLabels": {"app": "llama"}}},
+        "decode": {"selector": {"matchLabels": {"app": "llama"}}},
+        "pairing": {"matchLabels": ["version"]},
+        "eviction": {"graceSeconds": 10},
+    }
+)
+
+
+def pod(name: str, role: str, version: str = "v1", ready: bool = True) -> PodView:
+    return PodView(
+        name=name,
+        role=role,
+        labels={"app": "llama", "version": version},
+        ready=ready,
+        deleting=False,
+        endpoint=f"127.0.0.1:{9000 + hash(name) % 1000}",
+    )
+
+
+def worker(
+    eid: str, role: str, peers: set[str] = frozenset(), h: str = "hash", **kw: object
+) -> WorkerView:  # type: ignore[assignment]
+    return WorkerView(engine_id=eid, role=role, compat_hash=h, peers=frozenset(peers), **kw)  # type: ignore[arg-type]
+
+
+def observe(
+    pods: list[PodView], workers: dict[str, object], previous: KVTopologyStatus | None = None
+) -> Observed:
+    return Observed(
+        generation=3,
+        spec=SPEC,
+        pods=tuple(pods),
+        workers=workers,  # type: ignore[arg-type]
+        previous=previous or KVTopologyStatus(),
+    )
+
+
+def full_mesh() -> tuple[list[PodView], dict[str, object]]:
+    pods = [
+        pod("p0", "prefill"),
+        pod("p1", "prefill"),
+        pod("d0", "decode"),
+        pod("d1", "decode"),
+        pod("d2", "decode"),
+    ]
+    ds, ps = {"D0", "D1", "D2"}, {"P0", "P1"}
+    workers: dict[str, object] = {
+        "p0": worker("P0", "prefill", ds),
+        "p1": worker("P1", "prefill", ds),
+        "d0": worker("D0", "decode", ps),
+        "d1": worker("D1", "decode", ps),
+        "d2": worker("D2", "decode", ps),
+    }
+    return pods, workers
+
+
+def cond(status: KVTopologyStatus, ctype: str) -> tuple[str, str]:
+    c = next(c for c in status.conditions if c.type.value == ctype)
+    return c.status, c.reason
+
+
+def test_full_mesh_is_ready_and_quiet() -> None:
+    pods, workers = full_mesh()
+    plan = evaluate(observe(pods, workers), T0)
+    assert plan.handshakes == () and plan.evictions == ()
+    assert plan.status.summary.pairs == "6/6"
+    assert (plan.status.summary.prefill, plan.status.summary.decode) == ("2/2", "3/3")
+    assert cond(plan.status, "Ready") == ("True", "AllPairsConnected")
+    assert cond(plan.status, "Progressing") == ("False", "Stable")
+    assert cond(plan.status, "Degraded") == ("False", "Healthy")
+    assert {e.state for e in plan.status.engines} == {EngineState.CONNECTED}
+    assert plan.status.observed_generation == 3
+
+
+def test_fresh_engines_get_both_directions_of_every_pair() -> None:
+    pods, workers = full_mesh()
+    bare = {k: worker(v.engine_id, v.role) for k, v in workers.items()}  # type: ignore[attr-defined]
+    plan = evaluate(observe(pods, bare), T0)
+    assert len(plan.handshakes) == 12
+    assert Handshake("p0", pods[0].endpoint, "D2", pods[4].endpoint, "decode") in plan.handshakes
+    assert Handshake("d2", pods[4].endpoint, "P0", pods[0].endpoint, "prefill") in plan.handshakes
+    assert cond(plan.status, "Ready") == ("False", "PairsMissing")
+    assert cond(plan.status, "Progressing") == ("True", "Handshaking")
+
+
+def test_pairing_labels_keep_revisions_apart() -> None:
+    pods = [pod("p0", "prefill", "v1"), pod("d0", "decode", "v1"), pod("d1", "decode", "v2")]
+    workers = {
+        "p0": worker("P0", "prefill"),
+        "d0": worker("D0", "decode"),
+        "d1": worker("D1", "decode"),
+    }
+    plan = evaluate(observe(pods, workers), T0)  # type: ignore[arg-type]
+    assert {h.peer_engine_id for h in plan.handshakes} == {"D0", "P0"}
+    assert plan.status.summary.pairs == "0/1"
+    d1 = next(e for e in plan.status.engines if e.engine_id == "D1")
+    assert d1.state == EngineState.PENDING
+
+
+def test_incompatible_engines_are_never_connected() -> None:
+    pods = [pod("p0", "prefill"), pod("d0", "decode")]
+    workers = {"p0": worker("P0", "prefill", h="aaaa"), "d0": worker("D0", "decode", h="bbbb")}
+    plan = evaluate(observe(pods, workers), T0)  # type: ignore[arg-type]
+    assert plan.handshakes == ()
+    states = {e.engine_id: e for e in plan.status.engines}
+    assert states["P0"].state == states["D0"].state == EngineState.INCOMPATIBLE
+    assert "aaaa" in states["D0"].message and "bbbb" in states["D0"].message
+    assert cond(plan.status, "Degraded") == ("True", "Incompatible")
+    assert [e.reason for e in plan.events] == ["Incompatible", "Incompatible"]
+    again = evaluate(observe(pods, workers, plan.status), T0 + timedelta(seconds=5))  # type: ignore[arg-type]
+    assert again.events == (), "an Incompatible event is recorded once, on the change"
+
+
+def test_deleted_decode_drains_then_is_evicted_from_every_prefill() -> None:
+    pods, workers = full_mesh()
+    before = evaluate(observe(pods, workers), T0).status
+    pods2 = [p for p in pods if p.name != "d2"]
+    workers2 = {k: v for k, v in workers.items() if k != "d2"}
+    at = T0 + timedelta(seconds=1)
+    plan = evaluate(observe(pods2, workers2, before), at)
+    d2 = next(e for e in plan.status.engines if e.engine_id == "D2")
+    assert d2.state == EngineState.DRAINING and d2.since == rfc3339(at)
+    assert plan.evictions == ()
+    assert cond(plan.status, "Progressing") == ("True", "Draining")
+    assert plan.status.summary.pairs == "4/4"
+    # Grace elapses: evict from both prefill workers.
+    late = evaluate(observe(pods2, workers2, plan.status), at + timedelta(seconds=10))
+    assert late.evictions == (
+        Eviction("p0", pods[0].endpoint, "D2"),
+        Eviction("p1", pods[1].endpoint, "D2"),
+    )
+    # The workers dropped it: Evicted, one event.
+    dropped = {
+        k: (worker(v.engine_id, v.role, v.peers - {"D2"}) if v.role == "prefill" else v)  # type: ignore[attr-defined]
+        for k, v in workers2.items()
+    }
+    done = evaluate(observe(pods2, dropped, late.status), at + timedelta(seconds=11))
+    d2 = next(e for e in done.status.engines if e.engine_id == "D2")
+    assert d2.state == EngineState.EVICTED and done.evictions == ()
+    assert [e.reason for e in done.events] == ["EngineEvicted"]
+    gone = evaluate(observe(pods2, dropped, done.status), at + timedelta(minutes=6))
+    assert all(e.engine_id != "D2" for e in gone.status.engines)
+
+
+def test_restarted_worker_is_a_new_engine_and_the_old_one_is_evicted() -> None:
+    pods, workers = full_mesh()
+    before = evaluate(observe(pods, workers), T0).status
+    workers2 = dict(workers)
+    workers2["d0"] = worker("D0-new", "decode")
+    plan = evaluate(observe(pods, workers2, before), T0 + timedelta(seconds=1))
+    assert {(h.pod, h.peer_engine_id) for h in plan.handshakes} == {
+        ("p0", "D0-new"),
+        ("p1", "D0-new"),
+        ("d0", "P0"),
+        ("d0", "P1"),
+    }
+    old = next(e for e in plan.status.engines if e.engine_id == "D0")
+    assert old.state == EngineState.DRAINING
+    late = evaluate(observe(pods, workers2, plan.status), T0 + timedelta(seconds=12))
+    assert {(e.pod, e.engine_id) for e in late.evictions} == {("p0", "D0"), ("p1", "D0")}
+
+
+def test_unknown_stale_peer_is_evicted_after_grace() -> None:
+    pods, workers = full_mesh()
+    workers = dict(workers)
+    workers["p0"] = worker("P0", "prefill", {"D0", "D1", "D2", "ghost"})
+    first = evaluate(observe(pods, workers), T0)
+    assert first.evictions == ()
+    later = evaluate(observe(pods, workers, first.status), T0 + timedelta(seconds=10))
+    assert [(e.pod, e.engine_id) for e in later.evictions] == [("p0", "ghost")]
+
+
+def test_failure_counters_accumulate_across_worker_restarts() -> None:
+    pods = [pod("p0", "prefill"), pod("d0", "decode")]
+    lf = FailureView(
+        time=T0.timestamp(),
+        type="push_reg_notif_failed",
+        request_id="r9",
+        engine_id="P0",
+        message="no agents",
+    )
+    w1 = {
+        "p0": worker("P0", "prefill", {"D0"}),
+        "d0": worker(
+            "D0", "decode", {"P0"}, failures={"push_reg_notif_failed": 2}, last_failure=lf
+        ),
+    }
+    s1 = evaluate(observe(pods, w1), T0).status  # type: ignore[arg-type]
+    assert s1.failures.counts == {"push_reg_notif_failed": 2}
+    assert s1.failures.last is not None and s1.failures.last.request_id == "r9"
+    assert s1.failures.last.pod == "d0"
+    s2 = evaluate(observe(pods, w1, s1), T0 + timedelta(seconds=2)).status  # type: ignore[arg-type]
+    assert s2.failures.counts == {"push_reg_notif_failed": 2}, "no new failures, no new counts"
+    w3 = {
+        "p0": w1["p0"],
+        "d0": worker(
+            "D0", "decode", {"P0"}, failures={"push_reg_notif_failed": 5}, last_failure=lf
+        ),
+    }
+    s3 = evaluate(observe(pods, w3, s2), T0 + timedelta(seconds=4)).status  # type: ignore[arg-type]
+    assert s3.failures.counts == {"push_reg_notif_failed": 5}
+    # The decode worker restarts: a new engine, counters from zero.
+    w4 = {
+        "p0": w1["p0"],
+        "d0": worker("D0b", "decode", failures={"registration_timeout": 1}, last_failure=lf),
+    }
+    p4 = evaluate(observe(pods, w4, s3), T0 + timedelta(seconds=6))  # type: ignore[arg-type]
+    assert p4.status.failures.counts == {"push_reg_notif_failed": 5, "registration_timeout": 1}
+    assert [e.reason for e in p4.events] == ["TransferFailures"]
+
+
+def test_unreachable_worker_is_failed_not_evicted() -> None:
+    pods, workers = full_mesh()
+    before = evaluate(observe(pods, workers), T0).status
+    workers2 = dict(workers)
+    workers2["d1"] = WorkerUnreachable("connection refused")
+    plan = evaluate(observe(pods, workers2, before), T0 + timedelta(seconds=60))
+    d1 = next(e for e in plan.status.engines if e.pod == "d1")
+    assert d1.state == EngineState.FAILED and "connection refused" in d1.message
+    assert plan.evictions == ()
+    assert cond(plan.status, "Degraded") == ("True", "WorkerUnreachable")
+
+
+def test_condition_transition_time_moves_only_on_change() -> None:
+    pods, workers = full_mesh()
+    s1 = evaluate(observe(pods, workers), T0).status
+    s2 = evaluate(observe(pods, workers, s1), T0 + timedelta(minutes=1)).status
+    assert dump(s1) == dump(s2), "same observation, same status: nothing to write"
+
+
+# --- properties ----------------------------------------------------------------------------
+
+names = st.sampled_from(["a", "b", "c", "d", "e"])
+
+
+@st.composite
+def observations(draw: st.DrawFn) -> tuple[list[PodView], dict[str, object], KVTopologyStatus]:
+    pods: list[PodView] = []
+    workers: dict[str, object] = {}
+    engine_ids = {f"{r[0]}{n}": r for n in ["0", "1", "2"] for r in ("prefill", "decode")}
+    for eid, role in engine_ids.items():
+        if not draw(st.booleans()):
+            continue
+        name = eid.lower()
+        pods.append(pod(name, role, draw(st.sampled_from(["v1", "v2"])), ready=draw(st.booleans())))
+        kind = draw(st.sampled_from(["ok", "ok", "unreachable", "none"]))
+        if kind == "ok":
+            others = [e for e, r in engine_ids.items() if r != role] + ["ghost"]
+            peers = draw(st.sets(st.sampled_from(others)))
+            workers[name] = worker(
+                eid,
+                role,
+                peers,
+                h=draw(st.sampled_from(["h", "h", "x"])),
+                failures={"transfer_failed": draw(st.integers(0, 3))},
+            )
+        elif kind == "unreachable":
+            workers[name] = WorkerUnreachable("down")
+    prev_engines = [
+        EngineStatus(
+            pod=f"old{i}",
+            role="decode",
+            engine_id=f"OLD{i}",
+            state=draw(st.sampled_from(list(EngineState))),
+            since=rfc3339(T0 - timedelta(seconds=draw(st.integers(0, 30)))),
+        )
+        for i in range(draw(st.integers(0, 2)))
+    ]
+    return pods, workers, KVTopologyStatus(engines=prev_engines)
+
+
+@settings(max_examples=200, deadline=None)
+@given(observations(), st.integers(0, 100), st.randoms())
+def test_same_observation_same_plan_whatever_the_order(
+    obs: tuple[list[PodView], dict[str, object], KVTopologyStatus], seconds: int, rnd: object
+) -> None:
+    pods, workers, previous = obs
+    now = T0 + timedelta(seconds=seconds)
+    a = evaluate(observe(pods, workers, previous), now)
+    shuffled = list(pods)
+    rnd.shuffle(shuffled)  # type: ignore[attr-defined]
+    items = list(workers.items())
+    rnd.shuffle(items)  # type: ignore[attr-defined]
+    b = evaluate(observe(shuffled, dict(items), previous), now)
+    assert a.handshakes == b.handshakes and a.evictions == b.evictions
+    assert dump(a.status) == dump(b.status)
+    assert a.events == b.events
+
+
+@settings(max_examples=200, deadline=None)
+@given(observations(), st.integers(0, 100))
+def test_plans_are_sane(
+    obs: tuple[list[PodView], dict[str, object], KVTopologyStatus], seconds: int
+) -> None:
+    pods, workers, previous = obs
+    plan = evaluate(observe(pods, workers, previous), T0 + timedelta(seconds=seconds))
+    live = {w.engine_id for w in workers.values() if isinstance(w, WorkerView)}
+    assert all(h.peer_engine_id in live for h in plan.handshakes), "only live engines are added"
+    assert all(
+        e.engine_id not in {h.peer_engine_id for h in plan.handshakes} for e in plan.evictions
+    )
+    assert len(set(plan.handshakes)) == len(plan.handshakes)
+    connected, expected = (int(x) for x in plan.status.summary.pairs.split("/"))
+    assert 0 <= connected <= expected
+    ready = next(c for c in plan.status.conditions if c.type.value == "Ready")
+    assert (ready.status == "True") == (expected > 0 and connected == expected)
+    assert all(v >= 0 for v in plan.status.failures.counts.values())
+
+
+@pytest.mark.parametrize("grace", [0, 1, 30])
+def test_eviction_waits_exactly_the_grace(grace: int) -> None:
+    spec = SPEC.model_copy(
+        update={"eviction": SPEC.eviction.model_copy(update={"grace_seconds": grace})}
+    )
+    pods, workers = full_mesh()
+    before = evaluate(observe(pods, workers), T0).status
+    pods2 = [p for p in pods if p.name != "d0"]
+    workers2 = {k: v for k, v in workers.items() if k != "d0"}
+
+    def at(s: float, prev: KVTopologyStatus) -> tuple[int, KVTopologyStatus]:
+        p = evaluate(Observed(3, spec, tuple(pods2), workers2, prev), T0 + timedelta(seconds=s))  # type: ignore[arg-type]
+        return len(p.evictions), p.status
+
+    n0, s0 = at(1, before)
+    assert n0 == (2 if grace == 0 else 0)
+    if grace:
+        assert at(1 + grace - 1, s0)[0] == 0
+        assert at(1 + grace, s0)[0] == 2
