@@ -25,6 +25,13 @@ def _bench_push(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _crds(args: argparse.Namespace) -> int:
+    from kvtopo_operator.crd import render_crd
+
+    sys.stdout.write(render_crd())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvtopo",
@@ -32,6 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
         "disaggregated LLM deployments correct while pods churn.",
     )
     verbs = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
+
+    crds = verbs.add_parser(
+        "crds",
+        help="print the KVTopology CRD (generated from the API models)",
+        description="Prints the CustomResourceDefinition generated from kvtopo_operator.api; "
+        "the checked-in crds/kvtopology.yaml is this output.",
+    )
+    crds.set_defaults(func=_crds)
 
     bench = verbs.add_parser("bench", help="run a benchmark (results as JSON)")
     bench_kinds = bench.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)

@@ -51,6 +51,21 @@ def _is_label_key(var: str) -> str:
     return f"{var}.matches('{LABEL_KEY_RE}') && {var}.indexOf('/') <= 253"
 
 
+def _same_selectors(one: str, other: str) -> str:
+    """CEL: the LabelSelectors `one` and `other` are identical (an absent list or map is empty)."""
+
+    def labels(var: str) -> str:
+        return f"(has({var}.matchLabels) ? {var}.matchLabels : {{}})"
+
+    def exprs(var: str) -> str:
+        return (
+            f"(has({var}.matchExpressions) ? {var}.matchExpressions.map(e, "
+            "[e.key, e.operator] + (has(e.values) ? e.values : [])) : [])"
+        )
+
+    return f"{labels(one)} == {labels(other)} && {exprs(one)} == {exprs(other)}"
+
+
 def _cel(*rules: dict[str, str]) -> dict[str, Any]:
     return {"x-kubernetes-validations": list(rules)}
 
@@ -63,7 +78,7 @@ LabelKey = Annotated[
         json_schema_extra=_cel(
             {
                 "rule": _is_label_key("self"),
-                "messageExpression": f"'\"' + self + '\" is not a valid label key: {_KEY_HELP}'",
+                "message": f"must be a valid label key: {_KEY_HELP}",
             }
         ),
     ),
@@ -75,8 +90,7 @@ LabelValue = Annotated[
         json_schema_extra=_cel(
             {
                 "rule": f"self.matches('{LABEL_VALUE_RE}')",
-                "messageExpression": "'\"' + self + '\" is not a valid label value: "
-                f"empty or {_NAME_HELP}'",
+                "message": f"must be a valid label value: empty, or {_NAME_HELP}",
             }
         ),
     ),
@@ -138,9 +152,10 @@ class LabelSelector(_Model):
         json_schema_extra=_cel(
             {
                 "rule": f"self.all(k, {_is_label_key('k')})",
-                "messageExpression": "'invalid label key(s) ' + "
-                f"self.filter(k, !({_is_label_key('k')})).map(k, '\"' + k + '\"').join(', ') + "
-                f"': a label key is {_KEY_HELP}'",
+                "message": f"every key must be a valid label key: {_KEY_HELP}",
+                # Naming only the first bad key keeps the estimated cost within the limits.
+                "messageExpression": "'invalid label key \"' + "
+                f"self.filter(k, !({_is_label_key('k')}))[0] + '\": a label key is {_KEY_HELP}'",
             }
         ),
     )
@@ -154,12 +169,19 @@ class RoleSpec(_Model):
     )
 
 
+Backend = Literal["UCX", "GDS", "POSIX", "LIBFABRIC", "MOONCAKE"]
+
+
+def _default_backends() -> list[Backend]:
+    return ["UCX"]
+
+
 class TransferSpec(_Model):
     mode: Literal["push", "pull"] = Field(
         default="push", description="push: prefill writes KV blocks to decode; pull: decode reads."
     )
-    backends: list[Literal["UCX", "GDS", "POSIX", "LIBFABRIC", "MOONCAKE"]] = Field(
-        default_factory=lambda: ["UCX"],
+    backends: list[Backend] = Field(
+        default_factory=_default_backends,
         min_length=1,
         max_length=4,
         description="NIXL backends, in order of preference; no duplicates.",
@@ -209,7 +231,7 @@ class KVTopologySpec(_Model):
     model_config = ConfigDict(
         json_schema_extra=_cel(
             {
-                "rule": "self.prefill.selector != self.decode.selector",
+                "rule": f"!({_same_selectors('self.prefill.selector', 'self.decode.selector')})",
                 "message": "prefill and decode selectors must differ (identical selectors would "
                 "pair every engine with itself)",
                 "fieldPath": ".decode.selector",

@@ -59,14 +59,10 @@ class KubeClient:
         def call() -> bool:
             body = {"metadata": {"resourceVersion": resource_version}, "status": status}
             try:
-                self._custom.api_client.call_api(
-                    f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}/status",
-                    "PATCH",
-                    body=body,
-                    header_params={"Content-Type": "application/merge-patch+json"},
-                    response_type="object",
-                    auth_settings=["BearerToken"],
-                    _return_http_data_only=True,
+                # A dict body is sent as a JSON merge patch; the resourceVersion in it makes
+                # the write conditional on the version we read.
+                self._custom.patch_namespaced_custom_object_status(
+                    GROUP, VERSION, namespace, PLURAL, name, body
                 )
             except ApiException as exc:
                 if exc.status in (404, 409):

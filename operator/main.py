@@ -13,8 +13,6 @@ import os
 import sys
 from pathlib import Path
 
-import kopf
-from kvtopo_operator import handlers
 from kvtopo_operator.metrics import OperatorMetrics
 from prometheus_client import start_http_server
 
@@ -61,10 +59,15 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
     if args.kubeconfig:
-        os.environ["KUBECONFIG"] = args.kubeconfig
+        # Before kopf or the kubernetes client are imported: the client reads it at import.
+        os.environ["KUBECONFIG"] = str(Path(args.kubeconfig).resolve())
+    from kvtopo_operator import handlers  # registers the kopf handlers
+
     metrics = OperatorMetrics()
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.metrics_host, registry=metrics.registry)
+    import kopf
+
     memo = kopf.Memo(
         kubeconfig=args.kubeconfig,
         token_file=args.worker_token_file,
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics=metrics,
         resync_s=args.resync_seconds,
     )
-    assert handlers.engine_pods is not None  # registers the handlers
+    assert handlers.engine_pods is not None
     kopf.run(
         standalone=args.peering is None,
         peering_name=args.peering,

@@ -29,8 +29,8 @@ from kvtopo_operator.logic import (
 T0 = datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)
 SPEC = KVTopologySpec.model_validate(
     {
-        "prefill": {"selector": {"matchLabels": {"app": "llama"}}},
-        "decode": {"selector": {"matchLabels": {"app": "llama"}}},
+        "prefill": {"selector": {"matchLabels": {"app": "llama", "kvtopo.dev/role": "prefill"}}},
+        "decode": {"selector": {"matchLabels": {"app": "llama", "kvtopo.dev/role": "decode"}}},
         "pairing": {"matchLabels": ["version"]},
         "eviction": {"graceSeconds": 10},
     }
@@ -41,7 +41,7 @@ def pod(name: str, role: str, version: str = "v1", ready: bool = True) -> PodVie
     return PodView(
         name=name,
         role=role,
-        labels={"app": "llama", "version": version},
+        labels={"app": "llama", "version": version, "kvtopo.dev/role": role},
         ready=ready,
         deleting=False,
         endpoint=f"127.0.0.1:{9000 + hash(name) % 1000}",
