@@ -58,13 +58,22 @@ def engine_pods(**kwargs: Any) -> dict[str, dict[str, Any]]:
     }
 
 
+def _endpoint(annotation: str, pod_ip: str, control_port: int) -> str:
+    """host:port of the pod's worker, or "" while it has none (an annotation that is not
+    host:port, e.g. "pending", means the engine is not serving yet)."""
+    if annotation:
+        host, sep, port = annotation.rpartition(":")
+        return annotation if sep and host and port.isdigit() else ""
+    return f"{pod_ip}:{control_port}" if pod_ip else ""
+
+
 def _pod_source(namespace: str, control_port: int) -> Iterable[PodView]:
     index = _state.get("engine_pods")
     if index is None or namespace not in index:
         return []
     out = []
     for rec in index[namespace]:
-        endpoint = rec["endpoint"] or (f"{rec['pod_ip']}:{control_port}" if rec["pod_ip"] else "")
+        endpoint = _endpoint(rec["endpoint"], rec["pod_ip"], control_port)
         out.append(
             PodView(
                 name=rec["name"],

@@ -523,6 +523,28 @@ class LocalCluster:
             ),
         )
 
+    def restart_apiserver(self, timeout_s: float = 60.0) -> float:
+        """Stops kube-apiserver and starts it again on the same port (a chaos drill's fault);
+        returns the seconds until it was ready again."""
+        binaries = self._binaries
+        assert binaries is not None, "the cluster is not up"
+        old = next(p for p in self._processes if p.name == "kube-apiserver")
+        t0 = time.monotonic()
+        stop_processes([old.record])
+        old.reap()
+        self._processes.remove(old)
+        self._launch(
+            "kube-apiserver",
+            components.apiserver_argv(binaries.kube_apiserver, self.layout, self.tier),
+        )
+        api = AdminApi(self.layout.pki, components.LOOPBACK, self.layout.ports.apiserver)
+        self._wait(
+            "kube-apiserver /readyz after restart",
+            time.monotonic() + timeout_s,
+            lambda: api.is_healthy("/readyz"),
+        )
+        return round(time.monotonic() - t0, 2)
+
     def _launch(self, name: str, argv: list[str]) -> None:
         process = ComponentProcess(
             name, argv, self.layout.log(name), die_with_parent=self.die_with_parent

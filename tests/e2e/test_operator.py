@@ -274,6 +274,9 @@ def test_pairs_connect_and_a_deleted_decode_is_evicted(env: Env) -> None:
             ).stdout
         ),
     )
+    described = env.cluster.kubectl("describe", "kvt", "llama", "-n", env.namespace).stdout
+    assert "Conditions:" in described and "Events:" in described
+    assert "EngineEvicted" in described, described[-1500:]
 
 
 def test_restarted_worker_is_a_new_engine(env: Env) -> None:
