@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     push.set_defaults(func=_bench_push)
 
     from kvtopo.cluster.cli import add_cluster_parser, run_cluster
+    from kvtopo.drill.run import add_drill_parser
+
+    add_drill_parser(verbs)
 
     add_cluster_parser(verbs).set_defaults(func=run_cluster)
     return parser

@@ -1,0 +1,170 @@
+{{/*
+Names, labels and the small computed values every template shares.
+*/}}
+
+{{- define "kvtopo.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+The release's resource name prefix: the release name when it already contains the chart
+name (release "kvtopo" -> "kvtopo"), else "<release>-<chart>". Kept short enough for the
+longest suffix appended to it ("-worker-control", 15 characters) to fit in 63.
+*/}}
+{{- define "kvtopo.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 48 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 48 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 48 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "kvtopo.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kvtopo.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvtopo.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end }}
+
+{{/*
+Labels of every object; kvtopo.labels adds the operator's component label.
+*/}}
+{{- define "kvtopo.commonLabels" -}}
+helm.sh/chart: {{ include "kvtopo.chart" . }}
+app.kubernetes.io/name: {{ include "kvtopo.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: kvtopo
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "kvtopo.labels" -}}
+{{ include "kvtopo.commonLabels" . }}
+app.kubernetes.io/component: operator
+{{- end }}
+
+{{- define "kvtopo.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "kvtopo.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "kvtopo.image" -}}
+{{- $tag := default .Chart.AppVersion .Values.image.tag }}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository $tag }}
+{{- end }}
+{{- end }}
+
+{{/*
+The worker token Secret: the chart's own ("<fullname>-worker-token") or an existing one.
+*/}}
+{{- define "kvtopo.workerTokenSecretName" -}}
+{{- default (printf "%s-worker-token" (include "kvtopo.fullname" .)) .Values.workerToken.existingSecret }}
+{{- end }}
+
+{{- define "kvtopo.peeringName" -}}
+{{- default (include "kvtopo.fullname" .) .Values.peering.name }}
+{{- end }}
+
+{{/*
+The namespaces where engine pods run, as a JSON list (use with fromJsonArray): the values'
+engineNamespaces, else the release namespace. In namespace scope the operator watches
+exactly these and is granted Roles only there; in cluster scope it watches every namespace
+and these only say where the NetworkPolicy and the worker token Secret go.
+*/}}
+{{- define "kvtopo.engineNamespaces" -}}
+{{- if .Values.engineNamespaces }}
+{{- .Values.engineNamespaces | uniq | toJson }}
+{{- else }}
+{{- list .Release.Namespace | toJson }}
+{{- end }}
+{{- end }}
+
+{{/*
+Where the chart's worker token Secret is written: the release namespace (the operator mounts
+it) and every engine namespace (engine pods mount it), each once.
+*/}}
+{{- define "kvtopo.tokenNamespaces" -}}
+{{- $engine := include "kvtopo.engineNamespaces" . | fromJsonArray }}
+{{- prepend $engine .Release.Namespace | uniq | toJson }}
+{{- end }}
+
+{{/*
+Label selector of engine pods: the operator's pod watch filters on this label server-side.
+*/}}
+{{- define "kvtopo.enginePodSelector" -}}
+matchExpressions:
+  - key: kvtopo.dev/role
+    operator: In
+    values: [prefill, decode]
+{{- end }}
+
+{{/*
+The permissions the operator needs, in every namespace it watches (Role) or cluster-wide
+(ClusterRole). Nothing else: no Secrets (the worker token is a mounted file), no writes to
+pods, no nodes.
+  - pods: the engine-pod watch (kopf list + watch; get for single reads).
+  - kvtopologies: kopf's watch; patch is what kopf uses to store its own bookkeeping.
+  - kvtopologies/status: the single status writer (merge patch through the subresource).
+  - events: the operator's and kopf's Events (create; patch aggregates repeats).
+*/}}
+{{- define "kvtopo.rbacRules" -}}
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch]
+- apiGroups: [kvtopo.dev]
+  resources: [kvtopologies]
+  verbs: [get, list, watch, patch]
+- apiGroups: [kvtopo.dev]
+  resources: [kvtopologies/status]
+  verbs: [get, patch]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create, patch]
+{{- end }}
+
+{{/*
+kopf peering (only with peering.enabled): watch the peering objects, and get/patch only the
+release's own one (kopf writes its keep-alives into it).
+*/}}
+{{- define "kvtopo.peeringRules" -}}
+{{- $resource := ternary "clusterkopfpeerings" "kopfpeerings" (eq .Values.scope "cluster") }}
+- apiGroups: [kopf.dev]
+  resources: [{{ $resource }}]
+  verbs: [list, watch]
+- apiGroups: [kopf.dev]
+  resources: [{{ $resource }}]
+  resourceNames: [{{ include "kvtopo.peeringName" . | quote }}]
+  verbs: [get, patch]
+{{- end }}
+
+{{/*
+Rules that span several values (values.schema.json checks each value on its own).
+*/}}
+{{- define "kvtopo.validate" -}}
+{{- if and .Values.metrics.serviceMonitor.enabled (not .Values.metrics.enabled) }}
+{{- fail "metrics.serviceMonitor.enabled=true needs metrics.enabled=true (the ServiceMonitor scrapes the metrics Service)" }}
+{{- end }}
+{{- if and .Values.metrics.enabled (eq (int .Values.metrics.port) (int .Values.health.port)) }}
+{{- fail (printf "metrics.port and health.port must differ (both are %v)" .Values.metrics.port) }}
+{{- end }}
+{{- if and (not .Values.serviceAccount.create) (not .Values.serviceAccount.name) }}
+{{- fail "serviceAccount.create=false needs serviceAccount.name (an existing ServiceAccount; never the namespace's default)" }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,1 @@
+"""`kvtopo drill`: the rollout churn drill (fleet of workers, traffic, ledger, report)."""

@@ -1,0 +1,206 @@
+"""The drill's stand-in for the kubelet: one real `kvtopo-worker` process per Ready pod.
+
+Owns the engine processes of the drill. It lists the drill's pods (kwok makes them Ready),
+starts a `kvtopo-worker` for each Ready pod, and writes the worker's loopback endpoint into
+the pod's `kvtopo.dev/control-endpoint` annotation (the pod template carries "pending" until
+then, so nothing ever dials kwok's fake pod IPs). When a pod is deleted or stops being
+Ready, its engine drains like a real one: it gets no new traffic, its requests in flight
+end, its outcomes are collected, and only then is the process stopped. Also owns the
+control-API calls the drill makes to workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+ENDPOINT_ANNOTATION = "kvtopo.dev/control-endpoint"
+
+
+@dataclass
+class Engine:
+    pod: str
+    uid: str
+    role: str
+    process: asyncio.subprocess.Process
+    engine_id: str = ""
+    endpoint: str = ""
+    started_at: float = 0.0
+    serving_at: float = 0.0  # when the worker answered and the pod was annotated
+    draining_since: float | None = None
+    peers: frozenset[str] = frozenset()
+    in_flight: int = 0
+    stopped: bool = False
+
+
+@dataclass
+class Fleet:
+    """Engines by pod uid, and the HTTP session used to talk to them."""
+
+    namespace: str
+    token: str
+    token_file: Path
+    log_dir: Path
+    worker_args: list[str]
+    list_pods: Callable[[], list[dict[str, Any]]]
+    annotate: Callable[[str, str], None]
+    on_outcomes: Callable[[str, list[dict[str, Any]], float], None]
+    on_going: Callable[[str, float], None]
+    drain_deadline_s: float = 15.0
+    engines: dict[str, Engine] = field(default_factory=dict)
+    session: aiohttp.ClientSession | None = None
+    kill_without_drain: bool = False  # fault injection: a crashing decode engine
+
+    def http(self) -> aiohttp.ClientSession:
+        if self.session is None:
+            self.session = aiohttp.ClientSession(
+                headers={"Authorization": f"Bearer {self.token}"},
+                timeout=aiohttp.ClientTimeout(total=5),
+            )
+        return self.session
+
+    # --- engine life cycle ---------------------------------------------------------------
+
+    async def reconcile_pods(self) -> None:
+        pods = await asyncio.to_thread(self.list_pods)
+        seen: set[str] = set()
+        for pod in pods:
+            meta, status = pod["metadata"], pod.get("status") or {}
+            uid = meta["uid"]
+            seen.add(uid)
+            ready = any(
+                c.get("type") == "Ready" and c.get("status") == "True"
+                for c in status.get("conditions") or []
+            )
+            usable = ready and meta.get("deletionTimestamp") is None
+            eng = self.engines.get(uid)
+            if eng is None and usable:
+                await self._start(meta["name"], uid, meta["labels"]["kvtopo.dev/role"])
+            elif eng is not None and not usable:
+                self._begin_drain(eng)
+        for uid, eng in list(self.engines.items()):
+            if uid not in seen:
+                self._begin_drain(eng)
+
+    async def _start(self, pod: str, uid: str, role: str) -> None:
+        log_path = self.log_dir / f"worker-{pod}.log"
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvtopo_worker.emulated", "--role", role, "--port", "0",
+            "--token-file", str(self.token_file), *self.worker_args,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=open(log_path, "ab"),  # noqa: SIM115 - owned by the child
+        )
+        eng = Engine(pod=pod, uid=uid, role=role, process=proc, started_at=time.monotonic())
+        self.engines[uid] = eng
+        asyncio.create_task(self._await_serving(eng), name=f"serve-{pod}")
+
+    async def _await_serving(self, eng: Engine) -> None:
+        assert eng.process.stdout is not None
+        try:
+            line = await asyncio.wait_for(eng.process.stdout.readline(), timeout=120)
+            info = json.loads(line)
+        except (TimeoutError, json.JSONDecodeError, ValueError):
+            log.error("worker for %s did not start; see %s", eng.pod, self.log_dir)
+            eng.process.kill()
+            self.engines.pop(eng.uid, None)
+            return
+        eng.engine_id, eng.endpoint = info["engine_id"], info["endpoint"]
+        try:
+            await asyncio.to_thread(self.annotate, eng.pod, eng.endpoint)
+        except Exception as exc:  # the pod went away meanwhile
+            log.info("could not annotate %s: %s", eng.pod, exc)
+        eng.serving_at = time.monotonic()
+
+    def _begin_drain(self, eng: Engine) -> None:
+        if eng.draining_since is not None:
+            return
+        eng.draining_since = time.monotonic()
+        if eng.engine_id:
+            self.on_going(eng.engine_id, eng.draining_since)
+        asyncio.create_task(self._drain_and_stop(eng), name=f"drain-{eng.pod}")
+
+    async def _drain_and_stop(self, eng: Engine) -> None:
+        if not (self.kill_without_drain and eng.role == "decode"):
+            deadline = time.monotonic() + self.drain_deadline_s
+            while eng.endpoint and time.monotonic() < deadline:
+                await self.collect(eng)
+                if eng.in_flight == 0:
+                    break
+                await asyncio.sleep(0.1)  # polling the worker's real state, with a deadline
+            if eng.endpoint:
+                await self.collect(eng)
+            eng.process.terminate()
+        else:
+            # The injected fault: the engine dies with requests in flight (their outcomes
+            # are never collected, and the drill must notice).
+            deadline = time.monotonic() + 5
+            while eng.endpoint and eng.in_flight == 0 and time.monotonic() < deadline:
+                await self.refresh(eng)
+                await asyncio.sleep(0.02)
+            eng.process.kill()
+        try:
+            await asyncio.wait_for(eng.process.wait(), timeout=15)
+        except TimeoutError:
+            eng.process.kill()
+            await eng.process.wait()
+        eng.stopped = True
+        self.engines.pop(eng.uid, None)
+
+    async def stop_all(self) -> None:
+        for eng in list(self.engines.values()):
+            self._begin_drain(eng)
+        deadline = time.monotonic() + self.drain_deadline_s + 20
+        while self.engines and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        for eng in list(self.engines.values()):
+            eng.process.kill()
+        if self.session is not None:
+            await self.session.close()
+
+    # --- state and outcomes --------------------------------------------------------------
+
+    def serving(self) -> list[Engine]:
+        return [e for e in self.engines.values() if e.serving_at and e.draining_since is None]
+
+    def all_known(self) -> list[Engine]:
+        return [e for e in self.engines.values() if e.serving_at and e.endpoint]
+
+    async def refresh(self, eng: Engine) -> None:
+        try:
+            async with self.http().get(f"http://{eng.endpoint}/v1/state") as resp:
+                st = await resp.json()
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+            return
+        eng.peers = frozenset(
+            p["engine_id"] for p in st["peers"] if not p.get("eviction_pending")
+        )
+        eng.in_flight = int(st["requests_in_flight"])
+
+    async def collect(self, eng: Engine) -> None:
+        try:
+            async with self.http().get(f"http://{eng.endpoint}/v1/finished") as resp:
+                outcomes = await resp.json()
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+            return
+        await self.refresh(eng)
+        if outcomes:
+            self.on_outcomes(eng.role, outcomes, time.monotonic())
+
+    async def submit(self, eng: Engine, request_id: str, peer: str, num_blocks: int) -> int:
+        body = {"request_id": request_id, "peer_engine_id": peer, "num_blocks": num_blocks}
+        try:
+            async with self.http().post(f"http://{eng.endpoint}/v1/requests", json=body) as resp:
+                return resp.status
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return 0

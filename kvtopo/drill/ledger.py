@@ -1,0 +1,158 @@
+"""The drill's books: every request, every connectivity sample, and the invariants.
+
+Owns the record of each request (pair, submit time, outcomes seen on each side), the
+timeline of connected pairs sampled from the workers, rollout/chaos marks, and the report:
+`lost` (submitted, never ended), `false_failures` (failed although its prefill and decode
+engines were connected, and neither was going away, for the request's whole life),
+`duplicate_failure_reports` (a second outcome for one request on one side), verified bytes,
+convergence and eviction times. Pure bookkeeping: no I/O, times are given by the caller.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    prefill: str  # engine ids
+    decode: str
+    submitted_at: float
+    decode_outcomes: list[dict[str, Any]] = field(default_factory=list)
+    prefill_outcomes: list[dict[str, Any]] = field(default_factory=list)
+    ended_at: float | None = None
+
+
+@dataclass
+class Mark:
+    t: float
+    kind: str  # "rollout", "scale", "chaos", "phase"
+    label: str
+
+
+@dataclass
+class Ledger:
+    t0: float
+    requests: dict[str, RequestRecord] = field(default_factory=dict)
+    samples_t: list[float] = field(default_factory=list)
+    samples_pairs: list[frozenset[tuple[str, str]]] = field(default_factory=list)
+    going: dict[str, float] = field(default_factory=dict)  # engine -> when it began to go
+    marks: list[Mark] = field(default_factory=list)
+    convergence: list[tuple[str, float]] = field(default_factory=list)  # (engine, seconds)
+    rollout_convergence: list[float] = field(default_factory=list)
+    eviction: list[tuple[str, float]] = field(default_factory=list)
+    orphan_outcomes: int = 0
+
+    # --- recording -------------------------------------------------------------------------
+
+    def submitted(self, request_id: str, prefill: str, decode: str, t: float) -> None:
+        self.requests[request_id] = RequestRecord(request_id, prefill, decode, t)
+
+    def outcome(self, side: str, outcome: dict[str, Any], t: float) -> None:
+        rec = self.requests.get(outcome["request_id"])
+        if rec is None:
+            self.orphan_outcomes += 1
+            return
+        if side == "decode":
+            rec.decode_outcomes.append(outcome)
+            if rec.ended_at is None:
+                rec.ended_at = t
+        else:
+            rec.prefill_outcomes.append(outcome)
+
+    def sample(self, t: float, pairs: frozenset[tuple[str, str]]) -> None:
+        self.samples_t.append(t)
+        self.samples_pairs.append(pairs)
+
+    def going_away(self, engine_id: str, t: float) -> None:
+        self.going.setdefault(engine_id, t)
+
+    def mark(self, t: float, kind: str, label: str) -> None:
+        self.marks.append(Mark(t, kind, label))
+
+    # --- invariants ------------------------------------------------------------------------
+
+    def in_flight(self) -> int:
+        return sum(1 for r in self.requests.values() if r.ended_at is None)
+
+    def connected_throughout(self, rec: RequestRecord) -> bool:
+        """Both directions of the pair connected in every sample of the request's life,
+        with samples on both sides of it, and neither engine going away meanwhile."""
+        end = rec.ended_at if rec.ended_at is not None else rec.submitted_at
+        for eid in (rec.prefill, rec.decode):
+            gone_at = self.going.get(eid)
+            if gone_at is not None and gone_at <= end:
+                return False
+        lo = bisect.bisect_right(self.samples_t, rec.submitted_at) - 1
+        hi = bisect.bisect_left(self.samples_t, end)
+        if lo < 0 or hi >= len(self.samples_t):
+            return False
+        pair = (rec.prefill, rec.decode)
+        return all(pair in self.samples_pairs[i] for i in range(lo, hi + 1))
+
+    def report(self) -> dict[str, Any]:
+        done = [r for r in self.requests.values() if _status(r) == "done"]
+        failed = [r for r in self.requests.values() if _status(r) == "failed"]
+        lost = [r.request_id for r in self.requests.values() if not r.decode_outcomes]
+        duplicates = [
+            r.request_id
+            for r in self.requests.values()
+            if len(r.decode_outcomes) > 1 or len(r.prefill_outcomes) > 1
+        ]
+        false_failures = [r.request_id for r in failed if self.connected_throughout(r)]
+        by_reason = Counter(
+            str(r.decode_outcomes[0].get("reason") or "unknown") for r in failed
+        )
+        conv = sorted(s for _, s in self.convergence)
+        evict = sorted(s for _, s in self.eviction)
+        return {
+            "rollouts": sum(1 for m in self.marks if m.kind == "rollout"),
+            "requests_total": len(self.requests),
+            "completed": len(done),
+            "failed_by_reason": dict(sorted(by_reason.items())),
+            "lost": len(lost),
+            "false_failures": len(false_failures),
+            "duplicate_failure_reports": len(duplicates),
+            "verified_bytes": sum(int(r.decode_outcomes[0].get("verified_bytes", 0)) for r in done),
+            "unverified_completions": sum(
+                1 for r in done if not r.decode_outcomes[0].get("verified_bytes")
+            ),
+            "convergence_s": [round(s, 3) for s in self.rollout_convergence],
+            "convergence_p99_s": round(_percentile(conv, 0.99), 3) if conv else None,
+            "eviction_s": [round(s, 3) for s in evict],
+            "eviction_max_s": round(max(evict), 3) if evict else None,
+            "offending_requests": {
+                "lost": lost[:50],
+                "false_failures": false_failures[:50],
+                "duplicate_failure_reports": duplicates[:50],
+            },
+            "marks": [
+                {"t": round(m.t - self.t0, 3), "kind": m.kind, "label": m.label} for m in self.marks
+            ],
+        }
+
+
+def _status(rec: RequestRecord) -> str:
+    if not rec.decode_outcomes:
+        return "lost"
+    return str(rec.decode_outcomes[0]["status"])
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    k = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
+    return sorted_values[k]
+
+
+def invariants_hold(report: dict[str, Any]) -> bool:
+    return (
+        report["lost"] == 0
+        and report["false_failures"] == 0
+        and report["duplicate_failure_reports"] == 0
+        and report["unverified_completions"] == 0
+    )
