@@ -48,11 +48,12 @@ test: venv toolchain lint
 test-fast: venv lint
 	$(PY) -m pytest -q -ra -m "not cluster" $(PYTEST_ARGS)
 
-# Until the rollout churn drill lands (`kvtopo drill`), the demo is the push data path.
-demo: venv
+# The rollout churn drill on defaults: 3 decode rollouts, a scale down and up, >= 1000
+# verified requests, on a local control plane with kwok (a minute or two once installed).
+demo: venv toolchain
 	@mkdir -p out
-	$(VENV)/bin/kvtopo bench push --quick --json out/push-demo.json
-	@echo "report: out/push-demo.json"
+	$(VENV)/bin/kvtopo drill --json out/drill.json --plot out/drill.png
+	@echo "report: out/drill.json  timeline: out/drill.png"
 
 bench: venv
 	@mkdir -p bench/results

@@ -16,7 +16,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,13 @@ class Fleet:
     session: aiohttp.ClientSession | None = None
     kill_without_drain: bool = False  # fault injection: a crashing decode engine
 
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self.tasks.add(task)  # held until done, so the loop cannot drop it
+        task.add_done_callback(self.tasks.discard)
+
     def http(self) -> aiohttp.ClientSession:
         if self.session is None:
             self.session = aiohttp.ClientSession(
@@ -96,14 +103,22 @@ class Fleet:
     async def _start(self, pod: str, uid: str, role: str) -> None:
         log_path = self.log_dir / f"worker-{pod}.log"
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvtopo_worker.emulated", "--role", role, "--port", "0",
-            "--token-file", str(self.token_file), *self.worker_args,
+            sys.executable,
+            "-m",
+            "kvtopo_worker.emulated",
+            "--role",
+            role,
+            "--port",
+            "0",
+            "--token-file",
+            str(self.token_file),
+            *self.worker_args,
             stdout=asyncio.subprocess.PIPE,
-            stderr=open(log_path, "ab"),  # noqa: SIM115 - owned by the child
+            stderr=log_path.open("ab"),
         )
         eng = Engine(pod=pod, uid=uid, role=role, process=proc, started_at=time.monotonic())
         self.engines[uid] = eng
-        asyncio.create_task(self._await_serving(eng), name=f"serve-{pod}")
+        self._spawn(self._await_serving(eng), f"serve-{pod}")
 
     async def _await_serving(self, eng: Engine) -> None:
         assert eng.process.stdout is not None
@@ -128,7 +143,7 @@ class Fleet:
         eng.draining_since = time.monotonic()
         if eng.engine_id:
             self.on_going(eng.engine_id, eng.draining_since)
-        asyncio.create_task(self._drain_and_stop(eng), name=f"drain-{eng.pod}")
+        self._spawn(self._drain_and_stop(eng), f"drain-{eng.pod}")
 
     async def _drain_and_stop(self, eng: Engine) -> None:
         if not (self.kill_without_drain and eng.role == "decode"):
@@ -161,7 +176,7 @@ class Fleet:
         for eng in list(self.engines.values()):
             self._begin_drain(eng)
         deadline = time.monotonic() + self.drain_deadline_s + 20
-        while self.engines and time.monotonic() < deadline:
+        while self.engines and time.monotonic() < deadline:  # noqa: ASYNC110 - polls processes
             await asyncio.sleep(0.1)
         for eng in list(self.engines.values()):
             eng.process.kill()
@@ -182,9 +197,7 @@ class Fleet:
                 st = await resp.json()
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
             return
-        eng.peers = frozenset(
-            p["engine_id"] for p in st["peers"] if not p.get("eviction_pending")
-        )
+        eng.peers = frozenset(p["engine_id"] for p in st["peers"] if not p.get("eviction_pending"))
         eng.in_flight = int(st["requests_in_flight"])
 
     async def collect(self, eng: Engine) -> None:

@@ -104,9 +104,7 @@ class Ledger:
             if len(r.decode_outcomes) > 1 or len(r.prefill_outcomes) > 1
         ]
         false_failures = [r.request_id for r in failed if self.connected_throughout(r)]
-        by_reason = Counter(
-            str(r.decode_outcomes[0].get("reason") or "unknown") for r in failed
-        )
+        by_reason = Counter(str(r.decode_outcomes[0].get("reason") or "unknown") for r in failed)
         conv = sorted(s for _, s in self.convergence)
         evict = sorted(s for _, s in self.eviction)
         return {
@@ -150,9 +148,5 @@ def _percentile(sorted_values: list[float], q: float) -> float:
 
 
 def invariants_hold(report: dict[str, Any]) -> bool:
-    return (
-        report["lost"] == 0
-        and report["false_failures"] == 0
-        and report["duplicate_failure_reports"] == 0
-        and report["unverified_completions"] == 0
-    )
+    keys = ("lost", "false_failures", "duplicate_failure_reports", "unverified_completions")
+    return all(int(report[k]) == 0 for k in keys)

@@ -35,9 +35,7 @@ log = logging.getLogger(__name__)
 ROOT_CRD = Path(__file__).resolve().parents[2] / "crds" / "kvtopology.yaml"
 KWOK_PLACEMENT: dict[str, Any] = {
     "nodeSelector": {"type": "kwok"},
-    "tolerations": [
-        {"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}
-    ],
+    "tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}],
 }
 
 
@@ -72,10 +70,11 @@ class Kube:
         from kubernetes import client, config
 
         api = config.new_client_from_config(config_file=str(kubeconfig))
-        self.core = client.CoreV1Api(api)
-        self.apps = client.AppsV1Api(api)
-        self.custom = client.CustomObjectsApi(api)
-        self.ext = client.ApiextensionsV1Api(api)
+        # The client's generated models are loosely typed; the drill reads them as Any.
+        self.core: Any = client.CoreV1Api(api)
+        self.apps: Any = client.AppsV1Api(api)
+        self.custom: Any = client.CustomObjectsApi(api)
+        self.ext: Any = client.ApiextensionsV1Api(api)
 
     def apply_crd(self, path: Path) -> None:
         from kubernetes.client.exceptions import ApiException
@@ -92,7 +91,9 @@ class Kube:
 
     def crd_established(self, name: str) -> bool:
         crd = self.ext.read_custom_resource_definition(name)
-        return any(c.type == "Established" and c.status == "True" for c in crd.status.conditions or [])
+        return any(
+            c.type == "Established" and c.status == "True" for c in crd.status.conditions or []
+        )
 
 
 def _deployment(name: str, role: str, replicas: int) -> dict[str, Any]:
@@ -127,7 +128,9 @@ def _topology(grace: int) -> dict[str, Any]:
         "kind": "KVTopology",
         "metadata": {"name": "drill"},
         "spec": {
-            "prefill": {"selector": {"matchLabels": {"app": "drill", "kvtopo.dev/role": "prefill"}}},
+            "prefill": {
+                "selector": {"matchLabels": {"app": "drill", "kvtopo.dev/role": "prefill"}}
+            },
             "decode": {"selector": {"matchLabels": {"app": "drill", "kvtopo.dev/role": "decode"}}},
             "pairing": {"matchLabels": ["app.kubernetes.io/version"]},
             "eviction": {"graceSeconds": grace},
@@ -163,20 +166,34 @@ class Drill:
             return self.opts.kubeconfig
         from kvtopo.cluster.local_cluster import LocalCluster
 
-        self.say("starting the local control plane (tier b: etcd, kube-apiserver, "
-                 "controller manager, scheduler, kwok)")
-        self.cluster = LocalCluster(self.opts.workdir / "cluster", "b",
-                                    progress=lambda line: self.say(line))
+        self.say(
+            "starting the local control plane (tier b: etcd, kube-apiserver, "
+            "controller manager, scheduler, kwok)"
+        )
+        self.cluster = LocalCluster(self.opts.workdir / "cluster", "b", progress=self.say)
         self.cluster.up()
         return Path(self.cluster.kubeconfig)
 
     def _start_operator(self, kubeconfig: Path, token_file: Path) -> None:
         log_path = self.opts.workdir / "operator.log"
         self.operator = subprocess.Popen(
-            [sys.executable, "-m", "kvtopo_operator.main", "--namespace", self.namespace,
-             "--kubeconfig", str(kubeconfig), "--worker-token-file", str(token_file),
-             "--metrics-port", "0", "--resync-seconds", "1"],
-            stdout=open(log_path, "ab"), stderr=subprocess.STDOUT,  # noqa: SIM115
+            [
+                sys.executable,
+                "-m",
+                "kvtopo_operator.main",
+                "--namespace",
+                self.namespace,
+                "--kubeconfig",
+                str(kubeconfig),
+                "--worker-token-file",
+                str(token_file),
+                "--metrics-port",
+                "0",
+                "--resync-seconds",
+                "1",
+            ],
+            stdout=log_path.open("ab"),
+            stderr=subprocess.STDOUT,
         )
 
     async def setup(self) -> None:
@@ -191,18 +208,30 @@ class Drill:
         token_file.chmod(0o600)
         self.say("installing the KVTopology CRD")
         await asyncio.to_thread(kube.apply_crd, ROOT_CRD)
-        await self._until("CRD established", lambda: kube.crd_established("kvtopologies.kvtopo.dev"), 30)
+        await self._until(
+            "CRD established", lambda: kube.crd_established("kvtopologies.kvtopo.dev"), 30
+        )
         with contextlib.suppress(ApiException):
-            await asyncio.to_thread(kube.core.create_namespace, {"metadata": {"name": self.namespace}})
+            await asyncio.to_thread(
+                kube.core.create_namespace, {"metadata": {"name": self.namespace}}
+            )
         await self._until(
             "default ServiceAccount",
-            lambda: bool(kube.core.list_namespaced_service_account(self.namespace).items), 60,
+            lambda: bool(kube.core.list_namespaced_service_account(self.namespace).items),
+            60,
         )
         self.say("starting the operator")
         self._start_operator(kubeconfig, token_file)
-        worker_args = ["--num-blocks", str(self.opts.blocks * 64), "--block-bytes",
-                       str(self.opts.block_bytes), "--registration-timeout", "5",
-                       "--kv-lease", "5"]
+        worker_args = [
+            "--num-blocks",
+            str(self.opts.blocks * 64),
+            "--block-bytes",
+            str(self.opts.block_bytes),
+            "--registration-timeout",
+            "5",
+            "--kv-lease",
+            "5",
+        ]
 
         def list_pods() -> list[dict[str, Any]]:
             items = kube.core.list_namespaced_pod(self.namespace, label_selector="app=drill").items
@@ -214,21 +243,39 @@ class Drill:
             )
 
         self.fleet = Fleet(
-            namespace=self.namespace, token=token, token_file=token_file,
-            log_dir=self.opts.workdir, worker_args=worker_args, list_pods=list_pods,
+            namespace=self.namespace,
+            token=token,
+            token_file=token_file,
+            log_dir=self.opts.workdir,
+            worker_args=worker_args,
+            list_pods=list_pods,
             annotate=annotate,
-            on_outcomes=lambda role, outs, t: [self.ledger.outcome(role, o, t) for o in outs],
+            on_outcomes=self._record_outcomes,
             on_going=self.ledger.going_away,
             kill_without_drain=self.opts.fault == "crash-decode",
         )
         self.say("creating the KVTopology and the prefill/decode Deployments on kwok nodes")
-        await asyncio.to_thread(kube.custom.create_namespaced_custom_object, "kvtopo.dev",
-                                "v1alpha1", self.namespace, "kvtopologies", _topology(self.opts.grace))
-        for name, role, n in (("prefill", "prefill", self.opts.prefill), ("decode", "decode", self.opts.decode)):
-            await asyncio.to_thread(kube.apps.create_namespaced_deployment, self.namespace,
-                                    _deployment(name, role, n))
+        await asyncio.to_thread(
+            kube.custom.create_namespaced_custom_object,
+            "kvtopo.dev",
+            "v1alpha1",
+            self.namespace,
+            "kvtopologies",
+            _topology(self.opts.grace),
+        )
+        for name, role, n in (
+            ("prefill", "prefill", self.opts.prefill),
+            ("decode", "decode", self.opts.decode),
+        ):
+            await asyncio.to_thread(
+                kube.apps.create_namespaced_deployment, self.namespace, _deployment(name, role, n)
+            )
 
-    async def _until(self, what: str, probe: Callable[[], bool], timeout: float) -> None:
+    def _record_outcomes(self, role: str, outcomes: list[dict[str, Any]], t: float) -> None:
+        for outcome in outcomes:
+            self.ledger.outcome(role, outcome, t)
+
+    async def _until(self, what: str, probe: Callable[[], bool], timeout: float) -> None:  # noqa: ASYNC109
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if await asyncio.to_thread(probe):
@@ -257,8 +304,10 @@ class Drill:
             serving = fleet.serving()
             pairs = frozenset(
                 (p.engine_id, d.engine_id)
-                for p in serving if p.role == "prefill"
-                for d in serving if d.role == "decode"
+                for p in serving
+                if p.role == "prefill"
+                for d in serving
+                if d.role == "decode"
                 if d.engine_id in p.peers and p.engine_id in d.peers
             )
             self.ledger.sample(now, pairs)
@@ -268,7 +317,12 @@ class Drill:
                     continue
                 others = [o for o in serving if o.role != e.role]
                 if others and all(
-                    ((e.engine_id, o.engine_id) if e.role == "prefill" else (o.engine_id, e.engine_id)) in pairs
+                    (
+                        (e.engine_id, o.engine_id)
+                        if e.role == "prefill"
+                        else (o.engine_id, e.engine_id)
+                    )
+                    in pairs
                     for o in others
                 ):
                     self.converged_at[e.engine_id] = now
@@ -277,7 +331,10 @@ class Drill:
                             (e.engine_id, now - self.pending_convergence.pop(e.engine_id))
                         )
             for e in serving:
-                if e.engine_id not in self.converged_at and e.engine_id not in self.pending_convergence:
+                if (
+                    e.engine_id not in self.converged_at
+                    and e.engine_id not in self.pending_convergence
+                ):
                     self.pending_convergence[e.engine_id] = e.serving_at
             # Eviction: a gone engine no longer held by any other worker.
             measured = {eid for eid, _ in self.ledger.eviction}
@@ -300,7 +357,9 @@ class Drill:
             if not self.ledger.samples_pairs:
                 continue
             serving = {e.engine_id: e for e in fleet.serving()}
-            pairs = sorted(p for p in self.ledger.samples_pairs[-1] if p[0] in serving and p[1] in serving)
+            pairs = sorted(
+                p for p in self.ledger.samples_pairs[-1] if p[0] in serving and p[1] in serving
+            )
             if not pairs:
                 continue
             pid, did = self.rng.choice(pairs)
@@ -327,7 +386,7 @@ class Drill:
         )
         return done, want
 
-    async def converged(self, timeout: float = 120) -> None:
+    async def converged(self, timeout: float = 120) -> None:  # noqa: ASYNC109
         """Deployments rolled out, one serving engine per pod, no engine draining, every pair
         connected, and the KVTopology Ready."""
         assert self.fleet is not None and self.kube is not None
@@ -339,12 +398,16 @@ class Drill:
             serving = fleet.serving()
             if not (dp and dd) or any(e.draining_since for e in fleet.engines.values()):
                 return False
-            if sum(e.role == "prefill" for e in serving) != np_ or sum(e.role == "decode" for e in serving) != nd:
+            if (
+                sum(e.role == "prefill" for e in serving) != np_
+                or sum(e.role == "decode" for e in serving) != nd
+            ):
                 return False
             if not self.ledger.samples_pairs or len(self.ledger.samples_pairs[-1]) != np_ * nd:
                 return False
-            obj = kube.custom.get_namespaced_custom_object("kvtopo.dev", "v1alpha1", self.namespace,
-                                                           "kvtopologies", "drill")
+            obj = kube.custom.get_namespaced_custom_object(
+                "kvtopo.dev", "v1alpha1", self.namespace, "kvtopologies", "drill"
+            )
             conds = (obj.get("status") or {}).get("conditions") or []
             return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
 
@@ -353,14 +416,25 @@ class Drill:
     async def _restart(self, name: str) -> None:
         assert self.kube is not None
         stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        patch = {"spec": {"template": {"metadata": {"annotations": {
-            "kubectl.kubernetes.io/restartedAt": stamp}}}}}
-        await asyncio.to_thread(self.kube.apps.patch_namespaced_deployment, name, self.namespace, patch)
+        patch = {
+            "spec": {
+                "template": {
+                    "metadata": {"annotations": {"kubectl.kubernetes.io/restartedAt": stamp}}
+                }
+            }
+        }
+        await asyncio.to_thread(
+            self.kube.apps.patch_namespaced_deployment, name, self.namespace, patch
+        )
 
     async def _scale(self, name: str, replicas: int) -> None:
         assert self.kube is not None
-        await asyncio.to_thread(self.kube.apps.patch_namespaced_deployment_scale, name,
-                                self.namespace, {"spec": {"replicas": replicas}})
+        await asyncio.to_thread(
+            self.kube.apps.patch_namespaced_deployment_scale,
+            name,
+            self.namespace,
+            {"spec": {"replicas": replicas}},
+        )
 
     async def _chaos(self) -> None:
         await asyncio.sleep(1.0)  # let the rollout get going before the fault
@@ -388,8 +462,11 @@ class Drill:
         if chaos:
             await self._chaos()
         await self.converged()
-        new = [(eid, s) for eid, s in self.ledger.convergence
-               if self._serving_at(eid) and self._serving_at(eid) >= start]
+        new = [
+            (eid, s)
+            for eid, s in self.ledger.convergence
+            if self._serving_at(eid) and self._serving_at(eid) >= start
+        ]
         if new:
             last = max(new, key=lambda es: self._serving_at(es[0]))
             self.ledger.rollout_convergence.append(last[1])
@@ -410,7 +487,9 @@ class Drill:
             self.phase = "steady traffic"
             await asyncio.sleep(opts.settle_s)
         for i in range(opts.prefill_rollouts):
-            await self._rollout("prefill", f"prefill rollout {i + 1}/{opts.prefill_rollouts}", False)
+            await self._rollout(
+                "prefill", f"prefill rollout {i + 1}/{opts.prefill_rollouts}", False
+            )
             await asyncio.sleep(opts.settle_s)
         if opts.scale_to != opts.decode:
             self.rollout_label = f"scale decode {opts.decode} -> {opts.scale_to}"
@@ -428,7 +507,7 @@ class Drill:
         self.phase = "draining the last requests"
         self.traffic_on = False
         deadline = time.monotonic() + 20
-        while self.ledger.in_flight() and time.monotonic() < deadline:
+        while self.ledger.in_flight() and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.2)
 
     # --- run -------------------------------------------------------------------------------
@@ -438,8 +517,15 @@ class Drill:
         try:
             await self.setup()
             assert self.fleet is not None
-            tasks = [asyncio.create_task(c) for c in (
-                self.pods_loop(), self.sample_loop(), self.traffic_loop(), self._track_serving())]
+            tasks = [
+                asyncio.create_task(c)
+                for c in (
+                    self.pods_loop(),
+                    self.sample_loop(),
+                    self.traffic_loop(),
+                    self._track_serving(),
+                )
+            ]
             await asyncio.wait_for(self.scenario(), timeout=self.opts.timeout_s)
         finally:
             self.stop_traffic.set()
@@ -489,7 +575,11 @@ def render_table(report: dict[str, Any]) -> Any:
         ("verified bytes", f"{report['verified_bytes']:,}", ""),
         ("convergence per rollout (s)", ", ".join(f"{c:.2f}" for c in conv) or "-", "p99 <= 5"),
         ("convergence p99, all new engines (s)", str(report["convergence_p99_s"]), "<= 5"),
-        ("eviction max (s)", str(report["eviction_max_s"]), f"<= grace + 2 ({report.get('grace', '?')} + 2)"),
+        (
+            "eviction max (s)",
+            str(report["eviction_max_s"]),
+            f"<= grace + 2 ({report.get('grace', '?')} + 2)",
+        ),
     ]
     for r in rows:
         table.add_row(*r)
@@ -528,19 +618,30 @@ def render_plot(ledger: Ledger, report: dict[str, Any], path: Path) -> None:
         axes[1].legend(loc="upper left")
     else:
         axes[1].text(0.5, 0.5, "no failures", transform=axes[1].transAxes, ha="center")
-    axes[2].step([t - t0 for t in ledger.samples_t], [len(p) for p in ledger.samples_pairs],
-                 where="post", color="tab:blue")
+    axes[2].step(
+        [t - t0 for t in ledger.samples_t],
+        [len(p) for p in ledger.samples_pairs],
+        where="post",
+        color="tab:blue",
+    )
     axes[2].set_ylabel("connected pairs")
     axes[2].set_xlabel("seconds since the drill started")
     colors = {"rollout": "tab:orange", "scale": "tab:purple", "chaos": "tab:red", "phase": "grey"}
     for m in ledger.marks:
         for ax in axes:
             ax.axvline(m.t - t0, color=colors.get(m.kind, "grey"), linestyle="--", linewidth=1)
-        axes[0].annotate(m.label, (m.t - t0, 1), xycoords=("data", "axes fraction"),
-                         rotation=90, va="top", fontsize=7)
+        axes[0].annotate(
+            m.label,
+            (m.t - t0, 1),
+            xycoords=("data", "axes fraction"),
+            rotation=90,
+            va="top",
+            fontsize=7,
+        )
     fig.suptitle(
         f"kvtopo drill: {report['requests_total']} requests, lost {report['lost']}, "
-        f"false failures {report['false_failures']}, duplicates {report['duplicate_failure_reports']}"
+        f"false failures {report['false_failures']}, "
+        f"duplicates {report['duplicate_failure_reports']}"
     )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -568,16 +669,23 @@ def add_drill_parser(verbs: Any) -> None:
     p.add_argument("--blocks", type=int, default=4, help="KV blocks per request")
     p.add_argument("--block-bytes", type=int, default=64 * 1024)
     p.add_argument("--grace", type=int, default=3, help="eviction.graceSeconds of the topology")
-    p.add_argument("--settle", type=float, default=4.0, help="seconds of steady traffic between steps")
+    p.add_argument(
+        "--settle", type=float, default=4.0, help="seconds of steady traffic between steps"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chaos", choices=["operator-kill", "apiserver-restart"])
-    p.add_argument("--fault", choices=["crash-decode"],
-                   help="self-test: decode engines crash instead of draining (the drill must fail)")
+    p.add_argument(
+        "--fault",
+        choices=["crash-decode"],
+        help="self-test: decode engines crash instead of draining (the drill must fail)",
+    )
     p.add_argument("--kubeconfig", type=Path, help="use this cluster instead of a local one")
     p.add_argument("--workdir", type=Path, default=Path("out") / "drill", help="logs and cluster")
     p.add_argument("--json", type=Path, dest="json_path", help="write the JSON report here")
     p.add_argument("--plot", type=Path, dest="plot_path", help="write the PNG timeline here")
-    p.add_argument("--no-live", action="store_true", help="plain progress lines instead of a live view")
+    p.add_argument(
+        "--no-live", action="store_true", help="plain progress lines instead of a live view"
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
     p.set_defaults(func=run_drill)
 
@@ -587,12 +695,25 @@ def run_drill(args: argparse.Namespace) -> int:
 
     console = Console()
     opts = DrillOptions(
-        prefill=args.prefill, decode=args.decode, rollouts=args.rollouts,
-        prefill_rollouts=args.prefill_rollouts, scale_to=args.scale_to, rate=args.rate,
-        max_in_flight=args.max_in_flight, blocks=args.blocks, block_bytes=args.block_bytes,
-        grace=args.grace, settle_s=args.settle, seed=args.seed, chaos=args.chaos,
-        fault=args.fault, kubeconfig=args.kubeconfig, workdir=args.workdir,
-        json_path=args.json_path, plot_path=args.plot_path, live=not args.no_live,
+        prefill=args.prefill,
+        decode=args.decode,
+        rollouts=args.rollouts,
+        prefill_rollouts=args.prefill_rollouts,
+        scale_to=args.scale_to,
+        rate=args.rate,
+        max_in_flight=args.max_in_flight,
+        blocks=args.blocks,
+        block_bytes=args.block_bytes,
+        grace=args.grace,
+        settle_s=args.settle,
+        seed=args.seed,
+        chaos=args.chaos,
+        fault=args.fault,
+        kubeconfig=args.kubeconfig,
+        workdir=args.workdir,
+        json_path=args.json_path,
+        plot_path=args.plot_path,
+        live=not args.no_live,
         timeout_s=args.timeout,
     )
     drill = Drill(opts, say=lambda line: console.print(f"[dim]{line}[/dim]"))
@@ -603,6 +724,7 @@ def run_drill(args: argparse.Namespace) -> int:
         from rich.live import Live
 
         with Live(console=console, refresh_per_second=4, transient=True) as live:
+
             async def show() -> None:
                 while True:
                     live.update(_progress(drill))
@@ -639,17 +761,25 @@ def run_drill(args: argparse.Namespace) -> int:
 def _progress(drill: Drill) -> Any:
     from rich.table import Table
 
-    rep_done = sum(1 for r in drill.ledger.requests.values() if r.decode_outcomes
-                   and r.decode_outcomes[0]["status"] == "done")
-    rep_failed = sum(1 for r in drill.ledger.requests.values() if r.decode_outcomes
-                     and r.decode_outcomes[0]["status"] == "failed")
+    rep_done = sum(
+        1
+        for r in drill.ledger.requests.values()
+        if r.decode_outcomes and r.decode_outcomes[0]["status"] == "done"
+    )
+    rep_failed = sum(
+        1
+        for r in drill.ledger.requests.values()
+        if r.decode_outcomes and r.decode_outcomes[0]["status"] == "failed"
+    )
     pairs = len(drill.ledger.samples_pairs[-1]) if drill.ledger.samples_pairs else 0
     engines = len(drill.fleet.serving()) if drill.fleet else 0
     t = Table.grid(padding=(0, 2))
     t.add_row("phase", drill.phase)
     t.add_row("current", drill.rollout_label)
-    t.add_row("requests done / failed / in flight",
-              f"{rep_done} / {rep_failed} / {drill.ledger.in_flight()}")
+    t.add_row(
+        "requests done / failed / in flight",
+        f"{rep_done} / {rep_failed} / {drill.ledger.in_flight()}",
+    )
     t.add_row("serving engines / connected pairs", f"{engines} / {pairs}")
     t.add_row("elapsed", f"{time.monotonic() - drill.ledger.t0:.0f} s")
     return t

@@ -1,0 +1,69 @@
+"""The rollout churn drill end to end: a short run passes its invariants, and a run with an
+injected fault (decode engines crash with requests in flight) fails and names them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.cluster, pytest.mark.nixl]
+
+
+def drill(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], dict]:  # type: ignore[type-arg]
+    report = tmp_path / "drill.json"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvtopo.cli",
+            "drill",
+            "--no-live",
+            "--workdir",
+            str(tmp_path / "w"),
+            "--json",
+            str(report),
+            "--plot",
+            str(tmp_path / "drill.png"),
+            "--settle",
+            "2",
+            "--rollouts",
+            "1",
+            "--scale-to",
+            "3",
+            "--timeout",
+            "300",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
+    assert report.exists(), out.stdout[-3000:] + out.stderr[-3000:]
+    return out, json.loads(report.read_text())
+
+
+def test_short_drill_keeps_every_invariant(tmp_path: Path) -> None:
+    out, report = drill(tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert report["rollouts"] == 1 and report["requests_total"] >= 100
+    assert report["lost"] == 0 and report["false_failures"] == 0
+    assert report["duplicate_failure_reports"] == 0
+    assert (
+        report["completed"] + sum(report["failed_by_reason"].values()) == report["requests_total"]
+    )
+    assert report["verified_bytes"] == report["completed"] * 4 * 64 * 1024
+    assert report["convergence_s"] and max(report["convergence_s"]) <= 5
+    assert report["eviction_s"] and report["eviction_max_s"] <= report["grace"] + 2
+    assert (tmp_path / "drill.png").stat().st_size > 10_000
+
+
+def test_drill_fails_and_lists_requests_when_an_invariant_breaks(tmp_path: Path) -> None:
+    out, report = drill(tmp_path, "--fault", "crash-decode")
+    assert out.returncode == 1, out.stdout[-3000:]
+    assert report["lost"] > 0
+    assert "an invariant broke" in out.stdout
+    assert report["offending_requests"]["lost"][0] in out.stdout

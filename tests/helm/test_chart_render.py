@@ -1,0 +1,565 @@
+"""The kvtopo Helm chart without a cluster: lint, rendering and values validation.
+
+Covers `helm lint` (default values and a values file that sets every option), the chart's
+CRD being the checked-in `crds/kvtopology.yaml`, what the templates render for each option
+(least-privilege RBAC in both scopes, the hardened one-replica operator Deployment whose
+arguments the real `kvtopo-operator` parser accepts, the worker token Secret, the
+NetworkPolicy, metrics and peering objects), and that bad values are refused with a message
+naming the offending value (values.schema.json, plus template checks for rules that span
+several values).
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kvtopo_operator.main import parse_args
+
+from tests.helm.chart import (
+    CHART,
+    FULL_VALUES,
+    KUBE_VERSION,
+    ROOT,
+    Helm,
+    container,
+    objects,
+    one,
+    render,
+    rules_set,
+    values_args,
+)
+
+OPERATOR_RULES = {
+    ("", "pods", "*", "get"),
+    ("", "pods", "*", "list"),
+    ("", "pods", "*", "watch"),
+    ("kvtopo.dev", "kvtopologies", "*", "get"),
+    ("kvtopo.dev", "kvtopologies", "*", "list"),
+    ("kvtopo.dev", "kvtopologies", "*", "watch"),
+    ("kvtopo.dev", "kvtopologies", "*", "patch"),
+    ("kvtopo.dev", "kvtopologies/status", "*", "get"),
+    ("kvtopo.dev", "kvtopologies/status", "*", "patch"),
+    ("", "events", "*", "create"),
+    ("", "events", "*", "patch"),
+}
+
+
+def peering_rules(resource: str, name: str) -> set[tuple[str, str, str, str]]:
+    return {
+        ("kopf.dev", resource, "*", "list"),
+        ("kopf.dev", resource, "*", "watch"),
+        ("kopf.dev", resource, name, "get"),
+        ("kopf.dev", resource, name, "patch"),
+    }
+
+
+@pytest.fixture(scope="module")
+def helm(tmp_path_factory: pytest.TempPathFactory) -> Helm:
+    return Helm(tmp_path_factory.mktemp("helm-home"))
+
+
+@pytest.fixture(scope="module")
+def default_docs(helm: Helm) -> list[dict[str, Any]]:
+    return render(helm, namespace="llm")
+
+
+@pytest.fixture(scope="module")
+def full_docs(helm: Helm) -> list[dict[str, Any]]:
+    return render(helm, None, FULL_VALUES, release="r", namespace="ops")
+
+
+# --- lint and the CRD ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("files", [(), (FULL_VALUES,)], ids=["default", "full"])
+def test_helm_lint_is_clean(helm: Helm, files: tuple[Path, ...]) -> None:
+    result = helm.run(
+        "lint", str(CHART), "--strict", "--kube-version", KUBE_VERSION, *values_args(None, *files)
+    )
+    out = result.stdout + result.stderr
+    assert "1 chart(s) linted, 0 chart(s) failed" in out
+    assert "[WARNING]" not in out and "[ERROR]" not in out, out
+
+
+def test_chart_crd_is_the_checked_in_crd() -> None:
+    chart_crd = CHART / "crds" / "kvtopology.yaml"
+    checked_in = ROOT / "crds" / "kvtopology.yaml"
+    assert chart_crd.read_bytes() == checked_in.read_bytes(), (
+        "helm/kvtopo/crds/kvtopology.yaml differs from crds/kvtopology.yaml; "
+        "copy it: cp crds/kvtopology.yaml helm/kvtopo/crds/"
+    )
+    assert sorted(p.name for p in (CHART / "crds").iterdir()) == ["kvtopology.yaml"]
+
+
+def test_crds_are_rendered_only_with_include_crds(helm: Helm) -> None:
+    assert not objects(render(helm), "CustomResourceDefinition")
+    text = helm.run(
+        "template", "kvtopo", str(CHART), "--include-crds", "--kube-version", KUBE_VERSION
+    ).stdout
+    crds = [d for d in yaml.safe_load_all(text) if d and d["kind"] == "CustomResourceDefinition"]
+    assert [c["metadata"]["name"] for c in crds] == ["kvtopologies.kvtopo.dev"]
+
+
+# --- what the defaults render ---------------------------------------------------------------
+
+
+def test_default_objects(default_docs: list[dict[str, Any]]) -> None:
+    kinds = sorted(d["kind"] for d in default_docs)
+    assert kinds == sorted(
+        [
+            "ServiceAccount",
+            "Role",
+            "RoleBinding",
+            "Deployment",
+            "Service",
+            "NetworkPolicy",
+            "Secret",
+        ]
+    )
+    assert {d["metadata"]["namespace"] for d in default_docs} == {"llm"}
+    for d in default_docs:
+        labels = d["metadata"]["labels"]
+        assert labels["app.kubernetes.io/instance"] == "kvtopo"
+        assert labels["app.kubernetes.io/managed-by"] == "Helm"
+    # The names the examples and docs use for release "kvtopo".
+    assert one(default_docs, "Secret")["metadata"]["name"] == "kvtopo-worker-token"
+    assert one(default_docs, "Deployment")["metadata"]["name"] == "kvtopo-operator"
+
+
+def test_examples_use_the_default_token_secret_and_control_port(
+    default_docs: list[dict[str, Any]],
+) -> None:
+    secret = one(default_docs, "Secret")["metadata"]["name"]
+    policy = one(default_docs, "NetworkPolicy")
+    port = policy["spec"]["ingress"][0]["ports"][0]["port"]
+    for name in ("prefill-deployment.yaml", "decode-deployment.yaml"):
+        pod = yaml.safe_load((ROOT / "examples" / name).read_text())["spec"]["template"]["spec"]
+        assert pod["volumes"][0]["secret"]["secretName"] == secret, name
+        ports = {p["name"]: p["containerPort"] for p in pod["containers"][0]["ports"]}
+        assert ports["kvtopo-control"] == port, name
+
+
+def test_deployment_is_one_hardened_replica(default_docs: list[dict[str, Any]]) -> None:
+    deploy = one(default_docs, "Deployment")
+    spec = deploy["spec"]
+    assert spec["replicas"] == 1
+    assert spec["strategy"] == {"type": "Recreate"}
+    pod = spec["template"]["spec"]
+    assert pod["serviceAccountName"] == one(default_docs, "ServiceAccount")["metadata"]["name"]
+    assert not pod.get("hostNetwork") and not pod.get("hostPID") and not pod.get("hostIPC")
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    c = container(default_docs)
+    assert c["image"] == "ghcr.io/kvtopo/operator:0.1.0"
+    sc = c["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["runAsNonRoot"] is True
+    assert sc["privileged"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
+    assert c["resources"]["limits"]["memory"]
+    # The probes hit the port kopf's liveness endpoint listens on.
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    liveness = next(a for a in c["args"] if a.startswith("--liveness="))
+    assert liveness == f"--liveness=http://0.0.0.0:{ports['health']}/healthz"
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "health"}, probe
+    # The metrics Service reaches the metrics port the operator binds.
+    assert f"--metrics-port={ports['metrics']}" in c["args"]
+    assert "--metrics-host=0.0.0.0" in c["args"]
+    service = one(default_docs, "Service")
+    assert service["spec"]["ports"][0]["targetPort"] == "metrics"
+    assert service["spec"]["selector"].items() <= pod_labels(deploy).items()
+    # The token file the operator reads is the mounted Secret's key.
+    token_arg = next(a for a in c["args"] if a.startswith("--worker-token-file="))
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "worker-token")
+    assert mount["readOnly"] is True
+    assert token_arg == f"--worker-token-file={mount['mountPath']}/token"
+    volume = next(v for v in pod["volumes"] if v["name"] == "worker-token")
+    assert volume["secret"]["secretName"] == one(default_docs, "Secret")["metadata"]["name"]
+    # A read-only root filesystem still needs a writable /tmp.
+    assert any(m["mountPath"] == "/tmp" for m in c["volumeMounts"])
+
+
+def pod_labels(deploy: dict[str, Any]) -> dict[str, str]:
+    labels: dict[str, str] = deploy["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {},
+        {"scope": "cluster", "peering": {"enabled": True}, "metrics": {"enabled": False}},
+        {"engineNamespaces": ["a", "b"], "operator": {"verbose": True}},
+    ],
+    ids=["default", "cluster-peering-no-metrics", "two-namespaces"],
+)
+def test_operator_accepts_the_rendered_arguments(helm: Helm, values: dict[str, Any]) -> None:
+    c = container(render(helm, values))
+    assert c["command"] == ["kvtopo-operator"]
+    args = parse_args(c["args"])
+    if values.get("scope") == "cluster":
+        assert args.all_namespaces and not args.namespace
+        assert args.peering == "kvtopo" and args.metrics_port == 0
+    else:
+        assert args.namespace == values.get("engineNamespaces", ["kvtopo-system"])
+        assert args.peering is None and args.metrics_port == 8080
+    assert args.verbose == bool(values.get("operator", {}).get("verbose"))
+    assert str(args.worker_token_file) == "/var/run/kvtopo/token"
+    assert args.resync_seconds == 2.0
+
+
+def test_the_full_values_render_every_option(full_docs: list[dict[str, Any]]) -> None:
+    deploy = one(full_docs, "Deployment")
+    pod = deploy["spec"]["template"]["spec"]
+    c = container(full_docs)
+    assert c["image"] == (
+        "registry.example.com/kvtopo/operator@sha256:"
+        "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
+    )
+    assert c["imagePullPolicy"] == "Always"
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    assert pod["serviceAccountName"] == "kvt-operator-sa"
+    assert pod["priorityClassName"] == "system-cluster-critical"
+    assert pod["nodeSelector"] == {"type": "kwok"}
+    assert pod["tolerations"][0]["key"] == "kwok.x-k8s.io/node"
+    assert "nodeAffinity" in pod["affinity"]
+    assert (pod["securityContext"]["runAsUser"], pod["securityContext"]["runAsGroup"]) == (
+        10001,
+        10001,
+    )
+    assert deploy["spec"]["template"]["metadata"]["annotations"] == {"example.com/scrape": "false"}
+    assert pod_labels(deploy)["tier"] == "control"
+    assert all(d["metadata"]["labels"]["team"] == "inference" for d in full_docs)
+    assert c["resources"]["limits"] == {"cpu": "1", "memory": "256Mi"}
+    assert {"name": "KVTOPO_EXTRA", "value": "1"} in c["env"]
+    args = parse_args(c["args"])
+    assert args.namespace == ["llm-a", "llm-b"]
+    assert args.peering == "kvt-peering" and args.verbose and args.resync_seconds == 5
+    assert str(args.worker_token_file) == "/var/run/kvtopo/bearer"
+    assert (args.metrics_port, c["ports"][1]["containerPort"]) == (9090, 9091)
+    sm = one(full_docs, "ServiceMonitor")
+    assert sm["metadata"]["labels"]["release"] == "prometheus"
+    assert sm["spec"]["endpoints"][0] == {
+        "port": "metrics",
+        "path": "/metrics",
+        "interval": "15s",
+        "scrapeTimeout": "5s",
+    }
+    service = one(full_docs, "Service")
+    assert sm["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert service["metadata"]["annotations"] == {"prometheus.io/scrape": "true"}
+    sa = one(full_docs, "ServiceAccount")
+    assert sa["metadata"]["annotations"] == {"example.com/owner": "inference"}
+    assert {p["metadata"]["namespace"] for p in objects(full_docs, "KopfPeering")} == {
+        "llm-a",
+        "llm-b",
+    }
+    for policy in objects(full_docs, "NetworkPolicy"):
+        ingress = policy["spec"]["ingress"]
+        assert len(ingress) == 1  # allowOtherPorts: false
+        assert ingress[0]["ports"] == [{"protocol": "TCP", "port": 9000}]
+        assert {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+        } in (ingress[0]["from"])
+
+
+def leaf_paths(tree: dict[str, Any], prefix: str = "") -> set[str]:
+    """Dotted paths of every key of the chart's values (free-form maps count as leaves)."""
+    out = set()
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out |= leaf_paths(value, path + ".")
+        else:
+            out.add(path)
+    return out
+
+
+def test_the_full_values_file_sets_every_option() -> None:
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    full = yaml.safe_load(FULL_VALUES.read_text())
+    missing = {p for p in leaf_paths(defaults) if not _has_path(full, p.split("."))}
+    assert not missing, f"{FULL_VALUES.name} does not set: {sorted(missing)}"
+    # The file really is the values the cluster tests render and dry-run.
+    assert full["engineNamespaces"] and full["peering"]["enabled"] is True
+
+
+def _has_path(tree: Any, keys: list[str]) -> bool:
+    for key in keys:
+        if not isinstance(tree, dict) or key not in tree:
+            return False
+        tree = tree[key]
+    return True
+
+
+# --- RBAC ------------------------------------------------------------------------------------
+
+
+def test_namespace_scope_grants_roles_only_in_engine_namespaces(helm: Helm) -> None:
+    docs = render(helm, {"engineNamespaces": ["llm-a", "llm-b"]}, namespace="ops")
+    assert not objects(docs, "ClusterRole") and not objects(docs, "ClusterRoleBinding")
+    roles = objects(docs, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["llm-a", "llm-b"]
+    for role in roles:
+        assert rules_set(role["rules"]) == OPERATOR_RULES
+    for binding in objects(docs, "RoleBinding"):
+        assert binding["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": "kvtopo-operator",
+        }
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": "kvtopo", "namespace": "ops"}
+        ]
+    assert sorted(b["metadata"]["namespace"] for b in objects(docs, "RoleBinding")) == [
+        "llm-a",
+        "llm-b",
+    ]
+
+
+def test_cluster_scope_grants_one_cluster_role(helm: Helm) -> None:
+    docs = render(helm, {"scope": "cluster"})
+    assert not objects(docs, "Role") and not objects(docs, "RoleBinding")
+    role = one(docs, "ClusterRole")
+    assert rules_set(role["rules"]) == OPERATOR_RULES
+    binding = one(docs, "ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "kvtopo", "namespace": "kvtopo-system"}
+    ]
+    assert "--all-namespaces" in container(docs)["args"]
+
+
+def test_no_rule_reaches_secrets_nodes_or_writes_pods(helm: Helm) -> None:
+    for values in ({}, {"scope": "cluster", "peering": {"enabled": True}}):
+        docs = render(helm, values)
+        for role in objects(docs, "Role") + objects(docs, "ClusterRole"):
+            for group, resource, _, verb in rules_set(role["rules"]):
+                assert "*" not in (group, resource, verb), role["rules"]
+                assert resource not in ("secrets", "nodes", "configmaps", "serviceaccounts")
+                if resource == "pods":
+                    assert verb in ("get", "list", "watch")
+
+
+@pytest.mark.parametrize("scope", ["namespace", "cluster"])
+def test_peering_objects_and_rules(helm: Helm, scope: str) -> None:
+    docs = render(helm, {"scope": scope, "peering": {"enabled": True, "name": "guard"}})
+    assert "--peering=guard" in container(docs)["args"]
+    if scope == "cluster":
+        peering = one(docs, "ClusterKopfPeering")
+        rules = rules_set(one(docs, "ClusterRole")["rules"])
+        expected = OPERATOR_RULES | peering_rules("clusterkopfpeerings", "guard")
+        assert "namespace" not in peering["metadata"]
+    else:
+        peering = one(docs, "KopfPeering")
+        rules = rules_set(one(docs, "Role")["rules"])
+        expected = OPERATOR_RULES | peering_rules("kopfpeerings", "guard")
+        assert peering["metadata"]["namespace"] == "kvtopo-system"
+    assert peering["apiVersion"] == "kopf.dev/v1" and peering["metadata"]["name"] == "guard"
+    assert rules == expected
+
+
+def test_rbac_and_service_account_can_be_left_to_the_user(helm: Helm) -> None:
+    docs = render(
+        helm, {"rbac": {"create": False}, "serviceAccount": {"create": False, "name": "ops-sa"}}
+    )
+    kinds = {d["kind"] for d in docs}
+    assert not kinds & {
+        "Role",
+        "RoleBinding",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "ServiceAccount",
+    }
+    assert one(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "ops-sa"
+
+
+# --- the worker token --------------------------------------------------------------------------
+
+
+def test_token_secret_is_generated_into_every_namespace_that_needs_it(helm: Helm) -> None:
+    docs = render(helm, {"engineNamespaces": ["llm-a", "llm-b"]}, namespace="ops")
+    secrets = objects(docs, "Secret")
+    assert sorted(s["metadata"]["namespace"] for s in secrets) == ["llm-a", "llm-b", "ops"]
+    tokens = {base64.b64decode(s["data"]["token"]).decode() for s in secrets}
+    assert len(tokens) == 1, "every copy holds the same token"
+    token = tokens.pop()
+    assert re.fullmatch(r"[A-Za-z0-9]{48}", token)
+    # No cluster to look the Secret up in: `helm template` shows a fresh value every time
+    # (documented); installs and upgrades keep the first one (tests/helm/test_chart_cluster).
+    again = objects(render(helm, {"engineNamespaces": ["llm-a"]}, namespace="ops"), "Secret")
+    assert base64.b64decode(again[0]["data"]["token"]).decode() != token
+
+
+def test_existing_token_secret_is_mounted_not_created(helm: Helm) -> None:
+    docs = render(helm, {"workerToken": {"existingSecret": "my-token", "key": "tok"}})
+    assert not objects(docs, "Secret")
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "worker-token")
+    assert volume["secret"]["secretName"] == "my-token"
+    assert volume["secret"]["items"] == [{"key": "tok", "path": "tok"}]
+    assert "--worker-token-file=/var/run/kvtopo/tok" in container(docs)["args"]
+
+
+# --- the NetworkPolicy -------------------------------------------------------------------------
+
+
+def test_network_policy_guards_only_the_control_port(default_docs: list[dict[str, Any]]) -> None:
+    policy = one(default_docs, "NetworkPolicy")["spec"]
+    engines = {
+        "matchExpressions": [
+            {"key": "kvtopo.dev/role", "operator": "In", "values": ["prefill", "decode"]}
+        ]
+    }
+    assert policy["podSelector"] == engines
+    assert policy["policyTypes"] == ["Ingress"]
+    control, others = policy["ingress"]
+    selector = one(default_docs, "Deployment")["spec"]["selector"]["matchLabels"]
+    assert control["from"] == [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "llm"}},
+            "podSelector": {"matchLabels": selector},
+        },
+        {"podSelector": engines},
+    ]
+    assert control["ports"] == [{"protocol": "TCP", "port": 8975}]
+    assert "from" not in others
+    assert others["ports"] == [
+        {"protocol": "TCP", "port": 1, "endPort": 8974},
+        {"protocol": "TCP", "port": 8976, "endPort": 65535},
+        {"protocol": "UDP"},
+        {"protocol": "SCTP"},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("port", "tcp_ranges"),
+    [
+        (1, [(2, 65535)]),
+        (2, [(1, None), (3, 65535)]),
+        (65534, [(1, 65533), (65535, None)]),
+        (65535, [(1, 65534)]),
+    ],
+)
+def test_network_policy_port_ranges_at_the_edges(
+    helm: Helm, port: int, tcp_ranges: list[tuple[int, int | None]]
+) -> None:
+    policy = one(render(helm, {"workers": {"controlPort": port}}), "NetworkPolicy")["spec"]
+    tcp = [p for p in policy["ingress"][1]["ports"] if p["protocol"] == "TCP"]
+    assert [(p["port"], p.get("endPort")) for p in tcp] == tcp_ranges
+
+
+def test_network_policy_can_be_turned_off(helm: Helm) -> None:
+    assert not objects(render(helm, {"networkPolicy": {"enabled": False}}), "NetworkPolicy")
+
+
+# --- metrics -------------------------------------------------------------------------------------
+
+
+def test_metrics_off_means_no_service_and_no_port(helm: Helm) -> None:
+    docs = render(helm, {"metrics": {"enabled": False}})
+    assert not objects(docs, "Service") and not objects(docs, "ServiceMonitor")
+    c = container(docs)
+    assert "--metrics-port=0" in c["args"]
+    assert [p["name"] for p in c["ports"]] == ["health"]
+
+
+# --- bad values ---------------------------------------------------------------------------
+
+BAD_VALUES = [
+    ({"scope": "everything"}, "at '/scope': value must be one of 'namespace', 'cluster'"),
+    (
+        {"engineNamespaces": ["Bad_NS"]},
+        "at '/engineNamespaces/0': 'Bad_NS' does not match pattern",
+    ),
+    ({"engineNamespaces": ["a", "a"]}, "at '/engineNamespaces'"),
+    ({"replicas": 2}, "additional properties 'replicas' not allowed"),
+    (
+        {"image": {"pullPolicy": "Sometimes"}},
+        "at '/image/pullPolicy': value must be one of 'Always', 'IfNotPresent', 'Never'",
+    ),
+    ({"image": {"repository": ""}}, "at '/image/repository'"),
+    ({"image": {"digest": "latest"}}, "at '/image/digest': 'latest' does not match pattern"),
+    ({"metrics": {"port": 70000}}, "at '/metrics/port': maximum: got 70,000, want 65,535"),
+    ({"workers": {"controlPort": "8975"}}, "at '/workers/controlPort': got string, want integer"),
+    ({"securityContext": {"runAsUser": 0}}, "at '/securityContext/runAsUser': minimum: got 0"),
+    (
+        {"securityContext": {"privileged": True}},
+        "at '/securityContext': additional properties 'privileged' not allowed",
+    ),
+    ({"operator": {"resyncSeconds": 0}}, "at '/operator/resyncSeconds': minimum: got 0"),
+    ({"operator": {"extraArgs": ["-v"]}}, "at '/operator/extraArgs/0'"),
+    ({"workerToken": {"length": 8}}, "at '/workerToken/length': minimum: got 8, want 32"),
+    ({"workerToken": {"existingSecret": "Not A Name"}}, "at '/workerToken/existingSecret'"),
+    (
+        {"metrics": {"serviceMonitor": {"interval": "soon"}}},
+        "at '/metrics/serviceMonitor/interval'",
+    ),
+    ({"podLabels": {"app.kubernetes.io/name": "x"}}, "at '/podLabels/app.kubernetes.io~1name'"),
+    ({"resources": {"limits": {"memory": "lots"}}}, "at '/resources/limits/memory'"),
+    (
+        {"networkPolicy": {"extraControlPortFrom": [{}]}},
+        "at '/networkPolicy/extraControlPortFrom/0'",
+    ),
+]
+
+
+@pytest.mark.parametrize(("values", "message"), BAD_VALUES, ids=[m for _, m in BAD_VALUES])
+def test_schema_refuses_bad_values(helm: Helm, values: dict[str, Any], message: str) -> None:
+    result = helm.run(
+        "template",
+        "kvtopo",
+        str(CHART),
+        "--kube-version",
+        KUBE_VERSION,
+        *values_args(values),
+        check=False,
+    )
+    assert result.returncode != 0, f"{values} was accepted"
+    assert "values don't meet the specifications of the schema" in result.stderr
+    assert message in result.stderr, result.stderr
+
+
+CROSS_FIELD = [
+    (
+        {"metrics": {"enabled": False, "serviceMonitor": {"enabled": True}}},
+        "metrics.serviceMonitor.enabled=true needs metrics.enabled=true",
+    ),
+    ({"health": {"port": 8080}}, "metrics.port and health.port must differ (both are 8080)"),
+    (
+        {"serviceAccount": {"create": False}},
+        "serviceAccount.create=false needs serviceAccount.name",
+    ),
+]
+
+
+@pytest.mark.parametrize(("values", "message"), CROSS_FIELD, ids=[m for _, m in CROSS_FIELD])
+def test_rules_across_values_are_refused_by_the_templates(
+    helm: Helm, values: dict[str, Any], message: str
+) -> None:
+    result = helm.run(
+        "template",
+        "kvtopo",
+        str(CHART),
+        "--kube-version",
+        KUBE_VERSION,
+        *values_args(values),
+        check=False,
+    )
+    assert result.returncode != 0, f"{values} was accepted"
+    assert message in result.stderr, result.stderr
+
+
+def test_too_old_kubernetes_is_refused(helm: Helm) -> None:
+    result = helm.run("template", "kvtopo", str(CHART), "--kube-version", "1.27.0", check=False)
+    assert result.returncode != 0
+    assert "chart requires kubeVersion: >=1.29.0-0" in result.stderr
