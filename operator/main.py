@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
+    if not args.verbose:
+        # kopf logs every handled event at INFO; the operator's own lines are what matter.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     if args.kubeconfig:
         # Before kopf or the kubernetes client are imported: the client reads it at import.
         os.environ["KUBECONFIG"] = str(Path(args.kubeconfig).resolve())

@@ -96,6 +96,10 @@ class Fleet:
                 await self._start(meta["name"], uid, meta["labels"]["kvtopo.dev/role"])
             elif eng is not None and not usable:
                 self._begin_drain(eng)
+            elif eng is not None and eng.serving_at and eng.draining_since is None:
+                annotated = (meta.get("annotations") or {}).get(ENDPOINT_ANNOTATION)
+                if annotated != eng.endpoint:  # an earlier patch was lost (API server down)
+                    await asyncio.to_thread(self.annotate, eng.pod, eng.endpoint)
         for uid, eng in list(self.engines.items()):
             if uid not in seen:
                 self._begin_drain(eng)

@@ -46,11 +46,19 @@ class Ledger:
     rollout_convergence: list[float] = field(default_factory=list)
     eviction: list[tuple[str, float]] = field(default_factory=list)
     orphan_outcomes: int = 0
+    chaos_recovery_s: list[float] = field(default_factory=list)
+    stale_peers_at_end: list[str] = field(default_factory=list)  # "holder -> gone engine"
 
     # --- recording -------------------------------------------------------------------------
 
     def submitted(self, request_id: str, prefill: str, decode: str, t: float) -> None:
         self.requests[request_id] = RequestRecord(request_id, prefill, decode, t)
+
+    def withdraw(self, request_id: str) -> None:
+        """The decode side refused the request: it was never submitted."""
+        rec = self.requests.get(request_id)
+        if rec is not None and not rec.decode_outcomes:
+            del self.requests[request_id]
 
     def outcome(self, side: str, outcome: dict[str, Any], t: float) -> None:
         rec = self.requests.get(outcome["request_id"])
@@ -123,6 +131,10 @@ class Ledger:
             "convergence_p99_s": round(_percentile(conv, 0.99), 3) if conv else None,
             "eviction_s": [round(s, 3) for s in evict],
             "eviction_max_s": round(max(evict), 3) if evict else None,
+            "orphan_outcomes": self.orphan_outcomes,
+            "chaos_recovery_s": [round(s, 3) for s in self.chaos_recovery_s],
+            "stale_peers_at_end": len(self.stale_peers_at_end),
+            "stale_peer_list": self.stale_peers_at_end[:50],
             "offending_requests": {
                 "lost": lost[:50],
                 "false_failures": false_failures[:50],
@@ -148,5 +160,11 @@ def _percentile(sorted_values: list[float], q: float) -> float:
 
 
 def invariants_hold(report: dict[str, Any]) -> bool:
-    keys = ("lost", "false_failures", "duplicate_failure_reports", "unverified_completions")
+    keys = (
+        "lost",
+        "false_failures",
+        "duplicate_failure_reports",
+        "unverified_completions",
+        "stale_peers_at_end",
+    )
     return all(int(report[k]) == 0 for k in keys)

@@ -275,13 +275,28 @@ class Drill:
         for outcome in outcomes:
             self.ledger.outcome(role, outcome, t)
 
-    async def _until(self, what: str, probe: Callable[[], bool], timeout: float) -> None:  # noqa: ASYNC109
+    async def _until(
+        self,
+        what: str,
+        probe: Callable[[], bool],
+        timeout: float,
+        describe: Callable[[], str] | None = None,
+    ) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if await asyncio.to_thread(probe):
-                return
+            try:
+                if await asyncio.to_thread(probe):
+                    return
+            except Exception as exc:  # the API server may be restarting (chaos)
+                log.info("waiting for %s: %s", what, exc)
             await asyncio.sleep(0.2)
-        raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        detail = ""
+        if describe is not None:
+            try:
+                detail = "\n" + await asyncio.to_thread(describe)
+            except Exception as exc:
+                detail = f"\n(could not describe the state: {exc})"
+        raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}{detail}")
 
     # --- background loops ------------------------------------------------------------------
 
@@ -367,10 +382,12 @@ class Drill:
             rid = f"drill-{self.opts.seed}-{self.seq}"
             if await fleet.submit(serving[pid], rid, did, self.opts.blocks) != 202:
                 continue
-            t = time.monotonic()
+            # Booked before the decode side is asked: its outcome can be collected before
+            # the answer to this very call arrives.
+            self.ledger.submitted(rid, pid, did, time.monotonic())
             status = await fleet.submit(serving[did], rid, pid, self.opts.blocks)
-            if status == 202:
-                self.ledger.submitted(rid, pid, did, t)
+            if status != 202:
+                self.ledger.withdraw(rid)
 
     # --- the scenario ----------------------------------------------------------------------
 
@@ -411,7 +428,33 @@ class Drill:
             conds = (obj.get("status") or {}).get("conditions") or []
             return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
 
-        await self._until("the topology to converge", check, timeout)
+        def describe() -> str:
+            lines = []
+            for name in ("prefill", "decode"):
+                d = kube.apps.read_namespaced_deployment(name, self.namespace)
+                st = d.status
+                lines.append(
+                    f"deployment {name}: replicas {d.spec.replicas}, updated "
+                    f"{st.updated_replicas}, available {st.available_replicas}, total {st.replicas}"
+                )
+            for e in fleet.engines.values():
+                lines.append(
+                    f"engine {e.pod} {e.role} {e.engine_id[:8]} serving={bool(e.serving_at)} "
+                    f"draining={e.draining_since is not None} peers={len(e.peers)}"
+                )
+            pairs = self.ledger.samples_pairs[-1] if self.ledger.samples_pairs else frozenset()
+            lines.append(f"connected pairs in the last sample: {len(pairs)}")
+            obj = kube.custom.get_namespaced_custom_object(
+                "kvtopo.dev", "v1alpha1", self.namespace, "kvtopologies", "drill"
+            )
+            status = obj.get("status") or {}
+            lines.append(f"KVTopology summary {status.get('summary')}")
+            for c in status.get("conditions") or []:
+                lines.append(f"  {c['type']}={c['status']} {c['reason']}: {c.get('message', '')}")
+            lines.append(f"operator log: {self.opts.workdir / 'operator.log'}")
+            return "\n".join(lines)
+
+        await self._until("the topology to converge", check, timeout, describe)
 
     async def _restart(self, name: str) -> None:
         assert self.kube is not None
@@ -461,7 +504,10 @@ class Drill:
         await self._restart(name)
         if chaos:
             await self._chaos()
+            fault_over = time.monotonic()
         await self.converged()
+        if chaos:
+            self.ledger.chaos_recovery_s.append(time.monotonic() - fault_over)
         new = [
             (eid, s)
             for eid, s in self.ledger.convergence
@@ -504,11 +550,27 @@ class Drill:
             await self._scale("decode", opts.decode)
             await self.converged()
             await asyncio.sleep(opts.settle_s)
+        self.phase = "checking for stale peers"
+        await self._no_stale_peers()
         self.phase = "draining the last requests"
         self.traffic_on = False
         deadline = time.monotonic() + 20
         while self.ledger.in_flight() and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.2)
+
+    async def _no_stale_peers(self) -> None:
+        """Every worker's registry names only engines that exist (waits out one grace)."""
+        assert self.fleet is not None
+        deadline = time.monotonic() + self.opts.grace + 10
+        stale: list[str] = []
+        while time.monotonic() < deadline:
+            serving = self.fleet.serving()
+            live = {e.engine_id for e in serving}
+            stale = [f"{e.pod} -> {p}" for e in serving for p in sorted(e.peers - live)]
+            if not stale:
+                break
+            await asyncio.sleep(0.2)
+        self.ledger.stale_peers_at_end = stale
 
     # --- run -------------------------------------------------------------------------------
 
@@ -580,6 +642,12 @@ def render_table(report: dict[str, Any]) -> Any:
             str(report["eviction_max_s"]),
             f"<= grace + 2 ({report.get('grace', '?')} + 2)",
         ),
+        (
+            "recovery after the fault (s)",
+            ", ".join(f"{c:.2f}" for c in report["chaos_recovery_s"]) or "-",
+            "<= 15",
+        ),
+        ("stale peers at the end", str(report["stale_peers_at_end"]), "0"),
     ]
     for r in rows:
         table.add_row(*r)

@@ -563,3 +563,21 @@ def test_too_old_kubernetes_is_refused(helm: Helm) -> None:
     result = helm.run("template", "kvtopo", str(CHART), "--kube-version", "1.27.0", check=False)
     assert result.returncode != 0
     assert "chart requires kubeVersion: >=1.29.0-0" in result.stderr
+
+
+def test_install_doc_covers_every_option_and_the_opt_in_contract() -> None:
+    doc = (ROOT / "docs" / "install.md").read_text()
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    undocumented = [key for key in defaults if f"`{key}" not in doc]
+    assert not undocumented, f"docs/install.md does not describe: {undocumented}"
+    for contract in (
+        "kvtopo.dev/role: prefill",
+        "kvtopo.dev/control-endpoint",
+        "kvtopo-control",
+        "--token-file",
+        "## Upgrade",
+        "## Uninstall",
+        "kubectl delete crd kvtopologies.kvtopo.dev",
+        "--kube-version",
+    ):
+        assert contract in doc, contract
