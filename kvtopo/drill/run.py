@@ -279,10 +279,10 @@ class Drill:
         self,
         what: str,
         probe: Callable[[], bool],
-        timeout: float,
+        limit_s: float,
         describe: Callable[[], str] | None = None,
     ) -> None:
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline:
             try:
                 if await asyncio.to_thread(probe):
@@ -296,7 +296,7 @@ class Drill:
                 detail = "\n" + await asyncio.to_thread(describe)
             except Exception as exc:
                 detail = f"\n(could not describe the state: {exc})"
-        raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}{detail}")
+        raise TimeoutError(f"timed out after {limit_s:.0f}s waiting for {what}{detail}")
 
     # --- background loops ------------------------------------------------------------------
 
