@@ -200,6 +200,8 @@ class EmulatedEngine:
             target=self._engine_loop, name="kvtopo-engine", daemon=True
         )
         self.verified_bytes = 0
+        self._accepted = 0
+        self._handed_out = 0
 
     @property
     def endpoint(self) -> str:
@@ -218,11 +220,11 @@ class EmulatedEngine:
         self.transport.close()
 
     def _request_counts(self) -> tuple[int, int, int]:
-        return (
-            self.connector.requests_done,
-            self.connector.requests_failed,
-            self.connector.in_flight(),
-        )
+        # In flight until its outcome has been handed out by GET /v1/finished, so a client
+        # that waits for 0 and drains once more has every outcome.
+        with self._outcomes_lock:
+            unreported = self._accepted - self._handed_out
+        return self.connector.requests_done, self.connector.requests_failed, unreported
 
     # --- requests ------------------------------------------------------------------------
 
@@ -246,6 +248,8 @@ class EmulatedEngine:
         except Exception:
             self._release(req.request_id)
             raise
+        with self._outcomes_lock:
+            self._accepted += 1
 
     def _release(self, request_id: str) -> _Request | None:
         with self._alloc_lock:
@@ -328,6 +332,7 @@ class EmulatedEngine:
     def drain_outcomes(self, limit: int = 10_000) -> list[RequestOutcome]:
         with self._outcomes_lock:
             n = min(limit, len(self._outcomes))
+            self._handed_out += n
             return [self._outcomes.popleft() for _ in range(n)]
 
     # --- control routes ------------------------------------------------------------------

@@ -134,7 +134,7 @@ def deployment_available(cluster: LocalCluster, namespace: str, name: str) -> di
             return deploy
         return None
 
-    result: dict[str, Any] = wait_until(
+    result: dict[str, Any] | None = wait_until(
         probe,
         ROLLOUT_TIMEOUT_S,
         f"deployment {namespace}/{name} Available with its latest template",
@@ -143,6 +143,7 @@ def deployment_available(cluster: LocalCluster, namespace: str, name: str) -> di
             "describe", "deployment", name, "-n", namespace, check=False
         ).stdout[-2500:],
     )
+    assert result is not None
     return result
 
 

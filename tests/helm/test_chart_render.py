@@ -34,6 +34,10 @@ from tests.helm.chart import (
     values_args,
 )
 
+# These run the helm binary from the control-plane toolchain (`make toolchain`), as the
+# `cluster` marker says; they start no cluster.
+pytestmark = pytest.mark.cluster
+
 OPERATOR_RULES = {
     ("", "pods", "*", "get"),
     ("", "pods", "*", "list"),
@@ -289,8 +293,10 @@ def test_the_full_values_file_sets_every_option() -> None:
     full = yaml.safe_load(FULL_VALUES.read_text())
     missing = {p for p in leaf_paths(defaults) if not _has_path(full, p.split("."))}
     assert not missing, f"{FULL_VALUES.name} does not set: {sorted(missing)}"
-    # The file really is the values the cluster tests render and dry-run.
+    # It turns the optional objects on, so the server-side dry run covers their templates.
     assert full["engineNamespaces"] and full["peering"]["enabled"] is True
+    assert full["metrics"]["serviceMonitor"]["enabled"] is True
+    assert full["networkPolicy"]["enabled"] is True and full["rbac"]["create"] is True
 
 
 def _has_path(tree: Any, keys: list[str]) -> bool:

@@ -66,7 +66,12 @@ class Installed:
 
     def kubectl_as_sa(self, kubeconfig: Path, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [str(binary("kubectl")), f"--kubeconfig={kubeconfig}", *args],
+            [
+                str(binary("kubectl")),
+                f"--kubeconfig={kubeconfig}",
+                f"--cache-dir={self.tmp / 'kubectl-cache'}",
+                *args,
+            ],
             capture_output=True,
             text=True,
             timeout=60,
@@ -168,8 +173,9 @@ class Installed:
         )
 
     def status(self) -> dict[str, Any]:
-        obj = get_json(self.cluster, "kvt", "llama", "-n", self.namespace)
-        return obj.get("status") or {}  # type: ignore[no-any-return]
+        obj: dict[str, Any] = get_json(self.cluster, "kvt", "llama", "-n", self.namespace)
+        status: dict[str, Any] = obj.get("status") or {}
+        return status
 
     def wait(self, what: str, probe: Any, timeout: float) -> Any:
         return wait_until(
@@ -292,7 +298,7 @@ def test_operator_as_the_chart_service_account_reconciles_end_to_end(
             with urllib.request.urlopen(
                 f"http://127.0.0.1:{liveness_port}/healthz", timeout=2
             ) as resp:
-                return resp.status == 200
+                return bool(resp.status == 200)
         except OSError:
             return False
 
