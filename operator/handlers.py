@@ -93,6 +93,9 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 60
     settings.watching.client_timeout = 90
+    # The namespaces are fixed on the command line and the CRD exists before we start: no
+    # cluster-wide discovery of namespaces and CRDs, which least-privilege RBAC refuses.
+    settings.scanning.disabled = True
     _state["reconciler"] = Reconciler(
         kube=KubeClient(memo.get("kubeconfig")),
         workers=WorkerClient(memo.get("token_file"), memo.get("token")),
