@@ -58,6 +58,7 @@ demo: venv toolchain
 bench: venv
 	@mkdir -p bench/results
 	$(VENV)/bin/kvtopo bench push --json bench/results/push.json
+	$(VENV)/bin/kvtopo bench registry --json bench/results/registry.json
 
 clean-cache:
 	rm -rf $(KVTOPO_CACHE)

@@ -153,7 +153,6 @@ class Drill:
         self.fleet: Fleet | None = None
         self.namespace = "kvtopo-drill"
         self.seq = 0
-        self.pending_convergence: dict[str, float] = {}  # engine -> serving_at
         self.converged_at: dict[str, float] = {}
         self.traffic_on = False
         self.stop_traffic = asyncio.Event()
@@ -340,17 +339,9 @@ class Drill:
                     in pairs
                     for o in others
                 ):
+                    # From the engine serving (its pod annotated) to all pairs Connected.
                     self.converged_at[e.engine_id] = now
-                    if e.engine_id in self.pending_convergence:
-                        self.ledger.convergence.append(
-                            (e.engine_id, now - self.pending_convergence.pop(e.engine_id))
-                        )
-            for e in serving:
-                if (
-                    e.engine_id not in self.converged_at
-                    and e.engine_id not in self.pending_convergence
-                ):
-                    self.pending_convergence[e.engine_id] = e.serving_at
+                    self.ledger.convergence.append((e.engine_id, now - e.serving_at))
             # Eviction: a gone engine no longer held by any other worker.
             measured = {eid for eid, _ in self.ledger.eviction}
             for eid, since in self.ledger.going.items():
