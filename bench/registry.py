@@ -106,8 +106,10 @@ def writer_rps(seconds: float, churn_per_s: float) -> tuple[float, int]:
     )
     regs = [
         PushRegistration(
-            request_id=f"r{i}", decode_engine_id="bench-decode",
-            prefill_engine_id=f"e{i % 100}", block_ids=[1, 2, 3, 4],
+            request_id=f"r{i}",
+            decode_engine_id="bench-decode",
+            prefill_engine_id=f"e{i % 100}",
+            block_ids=[1, 2, 3, 4],
         )
         for i in range(1000)
     ]

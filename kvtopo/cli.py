@@ -34,6 +34,15 @@ def _bench_registry(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_operator(args: argparse.Namespace) -> int:
+    from kvtopo_bench import operator as operator_bench
+
+    operator_bench.run(args.json, quick=args.quick, log=lambda line: print(line, flush=True))
+    if args.json is not None:
+        print(f"JSON report: {args.json}")
+    return 0
+
+
 def _crds(args: argparse.Namespace) -> int:
     from kvtopo_operator.crd import render_crd
 
@@ -78,6 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
     reg.add_argument("--json", type=Path, metavar="PATH", help="write the JSON report here")
     reg.add_argument("--quick", action="store_true", help="fewer calls and shorter runs")
     reg.set_defaults(func=_bench_registry)
+    op = bench_kinds.add_parser(
+        "operator",
+        help="the operator at fleet scale on a local control plane with kwok",
+        description="16 x 64 and 32 x 1000 pods with in-process fake worker control servers: "
+        "pod serving -> pairs Connected, pod gone -> evicted, full rollout -> converged, "
+        "operator RSS and CPU per 1,000 pod events.",
+    )
+    op.add_argument("--json", type=Path, metavar="PATH", help="write the JSON report here")
+    op.add_argument("--quick", action="store_true", help="only the 16 x 64 size")
+    op.set_defaults(func=_bench_operator)
 
     from kvtopo.cluster.cli import add_cluster_parser, run_cluster
     from kvtopo.drill.run import add_drill_parser

@@ -1,0 +1,412 @@
+"""`kvtopo bench operator`: the operator at fleet scale, on a real control plane with kwok.
+
+Owns the fleet benchmark: a tier b control plane with enough kwok nodes, the CRD and a
+KVTopology, the operator as its own process, prefill and decode Deployments, and one
+lightweight fake worker control server per Ready pod, all served by one asyncio loop in this
+process (a thousand real workers would not fit on the machine). The fake servers speak the
+worker control API (`/v1/state`, `PUT|DELETE /v1/peers/{id}`) without NIXL.
+
+Measured per size: pod serving (its endpoint annotated) -> all of its pairs Connected both
+ways (p50/p99), pod deleted -> evicted from every peer (p50/p99), a full decode rollout ->
+converged, and the operator's peak RSS and CPU seconds per 1,000 pod events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from kvtopo_worker.protocol import PeerAddRequest, PeerState, WorkerState
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = ((16, 64), (32, 1000))
+GRACE = 1
+PLACEMENT: dict[str, Any] = {
+    "nodeSelector": {"type": "kwok"},
+    "tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}],
+}
+
+
+@dataclass
+class FakeWorker:
+    engine_id: str
+    role: str
+    pod: str
+    port: int
+    serving_at: float
+    peers: set[str] = field(default_factory=set)
+    gone_at: float | None = None
+    connected_at: float | None = None
+    evicted_at: float | None = None
+
+
+class FakeFleet:
+    """Many fake worker control servers, one per port, on one aiohttp runner."""
+
+    def __init__(self) -> None:
+        self.by_port: dict[int, FakeWorker] = {}
+        self.by_engine: dict[str, FakeWorker] = {}
+        app = web.Application()
+        app.router.add_get("/v1/state", self._state)
+        app.router.add_put("/v1/peers/{engine_id}", self._put)
+        app.router.add_delete("/v1/peers/{engine_id}", self._delete)
+        self.runner = web.AppRunner(app, access_log=None)
+        self.requests = 0
+
+    async def start(self) -> None:
+        await self.runner.setup()
+
+    async def add(self, pod: str, role: str) -> FakeWorker:
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+        w = FakeWorker(f"fake-{pod}-{port}", role, pod, port, time.monotonic())
+        self.by_port[port] = w
+        self.by_engine[w.engine_id] = w
+        return w
+
+    def _worker(self, request: web.Request) -> FakeWorker:
+        sock = request.transport.get_extra_info("sockname") if request.transport else None
+        return self.by_port[int(sock[1])]
+
+    async def _state(self, request: web.Request) -> web.Response:
+        self.requests += 1
+        w = self._worker(request)
+        state = WorkerState(
+            engine_id=w.engine_id,
+            role=w.role,  # type: ignore[arg-type]
+            compat_hash="bench",
+            protocol_version=1,
+            peers=[
+                PeerState(
+                    engine_id=p,
+                    agents={0: p},
+                    transfers_in_flight=0,
+                    eviction_pending=False,
+                    idle_s=0.0,
+                )
+                for p in sorted(w.peers)
+            ],
+            failures={},
+            requests_done=0,
+            requests_failed=0,
+            requests_in_flight=0,
+            started_at=0.0,
+        )
+        return web.Response(body=msgspec.json.encode(state), content_type="application/json")
+
+    async def _put(self, request: web.Request) -> web.Response:
+        self.requests += 1
+        w = self._worker(request)
+        msgspec.json.decode(await request.read(), type=PeerAddRequest)
+        eid = request.match_info["engine_id"]
+        result = "present" if eid in w.peers else "added"
+        w.peers.add(eid)
+        return web.json_response({"engine_id": eid, "result": result, "agents": {"0": eid}})
+
+    async def _delete(self, request: web.Request) -> web.Response:
+        self.requests += 1
+        w = self._worker(request)
+        eid = request.match_info["engine_id"]
+        result = "evicted" if eid in w.peers else "absent"
+        w.peers.discard(eid)
+        return web.json_response({"engine_id": eid, "result": result})
+
+
+def _deployment(name: str, role: str, replicas: int) -> dict[str, Any]:
+    labels = {"app": "bench", "kvtopo.dev/role": role}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": labels},
+            "strategy": {"rollingUpdate": {"maxSurge": "25%", "maxUnavailable": "25%"}},
+            "template": {
+                "metadata": {
+                    "labels": labels,
+                    "annotations": {"kvtopo.dev/control-endpoint": "pending"},
+                },
+                "spec": {
+                    **PLACEMENT,
+                    "terminationGracePeriodSeconds": 0,
+                    "containers": [{"name": "engine", "image": "kvtopo/fake:0"}],
+                },
+            },
+        },
+    }
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
+
+
+def _proc_cpu_rss(pid: int) -> tuple[float, float]:
+    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    cpu = (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+    hwm = 0.0
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            hwm = int(line.split()[1]) / 1024
+    return cpu, hwm
+
+
+class SizeRun:
+    def __init__(self, cluster: Any, prefill: int, decode: int, log: Callable[[str], None]) -> None:
+        from kubernetes import client, config
+
+        api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
+        self.core: Any = client.CoreV1Api(api)
+        self.apps: Any = client.AppsV1Api(api)
+        self.custom: Any = client.CustomObjectsApi(api)
+        self.cluster = cluster
+        self.prefill, self.decode = prefill, decode
+        self.ns = f"bench-{prefill}x{decode}"
+        self.log = log
+        self.fleet = FakeFleet()
+        self.by_uid: dict[str, FakeWorker] = {}
+        self.events = 0
+        self.operator: subprocess.Popen[bytes] | None = None
+
+    async def agent(self) -> None:
+        """Gives each Ready pod a fake worker; notices pods going; measures connectivity."""
+        while True:
+            pods = await asyncio.to_thread(
+                lambda: self.core.list_namespaced_pod(self.ns, label_selector="app=bench").items
+            )
+            self.events += 1
+            seen = set()
+            for p in pods:
+                uid = p.metadata.uid
+                seen.add(uid)
+                ready = any(
+                    c.type == "Ready" and c.status == "True" for c in (p.status.conditions or [])
+                )
+                usable = ready and p.metadata.deletion_timestamp is None
+                w = self.by_uid.get(uid)
+                if w is None and usable:
+                    w = await self.fleet.add(p.metadata.name, p.metadata.labels["kvtopo.dev/role"])
+                    self.by_uid[uid] = w
+                    await asyncio.to_thread(
+                        self.core.patch_namespaced_pod,
+                        p.metadata.name,
+                        self.ns,
+                        {
+                            "metadata": {
+                                "annotations": {
+                                    "kvtopo.dev/control-endpoint": f"127.0.0.1:{w.port}"
+                                }
+                            }
+                        },
+                    )
+                    w.serving_at = time.monotonic()
+                elif w is not None and not usable and w.gone_at is None:
+                    w.gone_at = time.monotonic()
+            for uid, w in self.by_uid.items():
+                if uid not in seen and w.gone_at is None:
+                    w.gone_at = time.monotonic()
+            self._measure()
+            await asyncio.sleep(0.2)
+
+    def live(self) -> list[FakeWorker]:
+        return [w for w in self.by_uid.values() if w.gone_at is None]
+
+    def _measure(self) -> None:
+        now = time.monotonic()
+        live = self.live()
+        ps = [w for w in live if w.role == "prefill"]
+        ds = [w for w in live if w.role == "decode"]
+        for w in live:
+            if w.connected_at is not None:
+                continue
+            others = ds if w.role == "prefill" else ps
+            if others and all(o.engine_id in w.peers and w.engine_id in o.peers for o in others):
+                w.connected_at = now
+        for w in self.by_uid.values():
+            if (
+                w.gone_at is not None
+                and w.evicted_at is None
+                and not any(w.engine_id in o.peers for o in live)
+            ):
+                w.evicted_at = now
+
+    def all_connected(self) -> bool:
+        live = self.live()
+        return (
+            sum(w.role == "prefill" for w in live) == self.prefill
+            and sum(w.role == "decode" for w in live) == self.decode
+            and all(w.connected_at is not None for w in live)
+            and all(w.evicted_at is not None for w in self.by_uid.values() if w.gone_at)
+        )
+
+    async def until(self, what: str, probe: Callable[[], bool], limit_s: float) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < limit_s:
+            if probe():
+                return time.monotonic() - t0
+            await asyncio.sleep(0.2)
+        raise TimeoutError(f"{what}: not within {limit_s:.0f}s")
+
+    async def run(self, token_file: Path, log_dir: Path) -> dict[str, Any]:
+        await self.fleet.start()
+        await asyncio.to_thread(self.core.create_namespace, {"metadata": {"name": self.ns}})
+        await self.until(
+            "ServiceAccount",
+            lambda: bool(self.core.list_namespaced_service_account(self.ns).items),
+            60,
+        )
+        topo = {
+            "apiVersion": "kvtopo.dev/v1alpha1",
+            "kind": "KVTopology",
+            "metadata": {"name": "bench"},
+            "spec": {
+                "prefill": {
+                    "selector": {"matchLabels": {"app": "bench", "kvtopo.dev/role": "prefill"}}
+                },
+                "decode": {
+                    "selector": {"matchLabels": {"app": "bench", "kvtopo.dev/role": "decode"}}
+                },
+                "eviction": {"graceSeconds": GRACE},
+                "handshake": {"maxConcurrent": 256},
+            },
+        }
+        await asyncio.to_thread(
+            self.custom.create_namespaced_custom_object,
+            "kvtopo.dev",
+            "v1alpha1",
+            self.ns,
+            "kvtopologies",
+            topo,
+        )
+        self.operator = await asyncio.to_thread(
+            subprocess.Popen,
+            [
+                sys.executable,
+                "-m",
+                "kvtopo_operator.main",
+                "--namespace",
+                self.ns,
+                "--kubeconfig",
+                str(self.cluster.kubeconfig),
+                "--worker-token-file",
+                str(token_file),
+                "--metrics-port",
+                "0",
+                "--resync-seconds",
+                "2",
+            ],
+            stdout=(log_dir / f"operator-{self.ns}.log").open("wb"),
+            stderr=subprocess.STDOUT,
+        )
+        agent = asyncio.create_task(self.agent())
+        try:
+            cpu0, _ = _proc_cpu_rss(self.operator.pid)
+            ev0 = self.events
+            for name, role, n in (
+                ("prefill", "prefill", self.prefill),
+                ("decode", "decode", self.decode),
+            ):
+                await asyncio.to_thread(
+                    self.apps.create_namespaced_deployment, self.ns, _deployment(name, role, n)
+                )
+            limit = 120 + (self.prefill + self.decode) * 0.6
+            await self.until("initial convergence", self.all_connected, limit)
+            initial = [w.connected_at - w.serving_at for w in self.live()]  # type: ignore[operator]
+            # Delete a tenth of the decode pods; the Deployment replaces them.
+            victims = [w for w in self.live() if w.role == "decode"][: max(1, self.decode // 10)]
+            for w in victims:
+                await asyncio.to_thread(
+                    self.core.delete_namespaced_pod, w.pod, self.ns, grace_period_seconds=0
+                )
+            await self.until("replacement convergence", self.all_connected, limit)
+            gone = [w.evicted_at - w.gone_at for w in victims]  # type: ignore[operator]
+            # A full decode rollout.
+            stamp = datetime.now(UTC).isoformat()
+            t_roll = time.monotonic()
+            await asyncio.to_thread(
+                self.apps.patch_namespaced_deployment,
+                "decode",
+                self.ns,
+                {"spec": {"template": {"metadata": {"annotations": {"bench/restartedAt": stamp}}}}},
+            )
+            await self.until(
+                "rollout started",
+                lambda: any(w.gone_at and w.gone_at >= t_roll for w in self.by_uid.values()),
+                60,
+            )
+            await self.until("rollout convergence", self.all_connected, limit * 2)
+            rollout_s = time.monotonic() - t_roll
+            later = [
+                w.connected_at - w.serving_at
+                for w in self.live()
+                if w.serving_at >= t_roll and w.connected_at
+            ]  # type: ignore[operator]
+            cpu1, rss = _proc_cpu_rss(self.operator.pid)
+            pod_events = max(1, len(self.by_uid) * 3)  # add, ready, annotate (+delete) per pod
+            ready = initial + later
+            return {
+                "size": f"{self.prefill}x{self.decode}",
+                "pods": self.prefill + self.decode,
+                "ready_to_connected_p50_s": round(_pct(ready, 0.5), 3),
+                "ready_to_connected_p99_s": round(_pct(ready, 0.99), 3),
+                "gone_to_evicted_p50_s": round(_pct(gone, 0.5), 3),
+                "gone_to_evicted_p99_s": round(_pct(gone, 0.99), 3),
+                "grace_s": GRACE,
+                "rollout_converge_s": round(rollout_s, 2),
+                "operator_rss_mb": round(rss, 1),
+                "operator_cpu_s": round(cpu1 - cpu0, 2),
+                "pod_events_estimate": pod_events,
+                "cpu_s_per_1k_events": round((cpu1 - cpu0) / pod_events * 1000, 2),
+                "agent_polls": self.events - ev0,
+            }
+        finally:
+            agent.cancel()
+            if self.operator is not None:
+                self.operator.terminate()
+                try:
+                    self.operator.wait(10)
+                except subprocess.TimeoutExpired:
+                    self.operator.kill()
+            await self.fleet.runner.cleanup()
+
+
+def run(json_path: Path | None, quick: bool, log: Callable[[str], None] = print) -> dict[str, Any]:
+    from kvtopo.cluster.local_cluster import LocalCluster
+
+    sizes = SIZES[:1] if quick else SIZES
+    nodes = max(3, (max(p + d for p, d in sizes) * 2) // 100 + 1)
+    workdir = ROOT / "out" / "bench-operator"
+    workdir.mkdir(parents=True, exist_ok=True)
+    token = workdir / "token"
+    token.write_text("bench\n")
+    results = []
+    with LocalCluster(workdir / "cluster", "b", fake_nodes=nodes, progress=log) as cluster:
+        cluster.kubectl("apply", "-f", str(ROOT / "crds" / "kvtopology.yaml"))
+        cluster.kubectl(
+            "wait", "--for=condition=Established", "crd/kvtopologies.kvtopo.dev", "--timeout=60s"
+        )
+        for p, d in sizes:
+            log(f"kvtopo bench operator: {p} prefill x {d} decode pods on {nodes} kwok nodes")
+            res = asyncio.run(SizeRun(cluster, p, d, log).run(token, workdir))
+            log("  " + json.dumps(res))
+            results.append(res)
+    report = {"benchmark": "operator", "quick": quick, "sizes": results}
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
+    return report
