@@ -77,8 +77,10 @@ class FakeFleet:
         return w
 
     def _worker(self, request: web.Request) -> FakeWorker:
-        sock = request.transport.get_extra_info("sockname") if request.transport else None
-        return self.by_port[int(sock[1])]
+        transport = request.transport
+        if transport is None:
+            raise web.HTTPServiceUnavailable(text="connection closed")
+        return self.by_port[int(transport.get_extra_info("sockname")[1])]
 
     async def _state(self, request: web.Request) -> web.Response:
         self.requests += 1
@@ -181,16 +183,36 @@ class SizeRun:
         self.fleet = FakeFleet()
         self.by_uid: dict[str, FakeWorker] = {}
         self.events = 0
+        self.starting: set[str] = set()
         self.operator: subprocess.Popen[bytes] | None = None
 
     async def agent(self) -> None:
-        """Gives each Ready pod a fake worker; notices pods going; measures connectivity."""
+        """Gives each Ready pod a fake worker and notices pods going (the kubelet's part)."""
+        sem = asyncio.Semaphore(16)
+
+        async def serve(p: Any) -> None:
+            w = await self.fleet.add(p.metadata.name, p.metadata.labels["kvtopo.dev/role"])
+            self.by_uid[p.metadata.uid] = w
+            async with sem:
+                await asyncio.to_thread(
+                    self.core.patch_namespaced_pod,
+                    p.metadata.name,
+                    self.ns,
+                    {
+                        "metadata": {
+                            "annotations": {"kvtopo.dev/control-endpoint": f"127.0.0.1:{w.port}"}
+                        }
+                    },
+                )
+            w.serving_at = time.monotonic()
+
         while True:
             pods = await asyncio.to_thread(
                 lambda: self.core.list_namespaced_pod(self.ns, label_selector="app=bench").items
             )
             self.events += 1
             seen = set()
+            starting = []
             for p in pods:
                 uid = p.metadata.uid
                 seen.add(uid)
@@ -199,29 +221,23 @@ class SizeRun:
                 )
                 usable = ready and p.metadata.deletion_timestamp is None
                 w = self.by_uid.get(uid)
-                if w is None and usable:
-                    w = await self.fleet.add(p.metadata.name, p.metadata.labels["kvtopo.dev/role"])
-                    self.by_uid[uid] = w
-                    await asyncio.to_thread(
-                        self.core.patch_namespaced_pod,
-                        p.metadata.name,
-                        self.ns,
-                        {
-                            "metadata": {
-                                "annotations": {
-                                    "kvtopo.dev/control-endpoint": f"127.0.0.1:{w.port}"
-                                }
-                            }
-                        },
-                    )
-                    w.serving_at = time.monotonic()
+                if w is None and usable and uid not in self.starting:
+                    self.starting.add(uid)
+                    starting.append(serve(p))
                 elif w is not None and not usable and w.gone_at is None:
                     w.gone_at = time.monotonic()
             for uid, w in self.by_uid.items():
                 if uid not in seen and w.gone_at is None:
                     w.gone_at = time.monotonic()
-            self._measure()
+            if starting:
+                await asyncio.gather(*starting)
             await asyncio.sleep(0.2)
+
+    async def measure(self) -> None:
+        """Timestamps connectivity and eviction every 100 ms, independent of the agent."""
+        while True:
+            self._measure()
+            await asyncio.sleep(0.1)
 
     def live(self) -> list[FakeWorker]:
         return [w for w in self.by_uid.values() if w.gone_at is None]
@@ -314,6 +330,7 @@ class SizeRun:
             stderr=subprocess.STDOUT,
         )
         agent = asyncio.create_task(self.agent())
+        measure = asyncio.create_task(self.measure())
         try:
             cpu0, _ = _proc_cpu_rss(self.operator.pid)
             ev0 = self.events
@@ -330,6 +347,7 @@ class SizeRun:
             # Delete a tenth of the decode pods; the Deployment replaces them.
             victims = [w for w in self.live() if w.role == "decode"][: max(1, self.decode // 10)]
             for w in victims:
+                w.gone_at = time.monotonic()  # the deletion is ours: its time is exact
                 await asyncio.to_thread(
                     self.core.delete_namespaced_pod, w.pod, self.ns, grace_period_seconds=0
                 )
@@ -355,7 +373,7 @@ class SizeRun:
                 w.connected_at - w.serving_at
                 for w in self.live()
                 if w.serving_at >= t_roll and w.connected_at
-            ]  # type: ignore[operator]
+            ]
             cpu1, rss = _proc_cpu_rss(self.operator.pid)
             pod_events = max(1, len(self.by_uid) * 3)  # add, ready, annotate (+delete) per pod
             ready = initial + later
@@ -376,6 +394,7 @@ class SizeRun:
             }
         finally:
             agent.cancel()
+            measure.cancel()
             if self.operator is not None:
                 self.operator.terminate()
                 try:

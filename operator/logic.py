@@ -134,8 +134,15 @@ def rfc3339(t: datetime) -> str:
     return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def precise(t: datetime) -> str:
+    """RFC 3339 with milliseconds: engine `since` stamps drive the eviction grace, and a
+    stamp truncated to the second would evict up to a second early."""
+    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{t.microsecond // 1000:03d}Z"
+
+
 def parse_time(s: str) -> datetime:
-    return datetime.strptime(s, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+    fmt = "%Y-%m-%dT%H:%M:%S.%fZ" if "." in s else "%Y-%m-%dT%H:%M:%SZ"
+    return datetime.strptime(s, fmt).replace(tzinfo=UTC)
 
 
 def selector_matches(selector: LabelSelector, labels: Mapping[str, str]) -> bool:
@@ -353,7 +360,7 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
             state, message = EngineState.CONNECTED, f"{ok}/{total} pairs connected"
         else:
             state, message = EngineState.HANDSHAKING, f"{ok}/{total} pairs connected"
-        stamp = was.since if was is not None and was.state == state else rfc3339(now)
+        stamp = was.since if was is not None and was.state == state else precise(now)
         engines.append(
             EngineStatus(
                 pod=e.pod.name,
@@ -379,7 +386,7 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
                 state=EngineState.FAILED,
                 since=prev_for_pod.since
                 if prev_for_pod and prev_for_pod.state == EngineState.FAILED
-                else rfc3339(now),
+                else precise(now),
                 message=f"worker unreachable: {reason}"[:512],
                 failures_seen=prev_for_pod.failures_seen if prev_for_pod else {},
             )
@@ -397,14 +404,12 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
                     )
                 )
             stamp = (
-                prev.since
-                if prev is not None and prev.state == EngineState.EVICTED
-                else rfc3339(now)
+                was.since if was is not None and was.state == EngineState.EVICTED else precise(now)
             )
             message = "evicted from every peer"
         else:
             state = EngineState.DRAINING
-            stamp = rfc3339(since)
+            stamp = precise(since)
             message = (
                 f"gone; evicted from {still_held[eid]} peer(s) "
                 f"after {spec.eviction.grace_seconds}s grace"

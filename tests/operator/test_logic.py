@@ -23,6 +23,7 @@ from kvtopo_operator.logic import (
     WorkerUnreachable,
     WorkerView,
     evaluate,
+    precise,
     rfc3339,
 )
 
@@ -150,7 +151,7 @@ def test_deleted_decode_drains_then_is_evicted_from_every_prefill() -> None:
     at = T0 + timedelta(seconds=1)
     plan = evaluate(observe(pods2, workers2, before), at)
     d2 = next(e for e in plan.status.engines if e.engine_id == "D2")
-    assert d2.state == EngineState.DRAINING and d2.since == rfc3339(at)
+    assert d2.state == EngineState.DRAINING and d2.since == precise(at)
     assert plan.evictions == ()
     assert cond(plan.status, "Progressing") == ("True", "Draining")
     assert plan.status.summary.pairs == "4/4"
