@@ -125,6 +125,7 @@ class Plan:
     events: tuple[Event, ...]
     expected_pairs: frozenset[tuple[str, str]]
     connected_pairs: frozenset[tuple[str, str]]
+    wake_in_s: float | None = None  # when the next eviction falls due, if one is waiting
 
 
 # --- helpers -----------------------------------------------------------------------------
@@ -296,9 +297,12 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
 
     evictions: list[Eviction] = []
     still_held: dict[str, int] = {}
+    due_in: list[float] = []
     for eid, (_pod, _role, _ep, since) in gone.items():
         holders = [e for e in live.values() if eid in e.worker.peers]
         still_held[eid] = len(holders)
+        if holders and now - since < grace:
+            due_in.append((since + grace - now).total_seconds())
         if now - since >= grace:
             evictions.extend(
                 Eviction(h.pod.name, h.pod.endpoint, eid)
@@ -496,6 +500,7 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
         events=tuple(events),
         expected_pairs=frozenset(expected),
         connected_pairs=frozenset(connected),
+        wake_in_s=min(due_in) if due_in else None,
     )
 
 

@@ -121,9 +121,11 @@ class Reconciler:
             if loop is None:
                 return
             try:
-                acted = await self.reconcile(key, loop)
+                acted, wake_in = await self.reconcile(key, loop)
                 loop.failed_rounds = 0
                 delay = self.settings.retry_s if acted else self.settings.resync_s
+                if wake_in is not None:  # an eviction falls due before the next resync
+                    delay = min(delay, max(0.05, wake_in))
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -131,21 +133,22 @@ class Reconciler:
                 delay = min(self.settings.max_backoff_s, 0.5 * 2**loop.failed_rounds)
                 log.exception("reconcile of %s/%s failed; retrying in %.1fs", *key, delay)
 
-    async def reconcile(self, key: TopologyKey, loop: _Loop) -> bool:
-        """One round; returns True when it changed something (so it runs again soon)."""
+    async def reconcile(self, key: TopologyKey, loop: _Loop) -> tuple[bool, float | None]:
+        """One round; returns whether it changed something (so it runs again soon) and when
+        the next eviction falls due."""
         started = time.monotonic()
         namespace, name = key
         body = await self.kube.get_topology(namespace, name)
         if body is None:
             self.forget(key)
-            return False
+            return False, None
         generation = int(body["metadata"].get("generation", 0))
         loop.generation = generation
         try:
             spec = KVTopologySpec.model_validate(body.get("spec") or {})
         except ValidationError as exc:
             log.error("%s/%s has a spec the CRD should have refused: %s", namespace, name, exc)
-            return False
+            return False, None
         try:
             previous = KVTopologyStatus.model_validate(body.get("status") or {})
         except ValidationError:
@@ -180,7 +183,7 @@ class Reconciler:
         for event in (*plan.events, *act_events):
             await self.kube.record_event(body, event.type, event.reason, event.message)
         self._observe(key, loop, plan, pods, time.monotonic() - started)
-        return acted
+        return acted, plan.wake_in_s
 
     async def _act(
         self, plan: Plan, sem: asyncio.Semaphore, call_timeout: float, now: datetime

@@ -358,3 +358,15 @@ def test_eviction_waits_exactly_the_grace(grace: int) -> None:
     if grace:
         assert at(1 + grace - 1, s0)[0] == 0
         assert at(1 + grace, s0)[0] == 2
+
+
+def test_the_plan_says_when_the_next_eviction_falls_due() -> None:
+    pods, workers = full_mesh()
+    before = evaluate(observe(pods, workers), T0).status
+    pods2 = [p for p in pods if p.name != "d2"]
+    workers2 = {k: v for k, v in workers.items() if k != "d2"}
+    plan = evaluate(observe(pods2, workers2, before), T0 + timedelta(seconds=1))
+    assert plan.wake_in_s == pytest.approx(10.0)
+    later = evaluate(observe(pods2, workers2, plan.status), T0 + timedelta(seconds=7.5))
+    assert later.wake_in_s == pytest.approx(3.5) and later.evictions == ()
+    assert evaluate(observe(pods, workers), T0).wake_in_s is None
