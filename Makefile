@@ -55,10 +55,11 @@ demo: venv toolchain
 	$(VENV)/bin/kvtopo drill --json out/drill.json --plot out/drill.png
 	@echo "report: out/drill.json  timeline: out/drill.png"
 
-bench: venv
+bench: venv toolchain
 	@mkdir -p bench/results
 	$(VENV)/bin/kvtopo bench push --json bench/results/push.json
 	$(VENV)/bin/kvtopo bench registry --json bench/results/registry.json
+	$(VENV)/bin/kvtopo bench operator --json bench/results/operator.json
 
 clean-cache:
 	rm -rf $(KVTOPO_CACHE)

@@ -31,12 +31,19 @@ class WorkerClient:
     def __init__(self, token_file: Path | None, token: str | None = None) -> None:
         self._token_file = token_file
         self._token = token
+        self._file_token = ""
+        self._file_mtime = -1.0
         self._session: aiohttp.ClientSession | None = None
 
     def _headers(self) -> dict[str, str]:
         token = self._token
         if token is None and self._token_file is not None:
-            token = self._token_file.read_text().strip()
+            # Re-read only when the mounted Secret changes (rotation), not on every call.
+            mtime = self._token_file.stat().st_mtime
+            if mtime != self._file_mtime:
+                self._file_token = self._token_file.read_text().strip()
+                self._file_mtime = mtime
+            token = self._file_token
         return {"Authorization": f"Bearer {token}"} if token else {}
 
     async def _http(self) -> aiohttp.ClientSession:
