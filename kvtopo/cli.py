@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -25,22 +26,19 @@ def _bench_push(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _bench_registry(args: argparse.Namespace) -> int:
-    from kvtopo_bench import registry
+def _bench_report(module: str) -> Callable[[argparse.Namespace], int]:
+    """The handler of a benchmark that writes its own report: run, then say where it is."""
 
-    registry.run(args.json, quick=args.quick, log=lambda line: print(line, flush=True))
-    if args.json is not None:
-        print(f"JSON report: {args.json}")
-    return 0
+    def run(args: argparse.Namespace) -> int:
+        import importlib
 
+        bench = importlib.import_module(f"kvtopo_bench.{module}")
+        bench.run(args.json, quick=args.quick, log=lambda line: print(line, flush=True))
+        if args.json is not None:
+            print(f"JSON report: {args.json}")
+        return 0
 
-def _bench_operator(args: argparse.Namespace) -> int:
-    from kvtopo_bench import operator as operator_bench
-
-    operator_bench.run(args.json, quick=args.quick, log=lambda line: print(line, flush=True))
-    if args.json is not None:
-        print(f"JSON report: {args.json}")
-    return 0
+    return run
 
 
 def _crds(args: argparse.Namespace) -> int:
@@ -68,35 +66,39 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = verbs.add_parser("bench", help="run a benchmark (results as JSON)")
     bench_kinds = bench.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
-    push = bench_kinds.add_parser(
-        "push",
-        help="push data path vs raw NIXL vs a torch copy, two processes, every byte verified",
-        description="Measures, side by side in one run, raw NIXL WRITEs (best of progress "
-        "thread on/off x 1/8 in flight), the kvtopo push path (registration + match + WRITE "
-        "+ completion, every byte verified) and a torch copy of the same bytes.",
+    benchmarks = (
+        (
+            "push",
+            _bench_push,
+            "push data path vs raw NIXL vs a torch copy, two processes, every byte verified",
+            "Measures, side by side in one run, raw NIXL WRITEs (best of progress thread "
+            "on/off x 1/8 in flight), the kvtopo push path (registration + match + WRITE + "
+            "completion, every byte verified) and a torch copy of the same bytes.",
+            "fewer requests and repeats",
+        ),
+        (
+            "registry",
+            _bench_report("registry"),
+            "registry lock critical sections and writer throughput under churn",
+            "snapshot/evict critical sections (p50/p99 us) at 1, 8 and 64 ranks with 1,000 "
+            "engines; registration-writer throughput alone and under eviction churn.",
+            "fewer calls and shorter runs",
+        ),
+        (
+            "operator",
+            _bench_report("operator"),
+            "the operator at fleet scale on a local control plane with kwok",
+            "16 x 64 and 32 x 1000 pods with in-process fake worker control servers: pod "
+            "serving -> pairs Connected, pod gone -> evicted, full rollout -> converged, "
+            "operator RSS and CPU per 1,000 pod events.",
+            "only the 16 x 64 size",
+        ),
     )
-    push.add_argument("--json", type=Path, metavar="PATH", help="write the JSON report here")
-    push.add_argument("--quick", action="store_true", help="fewer requests and repeats")
-    push.set_defaults(func=_bench_push)
-    reg = bench_kinds.add_parser(
-        "registry",
-        help="registry lock critical sections and writer throughput under churn",
-        description="snapshot/evict critical sections (p50/p99 us) at 1, 8 and 64 ranks with "
-        "1,000 engines; registration-writer throughput alone and under eviction churn.",
-    )
-    reg.add_argument("--json", type=Path, metavar="PATH", help="write the JSON report here")
-    reg.add_argument("--quick", action="store_true", help="fewer calls and shorter runs")
-    reg.set_defaults(func=_bench_registry)
-    op = bench_kinds.add_parser(
-        "operator",
-        help="the operator at fleet scale on a local control plane with kwok",
-        description="16 x 64 and 32 x 1000 pods with in-process fake worker control servers: "
-        "pod serving -> pairs Connected, pod gone -> evicted, full rollout -> converged, "
-        "operator RSS and CPU per 1,000 pod events.",
-    )
-    op.add_argument("--json", type=Path, metavar="PATH", help="write the JSON report here")
-    op.add_argument("--quick", action="store_true", help="only the 16 x 64 size")
-    op.set_defaults(func=_bench_operator)
+    for name, func, help_, description, quick_help in benchmarks:
+        kind = bench_kinds.add_parser(name, help=help_, description=description)
+        kind.add_argument("--json", type=Path, metavar="PATH", help="write the JSON report here")
+        kind.add_argument("--quick", action="store_true", help=quick_help)
+        kind.set_defaults(func=func)
 
     from kvtopo.cluster.cli import add_cluster_parser, run_cluster
     from kvtopo.drill.run import add_drill_parser

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from datetime import UTC, datetime
 from typing import Any
 
 from kvtopo.cluster.deadlines import wait_until
@@ -59,3 +60,49 @@ def condition(obj: dict[str, Any], kind: str) -> dict[str, Any] | None:
             result: dict[str, Any] = item
             return result
     return None
+
+
+def ready_engine_pod(
+    cluster: LocalCluster,
+    namespace: str,
+    name: str,
+    role: str,
+    endpoint: str,
+    labels: dict[str, str] | None = None,
+) -> None:
+    """An engine pod on tier a (no kubelet): created with its worker's control endpoint in
+    the `kvtopo.dev/control-endpoint` annotation, then marked Running and Ready through the
+    status subresource."""
+    apply(
+        cluster,
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "namespace": namespace,
+                "labels": {"kvtopo.dev/role": role, "app": "llama", **(labels or {})},
+                "annotations": {"kvtopo.dev/control-endpoint": endpoint},
+            },
+            "spec": {"containers": [{"name": "engine", "image": "kvtopo/worker:test"}]},
+        },
+    )
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    status = {
+        "status": {
+            "phase": "Running",
+            "podIP": "10.9.9.9",
+            "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now}],
+        }
+    }
+    cluster.kubectl(
+        "patch",
+        "pod",
+        name,
+        "-n",
+        namespace,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps(status),
+    )

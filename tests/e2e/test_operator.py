@@ -15,7 +15,6 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ import pytest
 
 from kvtopo.cluster.deadlines import wait_until
 from kvtopo.cluster.local_cluster import LocalCluster
-from tests.cluster.kube import apply, create_namespace, get_json
+from tests.cluster.kube import apply, create_namespace, get_json, ready_engine_pod
 from tests.worker.workers import WorkerProcess, start_worker
 
 pytestmark = pytest.mark.nixl
@@ -61,39 +60,7 @@ class Env:
 
     def pod(self, name: str, role: str, w: WorkerProcess, version: str = "v1") -> None:
         self.workers[name] = w
-        apply(
-            self.cluster,
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {
-                    "name": name,
-                    "namespace": self.namespace,
-                    "labels": {"kvtopo.dev/role": role, "app": "llama", "version": version},
-                    "annotations": {"kvtopo.dev/control-endpoint": w.endpoint},
-                },
-                "spec": {"containers": [{"name": "engine", "image": "kvtopo/worker:test"}]},
-            },
-        )
-        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        patch = {
-            "status": {
-                "phase": "Running",
-                "podIP": "10.9.9.9",
-                "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now}],
-            }
-        }
-        self.cluster.kubectl(
-            "patch",
-            "pod",
-            name,
-            "-n",
-            self.namespace,
-            "--subresource=status",
-            "--type=merge",
-            "-p",
-            json.dumps(patch),
-        )
+        ready_engine_pod(self.cluster, self.namespace, name, role, w.endpoint, {"version": version})
 
     def repoint(self, name: str, w: WorkerProcess) -> None:
         self.workers[name] = w

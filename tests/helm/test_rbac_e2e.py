@@ -21,7 +21,6 @@ import sys
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ import yaml
 
 from kvtopo.cluster.deadlines import wait_until
 from kvtopo.cluster.local_cluster import LocalCluster
-from tests.cluster.kube import apply, create_namespace, get_json
+from tests.cluster.kube import apply, create_namespace, get_json, ready_engine_pod
 from tests.helm.chart import CHART, ROOT, Helm, binary, parse
 from tests.worker.workers import WorkerProcess, start_worker
 
@@ -136,39 +135,7 @@ class Installed:
 
     def pod(self, name: str, role: str, w: WorkerProcess) -> None:
         self.workers[name] = w
-        apply(
-            self.cluster,
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {
-                    "name": name,
-                    "namespace": self.namespace,
-                    "labels": {"kvtopo.dev/role": role, "app": "llama"},
-                    "annotations": {"kvtopo.dev/control-endpoint": w.endpoint},
-                },
-                "spec": {"containers": [{"name": "engine", "image": "kvtopo/worker:test"}]},
-            },
-        )
-        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        status = {
-            "status": {
-                "phase": "Running",
-                "podIP": "10.9.9.9",
-                "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now}],
-            }
-        }
-        self.cluster.kubectl(
-            "patch",
-            "pod",
-            name,
-            "-n",
-            self.namespace,
-            "--subresource=status",
-            "--type=merge",
-            "-p",
-            json.dumps(status),
-        )
+        ready_engine_pod(self.cluster, self.namespace, name, role, w.endpoint)
 
     def status(self) -> dict[str, Any]:
         obj: dict[str, Any] = get_json(self.cluster, "kvt", "llama", "-n", self.namespace)
