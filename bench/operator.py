@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -71,7 +72,7 @@ class FakeFleet:
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
         port = int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
-        w = FakeWorker(f"fake-{pod}-{port}", role, pod, port, time.monotonic())
+        w = FakeWorker(f"fake-{pod}-{port}", role, pod, port, 0.0)  # serving once annotated
         self.by_port[port] = w
         self.by_engine[w.engine_id] = w
         return w
@@ -248,10 +249,19 @@ class SizeRun:
         ps = [w for w in live if w.role == "prefill"]
         ds = [w for w in live if w.role == "decode"]
         for w in live:
-            if w.connected_at is not None:
+            if w.connected_at is not None or w.serving_at == 0.0:
                 continue
-            others = ds if w.role == "prefill" else ps
-            if others and all(o.engine_id in w.peers and w.engine_id in o.peers for o in others):
+            # A pod is connected when it is paired both ways with every engine of the other
+            # role that was serving when it started serving; later engines' pairs count
+            # towards their own latency. A pod with no such engine is not measured.
+            others = [
+                o
+                for o in (ds if w.role == "prefill" else ps)
+                if o.serving_at <= w.serving_at and o.serving_at > 0
+            ]
+            if not others:
+                continue
+            if all(o.engine_id in w.peers and w.engine_id in o.peers for o in others):
                 w.connected_at = now
         for w in self.by_uid.values():
             if (
@@ -266,7 +276,13 @@ class SizeRun:
         return (
             sum(w.role == "prefill" for w in live) == self.prefill
             and sum(w.role == "decode" for w in live) == self.decode
-            and all(w.connected_at is not None for w in live)
+            and all(
+                o.engine_id in w.peers and w.engine_id in o.peers
+                for w in live
+                if w.role == "prefill"
+                for o in live
+                if o.role == "decode"
+            )
             and all(w.evicted_at is not None for w in self.by_uid.values() if w.gone_at)
         )
 
@@ -277,6 +293,17 @@ class SizeRun:
                 return time.monotonic() - t0
             await asyncio.sleep(0.2)
         raise TimeoutError(f"{what}: not within {limit_s:.0f}s")
+
+    async def _child_of(self, pid: int) -> int:
+        """The operator process that py-spy started (for its CPU and RSS)."""
+        path = Path(f"/proc/{pid}/task/{pid}/children")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            children = await asyncio.to_thread(lambda: path.read_text().split())
+            if children:
+                return int(children[0])
+            await asyncio.sleep(0.05)
+        raise RuntimeError("py-spy did not start the operator within 10 s")
 
     async def run(self, token_file: Path, log_dir: Path) -> dict[str, Any]:
         await self.fleet.start()
@@ -309,9 +336,26 @@ class SizeRun:
             "kvtopologies",
             topo,
         )
+        profile = os.environ.get("KVTOPO_BENCH_PROFILE")  # a folder: run under py-spy
+        wrap = (
+            [
+                "py-spy",
+                "record",
+                "--rate",
+                "50",
+                "--format",
+                "raw",
+                "-o",
+                str(Path(profile) / f"operator-{self.ns}.folded"),
+                "--",
+            ]
+            if profile
+            else []
+        )
         self.operator = await asyncio.to_thread(
             subprocess.Popen,
             [
+                *wrap,
                 sys.executable,
                 "-m",
                 "kvtopo_operator.main",
@@ -329,10 +373,13 @@ class SizeRun:
             stdout=(log_dir / f"operator-{self.ns}.log").open("wb"),
             stderr=subprocess.STDOUT,
         )
+        pid = self.operator.pid
+        if profile:  # measure the operator, not py-spy
+            pid = await self._child_of(pid)
         agent = asyncio.create_task(self.agent())
         measure = asyncio.create_task(self.measure())
         try:
-            cpu0, _ = _proc_cpu_rss(self.operator.pid)
+            cpu0, _ = _proc_cpu_rss(pid)
             ev0 = self.events
             for name, role, n in (
                 ("prefill", "prefill", self.prefill),
@@ -343,9 +390,10 @@ class SizeRun:
                 )
             limit = 120 + (self.prefill + self.decode) * 0.6
             await self.until("initial convergence", self.all_connected, limit)
-            initial = [w.connected_at - w.serving_at for w in self.live()]  # type: ignore[operator]
+            initial = [w.connected_at - w.serving_at for w in self.live() if w.connected_at]
             # Delete a tenth of the decode pods; the Deployment replaces them.
             victims = [w for w in self.live() if w.role == "decode"][: max(1, self.decode // 10)]
+            t_del = time.monotonic()
             for w in victims:
                 w.gone_at = time.monotonic()  # the deletion is ours: its time is exact
                 await asyncio.to_thread(
@@ -353,6 +401,11 @@ class SizeRun:
                 )
             await self.until("replacement convergence", self.all_connected, limit)
             gone = [w.evicted_at - w.gone_at for w in victims]  # type: ignore[operator]
+            replaced = [
+                w.connected_at - w.serving_at
+                for w in self.live()
+                if w.serving_at >= t_del and w.connected_at
+            ]
             # A full decode rollout.
             stamp = datetime.now(UTC).isoformat()
             t_roll = time.monotonic()
@@ -374,14 +427,22 @@ class SizeRun:
                 for w in self.live()
                 if w.serving_at >= t_roll and w.connected_at
             ]
-            cpu1, rss = _proc_cpu_rss(self.operator.pid)
+            cpu1, rss = _proc_cpu_rss(pid)
             pod_events = max(1, len(self.by_uid) * 3)  # add, ready, annotate (+delete) per pod
-            ready = initial + later
+            ready = initial + replaced + later
             return {
                 "size": f"{self.prefill}x{self.decode}",
                 "pods": self.prefill + self.decode,
                 "ready_to_connected_p50_s": round(_pct(ready, 0.5), 3),
                 "ready_to_connected_p99_s": round(_pct(ready, 0.99), 3),
+                "ready_to_connected_p99_by_phase_s": {
+                    phase: round(_pct(v, 0.99), 3)
+                    for phase, v in (
+                        ("initial", initial),
+                        ("replacement", replaced),
+                        ("rollout", later),
+                    )
+                },
                 "gone_to_evicted_p50_s": round(_pct(gone, 0.5), 3),
                 "gone_to_evicted_p99_s": round(_pct(gone, 0.99), 3),
                 "grace_s": GRACE,
@@ -396,7 +457,7 @@ class SizeRun:
             agent.cancel()
             measure.cancel()
             if self.operator is not None:
-                self.operator.terminate()
+                self.operator.send_signal(signal.SIGINT if profile else signal.SIGTERM)
                 try:
                     self.operator.wait(10)
                 except subprocess.TimeoutExpired:

@@ -5,6 +5,8 @@ Owns the aiohttp server that runs inside the engine process on its own thread an
     GET    /v1/metadata            this rank's EngineMetadata (versioned msgpack envelope)
     PUT    /v1/peers/{engine_id}   {endpoint, role}: fetch the peer's metadata, add its agent
     DELETE /v1/peers/{engine_id}   evict the peer (deferred while transfers are in flight)
+    PATCH  /v1/peers               {add: [{engine_id, endpoint, role}], evict: [engine_id]}:
+                                   many of the above in one call, an outcome per item
     GET    /v1/state               WorkerState JSON: peers, failure counters, request counts
     GET    /metrics                Prometheus text (no token)
     GET    /healthz                liveness (no token)
@@ -26,7 +28,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
 import aiohttp
 import msgspec
@@ -34,12 +36,17 @@ from aiohttp import web
 from kvtopo_worker.metrics import WorkerMetrics
 from kvtopo_worker.protocol import (
     MAX_ID_LEN,
+    MAX_PEER_CHANGES,
     EngineMetadata,
     ErrorBody,
     FailureType,
     IncompatibleEngine,
     MalformedMessage,
+    PeerAddItem,
     PeerAddRequest,
+    PeerChanges,
+    PeerChangesResult,
+    PeerOutcome,
     PeerResult,
     ProtocolError,
     Role,
@@ -55,6 +62,7 @@ log = logging.getLogger(__name__)
 
 MAX_METADATA_BYTES = 4 << 20
 OPEN_PATHS = frozenset({"/healthz", "/metrics"})
+PEER_BATCH_CONCURRENCY = 16  # handshakes of one `PATCH /v1/peers` running at once
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -124,6 +132,23 @@ def _error(status: int, error: str, message: str, **extra: object) -> web.Respon
     )
 
 
+def _outcome(
+    engine_id: str, op: Literal["add", "evict"], status: int, answer: PeerResult | ErrorBody
+) -> PeerOutcome:
+    if isinstance(answer, PeerResult):
+        return PeerOutcome(
+            engine_id=engine_id, op=op, status=status, result=answer.result, agents=answer.agents
+        )
+    return PeerOutcome(
+        engine_id=engine_id,
+        op=op,
+        status=status,
+        error=answer.error,
+        message=answer.message,
+        failure_type=answer.failure_type,
+    )
+
+
 def _json(obj: object, status: int = 200) -> web.Response:
     return web.Response(
         status=status, body=msgspec.json.encode(obj), content_type="application/json"
@@ -167,6 +192,7 @@ class ControlServer:
         self.app.router.add_get("/v1/state", self._get_state)
         self.app.router.add_put("/v1/peers/{engine_id}", self._put_peer)
         self.app.router.add_delete("/v1/peers/{engine_id}", self._delete_peer)
+        self.app.router.add_patch("/v1/peers", self._patch_peers)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
@@ -294,26 +320,35 @@ class ControlServer:
     async def _put_peer(self, request: web.Request) -> web.Response:
         engine_id = self._path_engine_id(request)
         body = decode_json_body(await request.read(), PeerAddRequest)
+        status, answer = await self._add_peer(engine_id, body.endpoint, body.role)
+        return _json(answer, status)
+
+    async def _add_peer(
+        self, engine_id: str, endpoint: str, role: Role
+    ) -> tuple[int, PeerResult | ErrorBody]:
+        """Adds one peer (fetching its metadata from `endpoint`); the HTTP status and body
+        of the answer. Raises MalformedMessage for a request that makes no sense."""
+        if not 0 < len(engine_id) <= MAX_ID_LEN:
+            raise MalformedMessage(f"engine_id must be 1..{MAX_ID_LEN} characters")
         if engine_id == self.engine.engine_id:
             raise MalformedMessage("an engine cannot be its own peer")
-        if body.role == self.engine.role:
-            raise MalformedMessage(f"a {body.role} engine pairs with the other role, not itself")
+        if role == self.engine.role:
+            raise MalformedMessage(f"a {role} engine pairs with the other role, not itself")
         present = self.registry.snapshot(engine_id)
         if present:
             self.metrics.handshakes_total.labels("present").inc()
-            return _json(PeerResult(engine_id=engine_id, result="present", agents=present))
+            return 200, PeerResult(engine_id=engine_id, result="present", agents=present)
         try:
-            raw = await self._fetch_metadata(body.endpoint)
+            raw = await self._fetch_metadata(endpoint)
             meta = decode_metadata(raw, self.engine.compat_hash)
         except IncompatibleEngine as exc:
             self.metrics.handshakes_total.labels("incompatible").inc()
             self.metrics.record_failure(
                 FailureType.INCOMPATIBLE, {"engine_id": engine_id, "msg": exc.message}
             )
-            return _error(
-                409,
-                "incompatible",
-                exc.message,
+            return 409, ErrorBody(
+                error="incompatible",
+                message=exc.message,
                 failure_type=FailureType.INCOMPATIBLE,
                 local_hash=exc.local_hash,
                 remote_hash=exc.remote_hash,
@@ -321,13 +356,13 @@ class ControlServer:
         except ProtocolError as exc:
             return self._handshake_failed(engine_id, exc.failure_type, exc.message, 502)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            msg = f"fetching metadata from {body.endpoint}: {type(exc).__name__}: {exc}"
+            msg = f"fetching metadata from {endpoint}: {type(exc).__name__}: {exc}"
             return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 502)
         if meta.engine_id != engine_id:
-            msg = f"{body.endpoint} serves engine {meta.engine_id}, not {engine_id}"
+            msg = f"{endpoint} serves engine {meta.engine_id}, not {engine_id}"
             return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 409)
-        if meta.role != body.role:
-            msg = f"{body.endpoint} is a {meta.role} engine, not {body.role}"
+        if meta.role != role:
+            msg = f"{endpoint} is a {meta.role} engine, not {role}"
             return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 409)
 
         def add() -> dict[int, str]:
@@ -346,14 +381,43 @@ class ControlServer:
             return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 502)
         self.metrics.handshakes_total.labels("added").inc()
         log.info("peer %s (%s) added: %s", engine_id, meta.role, agents)
-        return _json(PeerResult(engine_id=engine_id, result="added", agents=agents))
+        return 200, PeerResult(engine_id=engine_id, result="added", agents=agents)
+
+    async def _patch_peers(self, request: web.Request) -> web.Response:
+        """`PATCH /v1/peers`: a batch of adds and evictions, each handled as its own route
+        would handle it; a bad item fails alone (status 400), the others still happen."""
+        body = decode_json_body(await request.read(), PeerChanges)
+        if len(body.add) + len(body.evict) > MAX_PEER_CHANGES:
+            raise MalformedMessage(f"at most {MAX_PEER_CHANGES} adds and evictions per call")
+        sem = asyncio.Semaphore(PEER_BATCH_CONCURRENCY)
+
+        async def add(item: PeerAddItem) -> PeerOutcome:
+            async with sem:
+                try:
+                    status, answer = await self._add_peer(item.engine_id, item.endpoint, item.role)
+                except ProtocolError as exc:
+                    self.metrics.reject("control")
+                    status, answer = 400, ErrorBody(error="bad_request", message=exc.message)
+            return _outcome(item.engine_id, "add", status, answer)
+
+        async def evict(engine_id: str) -> PeerOutcome:
+            if not 0 < len(engine_id) <= MAX_ID_LEN:
+                self.metrics.reject("control")
+                msg = f"engine_id must be 1..{MAX_ID_LEN} characters"
+                return _outcome(
+                    engine_id, "evict", 400, ErrorBody(error="bad_request", message=msg)
+                )
+            return _outcome(engine_id, "evict", 200, await self._evict_peer(engine_id))
+
+        results = await asyncio.gather(*map(add, body.add), *map(evict, body.evict))
+        return _json(PeerChangesResult(results=list(results)))
 
     def _handshake_failed(
         self, engine_id: str, failure: FailureType, message: str, status: int
-    ) -> web.Response:
+    ) -> tuple[int, ErrorBody]:
         self.metrics.handshakes_total.labels("failed").inc()
         self.metrics.record_failure(failure, {"engine_id": engine_id, "msg": message})
-        return _error(status, "handshake_failed", message, failure_type=failure)
+        return status, ErrorBody(error="handshake_failed", message=message, failure_type=failure)
 
     async def _fetch_metadata(self, endpoint: str) -> bytes:
         if self._session is None:
@@ -371,8 +435,10 @@ class ControlServer:
             return data
 
     async def _delete_peer(self, request: web.Request) -> web.Response:
-        engine_id = self._path_engine_id(request)
+        return _json(await self._evict_peer(self._path_engine_id(request)))
+
+    async def _evict_peer(self, engine_id: str) -> PeerResult:
         loop = asyncio.get_running_loop()
         result = await loop.run_in_executor(self.nixl_executor, self.registry.evict, engine_id)
         self.metrics.evictions_total.labels(result).inc()
-        return _json(PeerResult(engine_id=engine_id, result=result))
+        return PeerResult(engine_id=engine_id, result=result)

@@ -253,6 +253,46 @@ class PeerAddRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     role: Role
 
 
+MAX_PEER_CHANGES = 1024  # adds plus evictions in one `PATCH /v1/peers`
+
+
+class PeerAddItem(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One peer to add in a `PATCH /v1/peers` batch."""
+
+    engine_id: str
+    endpoint: str
+    role: Role
+
+
+class PeerChanges(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`PATCH /v1/peers`: several peer adds and evictions in one call (the operator sends
+    one per worker per round, so a rollout costs calls per worker, not per pair). Each item
+    is handled exactly as its single-peer route would handle it."""
+
+    add: list[PeerAddItem] = []
+    evict: list[str] = []
+
+
+class PeerOutcome(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """The outcome of one item of a `PATCH /v1/peers` batch: `status` is the HTTP status its
+    single-peer route would have answered; `result` is set on success, `error` otherwise."""
+
+    engine_id: str
+    op: Literal["add", "evict"]
+    status: int
+    result: str = ""
+    agents: dict[int, str] = {}
+    error: str = ""
+    message: str = ""
+    failure_type: FailureType | None = None
+
+
+class PeerChangesResult(msgspec.Struct, frozen=True, kw_only=True):
+    """Answer to `PATCH /v1/peers`: one outcome per item, adds first, in request order."""
+
+    results: list[PeerOutcome]
+
+
 class PeerResult(msgspec.Struct, frozen=True, kw_only=True):
     """Answer to a peer add or delete."""
 

@@ -95,12 +95,13 @@ def test_routes_need_the_token_except_health_and_metrics(pair: tuple[Node, Node]
         ("GET", "/v1/metadata"),
         ("PUT", "/v1/peers/x"),
         ("DELETE", "/v1/peers/x"),
+        ("PATCH", "/v1/peers"),
     ]:
         assert call(method, p.url + path, token=None)[0] == 401
         assert call(method, p.url + path, token="wrong")[0] == 401
     assert urllib.request.urlopen(p.url + "/healthz", timeout=5).status == 200
     metrics = urllib.request.urlopen(p.url + "/metrics", timeout=5).read().decode()
-    assert 'kvtopo_worker_rejected_messages_total{source="control_auth"} 8.0' in metrics
+    assert 'kvtopo_worker_rejected_messages_total{source="control_auth"} 10.0' in metrics
 
 
 def test_handshake_both_ways_then_evict(pair: tuple[Node, Node]) -> None:
@@ -125,6 +126,67 @@ def test_handshake_both_ways_then_evict(pair: tuple[Node, Node]) -> None:
     assert (status, body["result"]) == (200, "evicted")
     assert d.transport.removed == ["agent-pre-1"]
     assert call("DELETE", f"{d.url}/v1/peers/pre-1")[1]["result"] == "absent"
+
+
+def test_a_batch_adds_and_evicts_each_item_as_its_own_route_would() -> None:
+    d = make_node("dec-1", "decode")
+    prefills = [make_node(f"pre-{i}", "prefill") for i in range(3)]
+    other = make_node("other", "prefill", model_id="another-model")
+    try:
+        adds = [
+            {
+                "engine_id": n.server.engine.engine_id,
+                "endpoint": n.server.endpoint,
+                "role": "prefill",
+            }
+            for n in prefills
+        ]
+        status, body = call("PATCH", f"{d.url}/v1/peers", {"add": adds})
+        assert status == 200
+        assert [(r["engine_id"], r["op"], r["status"], r["result"]) for r in body["results"]] == [  # type: ignore[union-attr]
+            (f"pre-{i}", "add", 200, "added") for i in range(3)
+        ]
+        assert d.transport.remotes == {"agent-pre-0", "agent-pre-1", "agent-pre-2"}
+        # One bad item fails alone: the others still happen, each with its own outcome.
+        status, body = call(
+            "PATCH",
+            f"{d.url}/v1/peers",
+            {
+                "add": [
+                    adds[0],
+                    {"engine_id": "other", "endpoint": other.server.endpoint, "role": "prefill"},
+                    {"engine_id": "dec-1", "endpoint": d.server.endpoint, "role": "prefill"},
+                ],
+                "evict": ["pre-1", "never-seen", "x" * 300],
+            },
+        )
+        assert status == 200
+        got = [(r["engine_id"][:10], r["op"], r["status"]) for r in body["results"]]  # type: ignore[union-attr]
+        assert got == [
+            ("pre-0", "add", 200),
+            ("other", "add", 409),
+            ("dec-1", "add", 400),
+            ("pre-1", "evict", 200),
+            ("never-seen", "evict", 200),
+            ("x" * 10, "evict", 400),
+        ]
+        results = body["results"]  # type: ignore[index]
+        assert results[0]["result"] == "present" and results[1]["error"] == "incompatible"
+        assert "own peer" in results[2]["message"]
+        assert [r.get("result") for r in results[3:5]] == ["evicted", "absent"]
+        assert d.transport.removed == ["agent-pre-1"]
+        _, state = call("GET", f"{d.url}/v1/state")
+        assert sorted(p["engine_id"] for p in state["peers"]) == ["pre-0", "pre-2"]  # type: ignore[index, union-attr]
+        # A batch that is not a batch is refused whole, naming the field; nothing changes.
+        status, body = call("PATCH", f"{d.url}/v1/peers", {"add": [{"engine_id": "pre-9"}]})
+        assert status == 400 and "endpoint" in str(body["message"])
+        status, body = call("PATCH", f"{d.url}/v1/peers", {"evict": ["e"] * 1025})
+        assert status == 400 and "1024" in str(body["message"])
+        _, state = call("GET", f"{d.url}/v1/state")
+        assert len(state["peers"]) == 2  # type: ignore[arg-type]
+    finally:
+        for n in (d, *prefills, other):
+            n.server.stop()
 
 
 def test_incompatible_peer_is_refused_with_both_hashes() -> None:
