@@ -28,7 +28,14 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
-from kvtopo_worker.protocol import PeerAddRequest, PeerState, WorkerState
+from kvtopo_worker.protocol import (
+    PeerAddRequest,
+    PeerChanges,
+    PeerChangesResult,
+    PeerOutcome,
+    PeerState,
+    WorkerState,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = ((16, 64), (32, 1000))
@@ -62,6 +69,7 @@ class FakeFleet:
         app.router.add_get("/v1/state", self._state)
         app.router.add_put("/v1/peers/{engine_id}", self._put)
         app.router.add_delete("/v1/peers/{engine_id}", self._delete)
+        app.router.add_patch("/v1/peers", self._patch)
         self.runner = web.AppRunner(app, access_log=None)
         self.requests = 0
 
@@ -125,6 +133,30 @@ class FakeFleet:
         result = "evicted" if eid in w.peers else "absent"
         w.peers.discard(eid)
         return web.json_response({"engine_id": eid, "result": result})
+
+    async def _patch(self, request: web.Request) -> web.Response:
+        self.requests += 1
+        w = self._worker(request)
+        changes = msgspec.json.decode(await request.read(), type=PeerChanges)
+        results = []
+        for item in changes.add:
+            result = "present" if item.engine_id in w.peers else "added"
+            w.peers.add(item.engine_id)
+            results.append(
+                PeerOutcome(
+                    engine_id=item.engine_id,
+                    op="add",
+                    status=200,
+                    result=result,
+                    agents={0: item.engine_id},
+                )
+            )
+        for eid in changes.evict:
+            result = "evicted" if eid in w.peers else "absent"
+            w.peers.discard(eid)
+            results.append(PeerOutcome(engine_id=eid, op="evict", status=200, result=result))
+        body = msgspec.json.encode(PeerChangesResult(results=results))
+        return web.Response(body=body, content_type="application/json")
 
 
 def _deployment(name: str, role: str, replicas: int) -> dict[str, Any]:
@@ -294,6 +326,12 @@ class SizeRun:
             await asyncio.sleep(0.2)
         raise TimeoutError(f"{what}: not within {limit_s:.0f}s")
 
+    def _status_written(self) -> bool:
+        obj = self.custom.get_namespaced_custom_object(
+            "kvtopo.dev", "v1alpha1", self.ns, "kvtopologies", "bench"
+        )
+        return bool((obj.get("status") or {}).get("conditions"))
+
     async def _child_of(self, pid: int) -> int:
         """The operator process that py-spy started (for its CPU and RSS)."""
         path = Path(f"/proc/{pid}/task/{pid}/children")
@@ -379,6 +417,8 @@ class SizeRun:
         agent = asyncio.create_task(self.agent())
         measure = asyncio.create_task(self.measure())
         try:
+            # The operator is up once it has written the (still empty) topology's status.
+            await self.until("operator start", self._status_written, 60)
             cpu0, _ = _proc_cpu_rss(pid)
             ev0 = self.events
             for name, role, n in (

@@ -25,6 +25,11 @@ class OperatorMetrics:
             ["result"],
             registry=self.registry,
         )
+        self.state_reads = Counter(
+            "kvtopo_operator_worker_state_reads",
+            "Worker /v1/state reads (new, failed or stale workers only).",
+            registry=self.registry,
+        )
         self.reconcile_seconds = Histogram(
             "kvtopo_operator_reconcile_seconds",
             "Duration of one topology reconcile.",

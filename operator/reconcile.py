@@ -2,9 +2,10 @@
 
 Owns one asyncio task per KVTopology. Each task waits for a poke (a pod or spec change) or
 its resync period, then reconciles: reads the topology fresh, takes its pods from the pod
-index, reads every usable worker's `/v1/state` (bounded concurrency, timeouts), asks
-`logic.evaluate` for a plan, makes the handshakes and evictions, writes the status once
-(only when it changed) and records Events and metrics. A topology's reconciles never
+index, gathers the workers' `/v1/state` (incrementally: `gather.WorkerViews` re-reads only
+new, failed or stale workers), asks `logic.evaluate` for a plan, makes the handshakes and
+evictions (one batched call per worker, bounded concurrency, timeouts), writes the status
+once (only when it changed) and records Events and metrics. A topology's reconciles never
 overlap because only its own task runs them. Called by `handlers` (kopf).
 """
 
@@ -17,24 +18,24 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
 
 from kvtopo_operator.api import KVTopologySpec, KVTopologyStatus, LastFailure, dump
+from kvtopo_operator.gather import WorkerViews
 from kvtopo_operator.kube import KubeClient
 from kvtopo_operator.logic import (
     Event,
+    Eviction,
+    Handshake,
     Observed,
     Plan,
     PodView,
-    WorkerUnreachable,
-    WorkerView,
     evaluate,
     pods_of,
     record_operator_failures,
     rfc3339,
 )
 from kvtopo_operator.metrics import OperatorMetrics
-from kvtopo_operator.workers import WorkerClient
+from kvtopo_operator.workers import CallResult, WorkerClient
 from pydantic import ValidationError
 
 log = logging.getLogger(__name__)
@@ -50,9 +51,13 @@ class Settings:
     max_backoff_s: float = 10.0
 
 
+BATCH_LIMIT = 512  # adds plus evictions per worker call (the worker takes up to 1,024)
+
+
 @dataclass
 class _Loop:
     task: asyncio.Task[None]
+    views: WorkerViews
     poke: asyncio.Event = field(default_factory=asyncio.Event)
     generation: int = -1
     failed_rounds: int = 0
@@ -88,7 +93,8 @@ class Reconciler:
         if loop is None or loop.task.done():
             poke = asyncio.Event()
             task = asyncio.create_task(self._run(key, poke), name=f"kvtopo-{key[0]}/{key[1]}")
-            self._loops[key] = _Loop(task=task, poke=poke)
+            views = WorkerViews(self.workers.state, max_age_s=0.9 * self.settings.resync_s)
+            self._loops[key] = _Loop(task=task, views=views, poke=poke)
             poke.set()
             return
         if generation is not None and generation != loop.generation:
@@ -157,13 +163,11 @@ class Reconciler:
         pods = pods_of(spec, self.pods(namespace, spec.control_port))
         sem = asyncio.Semaphore(spec.handshake.max_concurrent)
         timeout = float(spec.handshake.timeout_seconds)
-
-        async def read(pod: PodView) -> tuple[str, WorkerView | WorkerUnreachable]:
-            async with sem:
-                return pod.name, await self.workers.state(pod.endpoint, timeout)
-
-        usable = [p for p in pods if p.ready and not p.deleting and p.endpoint]
-        workers = dict(await asyncio.gather(*(read(p) for p in usable)))
+        reads = loop.views.reads
+        workers = await loop.views.gather(
+            pods, concurrency=spec.handshake.max_concurrent, timeout_s=timeout
+        )
+        self.metrics.state_reads.inc(loop.views.reads - reads)
         now = self.clock()
         plan = evaluate(
             Observed(
@@ -171,7 +175,7 @@ class Reconciler:
             ),
             now,
         )
-        acted, act_events, operator_failures = await self._act(plan, sem, timeout, now)
+        acted, act_events, operator_failures = await self._act(plan, loop.views, sem, timeout, now)
         status = record_operator_failures(plan.status, operator_failures)
         new, old = dump(status), dump(previous)
         if new != old:
@@ -186,50 +190,82 @@ class Reconciler:
         return acted, plan.wake_in_s
 
     async def _act(
-        self, plan: Plan, sem: asyncio.Semaphore, call_timeout: float, now: datetime
+        self,
+        plan: Plan,
+        views: WorkerViews,
+        sem: asyncio.Semaphore,
+        call_timeout: float,
+        now: datetime,
     ) -> tuple[bool, list[Event], list[tuple[str, LastFailure]]]:
+        """Makes the plan's handshakes and evictions: one call per worker (a batch of its
+        adds and evictions), at most `sem` at once; records each outcome in `views`."""
         events: list[Event] = []
         failures: list[tuple[str, LastFailure]] = []
+        by_worker: dict[tuple[str, str], tuple[list[Handshake], list[Eviction]]] = {}
+        for h in plan.handshakes:
+            by_worker.setdefault((h.pod, h.endpoint), ([], []))[0].append(h)
+        for e in plan.evictions:
+            by_worker.setdefault((e.pod, e.endpoint), ([], []))[1].append(e)
 
-        async def handshake(h: Any) -> bool:
-            async with sem:
-                res = await self.workers.add_peer(
-                    h.endpoint, h.peer_engine_id, h.peer_endpoint, h.peer_role, call_timeout
-                )
+        def handshake_done(h: Handshake, res: CallResult) -> bool:
             outcome = "ok" if res.ok else ("unreachable" if res.status == 0 else "failed")
             self.metrics.handshakes.labels(outcome).inc()
-            if not res.ok:
-                msg = f"{h.pod}: adding {h.peer_role} engine {h.peer_engine_id}: {res.message}"
-                events.append(Event("Warning", "HandshakeFailed", msg))
-                if res.status == 0:  # the worker never saw it, so it could not count it
-                    failures.append(
-                        (
-                            "handshake_failed",
-                            LastFailure(
-                                time=rfc3339(now),
-                                type="handshake_failed",
-                                engine_id=h.peer_engine_id,
-                                pod=h.pod,
-                                message=res.message[:512],
-                            ),
-                        )
+            if res.ok:
+                views.peer_added(h.pod, h.peer_engine_id)
+                return True
+            views.mark_dirty(h.pod)
+            msg = f"{h.pod}: adding {h.peer_role} engine {h.peer_engine_id}: {res.message}"
+            events.append(Event("Warning", "HandshakeFailed", msg))
+            if res.status == 0:  # the worker never saw it, so it could not count it
+                failures.append(
+                    (
+                        "handshake_failed",
+                        LastFailure(
+                            time=rfc3339(now),
+                            type="handshake_failed",
+                            engine_id=h.peer_engine_id,
+                            pod=h.pod,
+                            message=res.message[:512],
+                        ),
                     )
-            return res.ok
+                )
+            return False
 
-        async def evict(e: Any) -> bool:
-            async with sem:
-                res = await self.workers.evict_peer(e.endpoint, e.engine_id, call_timeout)
+        def eviction_done(e: Eviction, res: CallResult) -> bool:
             self.metrics.evictions.labels(
                 res.result or ("unreachable" if res.status == 0 else "failed")
             ).inc()
-            if not res.ok:
-                log.warning("evicting %s from %s: %s", e.engine_id, e.pod, res.message)
-            return res.ok
+            if res.ok:
+                views.peer_evicted(e.pod, e.engine_id, res.result)
+                return True
+            views.mark_dirty(e.pod)
+            log.warning("evicting %s from %s: %s", e.engine_id, e.pod, res.message)
+            return False
+
+        async def one_worker(
+            endpoint: str, adds: list[Handshake], evicts: list[Eviction]
+        ) -> list[bool]:
+            done: list[bool] = []
+            items: list[Handshake | Eviction] = [*adds, *evicts]
+            for start in range(0, len(items), BATCH_LIMIT):
+                part = items[start : start + BATCH_LIMIT]
+                add_part = [x for x in part if isinstance(x, Handshake)]
+                ev_part = [x for x in part if isinstance(x, Eviction)]
+                async with sem:
+                    results = await self.workers.change_peers(
+                        endpoint,
+                        [(h.peer_engine_id, h.peer_endpoint, h.peer_role) for h in add_part],
+                        [e.engine_id for e in ev_part],
+                        call_timeout,
+                    )
+                done.extend(handshake_done(h, results[("add", h.peer_engine_id)]) for h in add_part)
+                done.extend(eviction_done(e, results[("evict", e.engine_id)]) for e in ev_part)
+            return done
 
         results = await asyncio.gather(
-            *(handshake(h) for h in plan.handshakes), *(evict(e) for e in plan.evictions)
+            *(one_worker(ep, adds, evicts) for (_, ep), (adds, evicts) in by_worker.items())
         )
-        return any(results), events, failures
+        return any(ok for worker in results for ok in worker), events, failures
 
     def _observe(
         self, key: TopologyKey, loop: _Loop, plan: Plan, pods: tuple[PodView, ...], seconds: float

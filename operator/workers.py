@@ -1,20 +1,32 @@
 """The operator's client for the worker control API (`kvtopo_worker.agent`).
 
 Owns the HTTP calls the operator makes to engine pods: read `/v1/state`, add a peer
-(`PUT /v1/peers/{id}`), evict a peer (`DELETE /v1/peers/{id}`), each with the bearer token,
-a timeout and a shared connection pool. Decodes answers with the worker's wire protocol
-(`kvtopo_worker.protocol`, which imports neither torch nor nixl). Called by `reconcile`.
+(`PUT /v1/peers/{id}`), evict a peer (`DELETE /v1/peers/{id}`), or both for many peers in
+one call (`PATCH /v1/peers`, falling back to single calls for a worker that lacks it), each
+with the bearer token, a timeout and a shared connection pool. Decodes answers with the
+worker's wire protocol (`kvtopo_worker.protocol`, which imports neither torch nor nixl).
+Called by `reconcile`.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 import msgspec
 from kvtopo_operator.logic import FailureView, WorkerUnreachable, WorkerView
-from kvtopo_worker.protocol import ErrorBody, PeerResult, WorkerState
+from kvtopo_worker.protocol import (
+    ErrorBody,
+    PeerAddItem,
+    PeerChanges,
+    PeerChangesResult,
+    PeerResult,
+    WorkerState,
+)
+
+PEER_BATCH_CONCURRENCY = 16  # the worker's handshakes of one batch running at once
 
 
 @dataclass(frozen=True)
@@ -98,6 +110,66 @@ class WorkerClient:
     async def evict_peer(self, endpoint: str, engine_id: str, timeout_s: float) -> CallResult:
         return await self._call("DELETE", endpoint, engine_id, None, timeout_s)
 
+    async def change_peers(
+        self,
+        endpoint: str,
+        adds: list[tuple[str, str, str]],
+        evicts: list[str],
+        timeout_s: float,
+    ) -> dict[tuple[str, str], CallResult]:
+        """Adds peers (engine id, endpoint, role) and evicts peers (engine id) on one worker
+        in one call; the result of each, keyed by ("add" | "evict", engine id). A failed call
+        fails every item with its reason."""
+        body = msgspec.json.encode(
+            PeerChanges(
+                add=[PeerAddItem(engine_id=e, endpoint=ep, role=r) for e, ep, r in adds],  # type: ignore[arg-type]
+                evict=evicts,
+            )
+        )
+        keys = [("add", e) for e, _, _ in adds] + [("evict", e) for e in evicts]
+        # Each add may take the worker up to `timeout_s` (it fetches the peer's metadata).
+        rounds = -(-len(adds) // PEER_BATCH_CONCURRENCY) if adds else 1
+        try:
+            session = await self._http()
+            async with session.patch(
+                f"http://{endpoint}/v1/peers",
+                data=body,
+                headers={**self._headers(), "Content-Type": "application/json"},
+                timeout=aiohttp.ClientTimeout(total=timeout_s * rounds + 2),
+            ) as resp:
+                data = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            failed = CallResult(False, 0, f"{type(exc).__name__}: {exc}"[:300])
+            return dict.fromkeys(keys, failed)
+        if status in (404, 405):  # a worker from before batches: one call per peer
+            out: dict[tuple[str, str], CallResult] = {}
+            for (op, engine_id), res in zip(
+                keys,
+                await asyncio.gather(
+                    *(self.add_peer(endpoint, e, ep, r, timeout_s) for e, ep, r in adds),
+                    *(self.evict_peer(endpoint, e, timeout_s) for e in evicts),
+                ),
+                strict=True,
+            ):
+                out[(op, engine_id)] = res
+            return out
+        if status != 200:
+            failed = CallResult(False, status, _error_message(data))
+            return dict.fromkeys(keys, failed)
+        try:
+            answer = msgspec.json.decode(data, type=PeerChangesResult)
+        except msgspec.DecodeError as exc:
+            return dict.fromkeys(keys, CallResult(False, 502, f"bad batch answer: {exc}"))
+        out = {}
+        for item in answer.results:
+            ok = item.status == 200
+            message = "" if ok else f"{item.error}: {item.message}"
+            out[(item.op, item.engine_id)] = CallResult(ok, item.status, message, item.result)
+        for key in keys:  # an item the worker did not answer has failed
+            out.setdefault(key, CallResult(False, 502, "the worker's answer left it out"))
+        return out
+
     async def _call(
         self, method: str, endpoint: str, engine_id: str, body: object, timeout_s: float
     ) -> CallResult:
@@ -115,11 +187,14 @@ class WorkerClient:
                 if resp.status == 200:
                     res = msgspec.json.decode(data, type=PeerResult)
                     return CallResult(True, 200, "", res.result)
-                try:
-                    err = msgspec.json.decode(data, type=ErrorBody)
-                    message = f"{err.error}: {err.message}"
-                except msgspec.DecodeError:
-                    message = data[:300].decode(errors="replace")
-                return CallResult(False, resp.status, message)
+                return CallResult(False, resp.status, _error_message(data))
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             return CallResult(False, 0, f"{type(exc).__name__}: {exc}"[:300])
+
+
+def _error_message(data: bytes) -> str:
+    try:
+        err = msgspec.json.decode(data, type=ErrorBody)
+        return f"{err.error}: {err.message}"
+    except msgspec.DecodeError:
+        return data[:300].decode(errors="replace")

@@ -1,0 +1,104 @@
+"""The operator's memory of worker state between reconcile rounds (the incremental gather).
+
+Owns `WorkerViews`: the last `/v1/state` read from each engine pod's worker, when it was
+read, and which workers must be read again. A round re-reads only the workers that are new,
+moved to another endpoint, unreachable last time, marked dirty (a call to them failed), or
+older than the full-resync age; the others keep their last view, updated with the outcome
+of the operator's own calls (a peer it added is a peer the worker holds). So a pod event in
+a fleet of a thousand workers costs the reads of the pods that changed, not a thousand, and
+drift the operator did not cause (failures, restarts) is still seen within the resync age.
+Called by `reconcile`; the reader and clock are injected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from kvtopo_operator.logic import PodView, WorkerUnreachable, WorkerView
+
+Reader = Callable[[str, float], Awaitable[WorkerView | WorkerUnreachable]]
+Seen = WorkerView | WorkerUnreachable
+
+
+@dataclass
+class _Entry:
+    endpoint: str
+    view: Seen
+    read_at: float
+    dirty: bool = False
+
+
+class WorkerViews:
+    """The workers of one topology, as last read, and which to read again."""
+
+    def __init__(
+        self, read: Reader, *, max_age_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._read = read
+        self._max_age_s = max_age_s
+        self._clock = clock
+        self._entries: dict[str, _Entry] = {}  # by pod name
+        self.reads = 0  # state reads made so far (for metrics and tests)
+
+    def _due(self, pod: PodView, now: float) -> bool:
+        entry = self._entries.get(pod.name)
+        return (
+            entry is None
+            or entry.dirty
+            or entry.endpoint != pod.endpoint
+            or isinstance(entry.view, WorkerUnreachable)
+            or now - entry.read_at >= self._max_age_s
+        )
+
+    async def gather(
+        self, pods: Iterable[PodView], *, concurrency: int, timeout_s: float
+    ) -> Mapping[str, Seen]:
+        """The view of every usable pod's worker (Ready, not deleting, with an endpoint),
+        reading again those that are due; forgets pods that are no longer usable."""
+        usable = {p.name: p for p in pods if p.ready and not p.deleting and p.endpoint}
+        for name in [n for n in self._entries if n not in usable]:
+            del self._entries[name]
+        now = self._clock()
+        due = [p for p in usable.values() if self._due(p, now)]
+        sem = asyncio.Semaphore(max(1, concurrency))
+
+        async def read(pod: PodView) -> None:
+            async with sem:
+                started = self._clock()
+                view = await self._read(pod.endpoint, timeout_s)
+            self._entries[pod.name] = _Entry(pod.endpoint, view, started)
+
+        await asyncio.gather(*(read(p) for p in due))
+        self.reads += len(due)
+        return {name: self._entries[name].view for name in usable}
+
+    def _update(self, pod: str, change: Callable[[WorkerView], WorkerView]) -> None:
+        entry = self._entries.get(pod)
+        if entry is not None and isinstance(entry.view, WorkerView):
+            entry.view = change(entry.view)
+
+    def peer_added(self, pod: str, engine_id: str) -> None:
+        """The worker of `pod` answered that it holds `engine_id` (added or present)."""
+        self._update(pod, lambda v: dataclasses.replace(v, peers=v.peers | {engine_id}))
+
+    def peer_evicted(self, pod: str, engine_id: str, result: str) -> None:
+        """The worker of `pod` answered an eviction of `engine_id` with `result`."""
+        if result == "deferred":  # held until its transfers finish
+            self._update(pod, lambda v: dataclasses.replace(v, evicting=v.evicting | {engine_id}))
+        else:  # evicted or absent
+            self._update(
+                pod,
+                lambda v: dataclasses.replace(
+                    v, peers=v.peers - {engine_id}, evicting=v.evicting - {engine_id}
+                ),
+            )
+
+    def mark_dirty(self, pod: str) -> None:
+        """A call to the worker of `pod` failed: read it again next round."""
+        entry = self._entries.get(pod)
+        if entry is not None:
+            entry.dirty = True

@@ -1,0 +1,122 @@
+"""The incremental gather: which workers a round reads again, and what it remembers.
+
+`WorkerViews` built through its real constructor with an injected reader and clock."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvtopo_operator.gather import WorkerViews
+from kvtopo_operator.logic import PodView, WorkerUnreachable, WorkerView
+
+
+class Workers:
+    """What each endpoint's worker would answer, and the reads made."""
+
+    def __init__(self) -> None:
+        self.answers: dict[str, WorkerView | WorkerUnreachable] = {}
+        self.reads: list[str] = []
+
+    async def read(self, endpoint: str, timeout_s: float) -> WorkerView | WorkerUnreachable:
+        self.reads.append(endpoint)
+        return self.answers[endpoint]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def pod(name: str, endpoint: str = "", ready: bool = True, deleting: bool = False) -> PodView:
+    return PodView(name, "decode", {}, ready, deleting, endpoint or f"127.0.0.1:{name}")
+
+
+def view(engine_id: str, *peers: str) -> WorkerView:
+    return WorkerView(engine_id, "decode", "h", frozenset(peers))
+
+
+def gather(views: WorkerViews, pods: list[PodView]) -> dict[str, WorkerView | WorkerUnreachable]:
+    return dict(asyncio.run(views.gather(pods, concurrency=4, timeout_s=1.0)))
+
+
+def setup() -> tuple[Workers, Clock, WorkerViews]:
+    workers, clock = Workers(), Clock()
+    return workers, clock, WorkerViews(workers.read, max_age_s=2.0, clock=clock)
+
+
+def test_only_new_failed_moved_or_stale_workers_are_read_again() -> None:
+    workers, clock, views = setup()
+    a, b = pod("a"), pod("b")
+    workers.answers = {a.endpoint: view("ea"), b.endpoint: view("eb")}
+    assert gather(views, [a, b]) == {"a": view("ea"), "b": view("eb")}
+    assert sorted(workers.reads) == [a.endpoint, b.endpoint]
+
+    # A new pod: only it is read.
+    c = pod("c")
+    workers.answers[c.endpoint] = WorkerUnreachable("connection refused")
+    workers.reads.clear()
+    clock.now += 1.0
+    got = gather(views, [a, b, c])
+    assert workers.reads == [c.endpoint] and got["c"] == WorkerUnreachable("connection refused")
+
+    # An unreachable worker is read again next round; the others are not.
+    workers.answers[c.endpoint] = view("ec")
+    workers.reads.clear()
+    assert gather(views, [a, b, c])["c"] == view("ec") and workers.reads == [c.endpoint]
+
+    # A pod that moved to another endpoint is read again at the new one.
+    moved = pod("b", endpoint="127.0.0.1:b2")
+    workers.answers[moved.endpoint] = view("eb2")
+    workers.reads.clear()
+    assert gather(views, [a, moved, c])["b"] == view("eb2") and workers.reads == [moved.endpoint]
+
+    # Past the resync age, every worker read then is read again.
+    workers.reads.clear()
+    clock.now += 1.0  # a and its first read are now 2.0 s old; b2 and c are younger
+    gather(views, [a, moved, c])
+    assert workers.reads == [a.endpoint]
+
+
+def test_the_operators_own_calls_update_the_views_and_a_failed_call_forces_a_read() -> None:
+    workers, _, views = setup()
+    p = pod("p")
+    workers.answers[p.endpoint] = view("ep", "d1", "d2")
+    gather(views, [p])
+    views.peer_added("p", "d3")
+    views.peer_evicted("p", "d1", "evicted")
+    views.peer_evicted("p", "d2", "deferred")
+    views.peer_added("nobody", "d9")  # a pod it does not know: ignored
+    workers.reads.clear()
+    got = gather(views, [p])["p"]
+    assert workers.reads == []  # nothing was due: the views carry the calls' outcomes
+    assert isinstance(got, WorkerView)
+    assert got.peers == {"d2", "d3"} and got.evicting == {"d2"}
+
+    views.peer_evicted("p", "d2", "absent")
+    got = gather(views, [p])["p"]
+    assert isinstance(got, WorkerView) and got.peers == {"d3"} and got.evicting == frozenset()
+
+    views.mark_dirty("p")
+    workers.answers[p.endpoint] = view("ep", "d3", "d4")  # what the worker really holds
+    assert gather(views, [p])["p"] == view("ep", "d3", "d4")
+    assert workers.reads == [p.endpoint]
+
+
+def test_pods_that_are_not_usable_are_forgotten_and_read_afresh_when_back() -> None:
+    workers, _, views = setup()
+    a = pod("a")
+    workers.answers[a.endpoint] = view("ea")
+    gather(views, [a])
+    for gone in ([pod("a", ready=False)], [pod("a", deleting=True)], []):
+        assert gather(views, gone) == {}
+        # Back (a restarted worker is a new engine): read at once, not from memory.
+        workers.answers[a.endpoint] = view("ea-restarted")
+        workers.reads.clear()
+        assert gather(views, [a]) == {"a": view("ea-restarted")}
+        assert workers.reads == [a.endpoint]
+        workers.answers[a.endpoint] = view("ea")
+        views.mark_dirty("a")
+        gather(views, [a])
