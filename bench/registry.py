@@ -6,7 +6,8 @@ Owns three measurements on a registry of 1,000 engines:
   plus the call overhead (teardown is a no-op here, as it runs outside the lock anyway);
 - registration-writer throughput through the real `PushConnector.send_registration`, alone
   and while a churn thread evicts and re-adds other engines at a fixed rate (the churn a
-  rollout of a large fleet causes, far above what Kubernetes produces), and their ratio.
+  rollout of a large fleet causes, far above what Kubernetes produces), in alternating
+  100 ms segments of one run, and their ratio (the median over adjacent pairs).
 The transport is a null one: the benchmark isolates the registry and the writer's path.
 """
 
@@ -16,6 +17,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -86,8 +88,20 @@ def critical_sections(ranks: int, calls: int) -> dict[str, float]:
     }
 
 
-def writer_rps(seconds: float, churn_per_s: float) -> tuple[float, int]:
-    """Registrations per second through send_registration, with optional churn."""
+@dataclass
+class WriterResult:
+    rps_alone: float  # registrations/s in the segments without churn
+    rps_under_churn: float  # ... and in the segments with it
+    churn_ratio: float  # median over adjacent pairs of segments (with / without)
+    evictions_per_s: float  # churn achieved while it was on
+    segments: int
+
+
+def writer_under_churn(seconds: float, churn_per_s: float, segment_s: float) -> WriterResult:
+    """Registration throughput through the real send_registration, in alternating segments
+    of `segment_s` with the churn thread off and on, in one run on one registry: a burst
+    of load from elsewhere on a shared machine lasts longer than a segment, so it hits both
+    alike (separate runs a few seconds apart differed by up to 15% on the same code)."""
     from kvtopo_worker.metrics import WorkerMetrics
     from kvtopo_worker.protocol import PushRegistration
     from kvtopo_worker.push import PushConnector
@@ -111,49 +125,74 @@ def writer_rps(seconds: float, churn_per_s: float) -> tuple[float, int]:
             prefill_engine_id=f"e{i % 100}",
             block_ids=[1, 2, 3, 4],
         )
-        for i in range(1000)
+        for i in range(100)
     ]
     stop = threading.Event()
+    churning = threading.Event()
     churned = [0]
 
     def churn() -> None:
-        # Evict and re-add engines the writer does not target, at a fixed rate.
+        # While on: evict and re-add engines the writer does not target, at a fixed rate.
         period = 1.0 / churn_per_s
-        next_t = time.perf_counter()
         i = 0
         while not stop.is_set():
-            eid = f"e{100 + i % (ENGINES - 100)}"
-            reg.evict(eid)
-            reg.add_engine(eid, agents)
-            churned[0] += 1
-            i += 1
-            next_t += period
-            delay = next_t - time.perf_counter()
-            if delay > 0:
-                stop.wait(delay)
+            if not churning.wait(0.05):
+                continue
+            next_t = time.perf_counter()
+            while churning.is_set() and not stop.is_set():
+                eid = f"e{100 + i % (ENGINES - 100)}"
+                reg.evict(eid)
+                reg.add_engine(eid, agents)
+                churned[0] += 1
+                i += 1
+                next_t += period
+                delay = next_t - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
 
-    churner = threading.Thread(target=churn) if churn_per_s > 0 else None
-    if churner is not None:
-        churner.start()
-    sent = 0
-    t0 = time.perf_counter()
-    end = t0 + seconds
+    churner = threading.Thread(target=churn, name="bench-churn")
+    churner.start()
+    pairs = max(1, round(seconds / (2 * segment_s)))
+    sent = {False: 0, True: 0}
+    spent = {False: 0.0, True: 0.0}
+    ratios: list[float] = []
     try:
-        while time.perf_counter() < end:
-            for r in regs[:100]:
-                conn.send_registration(r)
-            sent += 100
+        for p in range(pairs):
+            rates = {}
+            for on in (False, True) if p % 2 == 0 else (True, False):
+                if on:
+                    churning.set()
+                else:
+                    churning.clear()
+                n = 0
+                t0 = time.perf_counter()
+                end = t0 + segment_s
+                while time.perf_counter() < end:
+                    for r in regs:
+                        conn.send_registration(r)
+                    n += len(regs)
+                elapsed = time.perf_counter() - t0
+                sent[on] += n
+                spent[on] += elapsed
+                rates[on] = n / elapsed
+            ratios.append(rates[True] / rates[False])
     finally:
-        elapsed = time.perf_counter() - t0
         stop.set()
-        if churner is not None:
-            churner.join()
-    return sent / elapsed, churned[0]
+        churning.set()
+        churner.join()
+    ratios.sort()
+    return WriterResult(
+        rps_alone=sent[False] / spent[False],
+        rps_under_churn=sent[True] / spent[True],
+        churn_ratio=ratios[len(ratios) // 2],
+        evictions_per_s=churned[0] / spent[True],
+        segments=2 * pairs,
+    )
 
 
 def run(json_path: Path | None, quick: bool, log: Callable[[str], None] = print) -> dict[str, Any]:
     calls = 20_000 if quick else 100_000
-    seconds = 2.0 if quick else 5.0
+    seconds = 6.0 if quick else 30.0
     churn_rate = 1000.0
     log(f"kvtopo bench registry: {ENGINES} engines, {calls} calls per measurement")
     sections = [critical_sections(r, calls) for r in RANKS]
@@ -163,23 +202,18 @@ def run(json_path: Path | None, quick: bool, log: Callable[[str], None] = print)
             f"{s['snapshot_p99_us']:.2f} us, evict p50/p99 {s['evict_p50_us']:.2f}/"
             f"{s['evict_p99_us']:.2f} us"
         )
-    # Alone and under churn, alternated and best-of, so machine noise hits both alike.
-    alone, churned_rps, churned = 0.0, 0.0, 0
-    for _ in range(3):
-        alone = max(alone, writer_rps(seconds, 0)[0])
-        rps, n = writer_rps(seconds, churn_rate)
-        if rps > churned_rps:
-            churned_rps, churned = rps, n
+    writer = writer_under_churn(seconds, churn_rate, segment_s=0.1)
     report = {
         "benchmark": "registry",
         "engines": ENGINES,
         "critical_sections": sections,
         "snapshot_p99_us": sections[-1]["snapshot_p99_us"],
         "evict_p99_us": sections[-1]["evict_p99_us"],
-        "writer_rps": round(alone),
-        "writer_rps_under_churn": round(churned_rps),
-        "churn_evictions_per_s": round(churned / seconds),
-        "churn_ratio": round(churned_rps / alone, 3),
+        "writer_rps": round(writer.rps_alone),
+        "writer_rps_under_churn": round(writer.rps_under_churn),
+        "churn_evictions_per_s": round(writer.evictions_per_s),
+        "churn_ratio": round(writer.churn_ratio, 3),
+        "churn_segments": writer.segments,
     }
     log(
         f"  writer: {report['writer_rps']} registrations/s alone, "

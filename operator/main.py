@@ -41,7 +41,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--liveness", default=None, help="kopf liveness endpoint, e.g. http://0.0.0.0:8081/healthz"
     )
-    p.add_argument("--resync-seconds", type=float, default=2.0, help="worker state poll period")
+    p.add_argument(
+        "--resync-seconds",
+        type=float,
+        default=2.0,
+        help="the longest a worker's state goes unread; new workers, and workers a call "
+        "to failed, are read at once",
+    )
     p.add_argument("--peering", default=None, help="kopf peering name (default: standalone)")
     p.add_argument("--verbose", "-v", action="store_true")
     args = p.parse_args(argv)
