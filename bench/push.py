@@ -54,21 +54,33 @@ class CaseResult:
     push_all: dict[str, float]
 
 
-def memcpy_gbps(request_bytes: int, slots: int, repeats: int) -> float:
+def memcpy_gbps(request_bytes: int, slots: int, repeats: int, device: str = "cpu") -> float:
     """A torch copy of the bytes the transfers move, one request at a time between two
     buffers of `slots` requests (as large as an epoch's KV, so caches help it no more than
-    they help NIXL); best of `repeats` passes."""
+    they help NIXL), on `device`; best of `repeats` passes."""
     import torch
 
-    src = torch.randint(0, 255, (slots, request_bytes), dtype=torch.uint8)
+    src = torch.randint(0, 255, (slots, request_bytes), dtype=torch.uint8, device=device)
     dst = torch.zeros_like(src)
+    cuda = src.is_cuda
     best = 0.0
     for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         for i in range(slots):
             dst[i].copy_(src[i])
+        if cuda:
+            torch.cuda.synchronize()
         best = max(best, slots * request_bytes / (time.perf_counter() - t0) / 1e9)
     return best
+
+
+def cuda_device_name() -> str | None:
+    """The name of CUDA device 0, or None when torch sees no CUDA device."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
 # --- the peer processes ------------------------------------------------------------------
@@ -83,7 +95,7 @@ def memcpy_gbps(request_bytes: int, slots: int, repeats: int) -> float:
 
 
 def _peer_main(
-    role: str, conn: Connection, block_len: int, num_blocks: int, progress: bool
+    role: str, conn: Connection, block_len: int, num_blocks: int, progress: bool, device: str
 ) -> None:
     """One side of the benchmark; obeys commands from the parent over `conn`."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -97,7 +109,9 @@ def _peer_main(
     torch.set_num_threads(1)
     engine_id = f"bench-{role}-{os.getpid()}"
     transport = NixlTransport(f"kvtopo-{engine_id}", progress_thread=progress)
-    kv = torch.zeros((num_blocks, block_len), dtype=torch.uint8)
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    kv = torch.zeros((num_blocks, block_len), dtype=torch.uint8, device=device)
     transport.register_kv_cache(kv)
     conn.send((engine_id, transport.agent_metadata(), transport.serialized_block_descs()))
     peer_id, peer_meta, peer_descs = conn.recv()
@@ -232,14 +246,16 @@ def _push_epoch(
 
 
 class _Pair:
-    def __init__(self, block_len: int, num_blocks: int, progress: bool) -> None:
+    def __init__(self, block_len: int, num_blocks: int, progress: bool, device: str) -> None:
         ctx = mp.get_context("spawn")
         self.conns: dict[str, Connection] = {}
         self.procs = []
         for role in ("sender", "receiver"):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
-                target=_peer_main, args=(role, child, block_len, num_blocks, progress), daemon=True
+                target=_peer_main,
+                args=(role, child, block_len, num_blocks, progress, device),
+                daemon=True,
             )
             proc.start()
             self.conns[role] = parent
@@ -279,7 +295,9 @@ class _Pair:
                 p.kill()
 
 
-def run_case(block_len: int, per_req: int, requests: int, repeats: int, log: Any) -> CaseResult:
+def run_case(
+    block_len: int, per_req: int, requests: int, repeats: int, log: Any, device: str = "cpu"
+) -> CaseResult:
     request_bytes = block_len * per_req
     epoch_requests = max(2 * max(PUSH_WINDOWS), min(requests, EPOCH_BYTES // request_bytes))
     epochs = max(1, round(requests / epoch_requests))
@@ -289,7 +307,7 @@ def run_case(block_len: int, per_req: int, requests: int, repeats: int, log: Any
     push: dict[str, float] = {}
     verified = True
     for progress in (False, True):
-        pair = _Pair(block_len, per_req * epoch_requests, progress)
+        pair = _Pair(block_len, per_req * epoch_requests, progress, device)
         try:
             tag = f"progress_thread={'on' if progress else 'off'}"
             # Raw and push alternate, and each configuration runs `repeats` times (best kept),
@@ -308,7 +326,7 @@ def run_case(block_len: int, per_req: int, requests: int, repeats: int, log: Any
             for key in sorted(raw.keys() | push.keys()):
                 if key.startswith(tag):
                     log(
-                        f"  {block_len // 1024} KiB x {per_req}, {key}: "
+                        f"  {device}: {block_len // 1024} KiB x {per_req}, {key}: "
                         f"raw {raw.get(key, float('nan')):.2f} GB/s, "
                         f"push {push.get(key, float('nan')):.2f} GB/s"
                     )
@@ -345,8 +363,19 @@ def run_case(block_len: int, per_req: int, requests: int, repeats: int, log: Any
     )
 
 
-def run(json_path: Path | None, quick: bool, log: Any = print) -> dict[str, Any]:
-    """Runs every case; writes the JSON report when `json_path` is given."""
+def run(
+    json_path: Path | None, quick: bool, log: Any = print, device: str = "auto"
+) -> dict[str, Any]:
+    """Runs every case on the CPU (unless `device` is "cuda") and, where torch sees a CUDA
+    device (`device` "auto" or "cuda"), the GPU variant with the KV caches in GPU memory;
+    writes the JSON report when `json_path` is given."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, not {device!r}")
+    gpu_name = cuda_device_name() if device in ("auto", "cuda") else None
+    if device == "cuda" and gpu_name is None:
+        raise RuntimeError(
+            "--device cuda: torch sees no CUDA device here; run on a GPU host or use --device cpu"
+        )
     repeats = 2 if quick else 3
     # Each configuration moves this much, so a timed window is long enough to be measured
     # on a noisy shared machine (a 2 MiB request takes ~0.3 ms here).
@@ -355,37 +384,73 @@ def run(json_path: Path | None, quick: bool, log: Any = print) -> dict[str, Any]
         f"kvtopo bench push: about {bytes_per_config / 2**30:.1f} GiB per configuration, "
         f"best of {repeats}, 2 processes, NIXL UCX"
     )
-    memcpy = min(memcpy_gbps(bl * n, max(8, (512 << 20) // (bl * n)), 5) for bl, n in CASES)
-    log(f"  torch copy (the machine's limit): {memcpy:.2f} GB/s")
-    cases = [
-        run_case(bl, n, max(32, bytes_per_config // (bl * n)), repeats, log) for bl, n in CASES
-    ]
-    report = {
+
+    def variant(dev: str, per_config: int) -> tuple[float, list[CaseResult]]:
+        memcpy = min(
+            memcpy_gbps(bl * n, max(8, (512 << 20) // (bl * n)), 5, dev) for bl, n in CASES
+        )
+        log(f"  {dev}: torch copy (the machine's limit): {memcpy:.2f} GB/s")
+        cases = [
+            run_case(bl, n, max(32, per_config // (bl * n)), repeats, log, dev) for bl, n in CASES
+        ]
+        return memcpy, cases
+
+    memcpy, cases = variant("cpu", bytes_per_config) if device != "cuda" else (0.0, [])
+    report: dict[str, Any] = {
         "benchmark": "push",
         "quick": quick,
         "cpu_count": os.cpu_count(),
         "memcpy_gbps": round(memcpy, 3),
         "cases": [asdict(c) for c in cases],
     }
+    if gpu_name is None:
+        report["gpu"] = {"skipped": "no CUDA device (torch.cuda.is_available() is False)"}
+        log("  GPU variant skipped: torch sees no CUDA device")
+    else:
+        # GPU copies are far faster: move more per configuration so the windows stay long.
+        gpu_memcpy, gpu_cases = variant("cuda", 4 * bytes_per_config)
+        report["gpu"] = {
+            "device": gpu_name,
+            "memcpy_gbps": round(gpu_memcpy, 3),
+            "cases": [asdict(c) for c in gpu_cases],
+        }
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 
-def format_table(report: dict[str, Any]) -> str:
+def _table(cases: list[dict[str, Any]], memcpy: float) -> list[str]:
     rows = [
         "| case | requests | raw NIXL GB/s (config) | push GB/s (config) | push/raw | push/memcpy "
         "| raw merged GB/s | push per-block/raw | verified |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for c in report["cases"]:
+    for c in cases:
         rows.append(
             f"| {c['block_bytes'] // 1024} KiB x {c['blocks_per_request']} | {c['requests']} "
             f"| {c['raw_nixl_gbps']:.2f} ({c['raw_config']}) "
             f"| {c['push_gbps']:.2f} ({c['push_config']}) | {c['ratio_push_vs_raw']:.2f} "
-            f"| {c['push_gbps'] / report['memcpy_gbps']:.2f} | {c['raw_merged_gbps']:.2f} "
+            f"| {c['push_gbps'] / memcpy:.2f} | {c['raw_merged_gbps']:.2f} "
             f"| {c['ratio_push_per_block_vs_raw']:.2f} | {c['verified']} |"
         )
-    rows.append(f"\ntorch copy of the same bytes: {report['memcpy_gbps']:.2f} GB/s")
+    rows.append(f"\ntorch copy of the same bytes: {memcpy:.2f} GB/s")
+    return rows
+
+
+def format_table(report: dict[str, Any]) -> str:
+    rows: list[str] = []
+    if report["cases"]:
+        rows += ["CPU (DRAM to DRAM):", "", *_table(report["cases"], report["memcpy_gbps"])]
+    gpu = report.get("gpu") or {}
+    if "cases" in gpu:
+        rows += ["", f"GPU ({gpu['device']}, GPU memory to GPU memory):", ""]
+        rows += _table(gpu["cases"], gpu["memcpy_gbps"])
+    elif "skipped" in gpu:
+        rows += ["", f"GPU variant skipped: {gpu['skipped']}"]
     return "\n".join(rows)
+
+
+def all_verified(report: dict[str, Any]) -> bool:
+    cases = [*report["cases"], *(report.get("gpu") or {}).get("cases", [])]
+    return all(c["verified"] for c in cases)

@@ -15,12 +15,21 @@ from pathlib import Path
 def _bench_push(args: argparse.Namespace) -> int:
     from kvtopo_bench import push
 
-    report = push.run(args.json, quick=args.quick, log=lambda line: print(line, flush=True))
+    try:
+        report = push.run(
+            args.json,
+            quick=args.quick,
+            log=lambda line: print(line, flush=True),
+            device=args.device,
+        )
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print()
     print(push.format_table(report))
     if args.json is not None:
         print(f"\nJSON report: {args.json}")
-    ok = all(c["verified"] for c in report["cases"])
+    ok = push.all_verified(report)
     if not ok:
         print("error: some pushed bytes did not verify", file=sys.stderr)
     return 0 if ok else 1
@@ -72,8 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
             _bench_push,
             "push data path vs raw NIXL vs a torch copy, two processes, every byte verified",
             "Measures, side by side in one run, raw NIXL WRITEs (best of progress thread "
-            "on/off x 1/8 in flight), the kvtopo push path (registration + match + WRITE + "
-            "completion, every byte verified) and a torch copy of the same bytes.",
+            "on/off x 1/8 in flight, per-block and merged descriptors), the kvtopo push path "
+            "(registration + match + WRITE + completion, every byte verified; 1/8/16/32 in "
+            "flight, block merging off/on) and a torch copy of the same bytes; on the CPU, "
+            "and on the GPU where one is present.",
             "fewer requests and repeats",
         ),
         (
@@ -99,6 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
         kind.add_argument("--json", type=Path, metavar="PATH", help="write the JSON report here")
         kind.add_argument("--quick", action="store_true", help=quick_help)
         kind.set_defaults(func=func)
+        if name == "push":
+            kind.add_argument(
+                "--device",
+                choices=("auto", "cpu", "cuda"),
+                default="auto",
+                help="auto (default): the CPU cases, plus the GPU variant (KV caches in GPU "
+                "memory) where torch sees a CUDA device; cpu: CPU only; cuda: GPU only",
+            )
 
     from kvtopo.cluster.cli import add_cluster_parser, run_cluster
     from kvtopo.drill.run import add_drill_parser

@@ -1,0 +1,43 @@
+"""The benchmarks still run and check what they claim, at a tiny size (the figures are
+`make bench`'s business, not the tests'): a push case over real NIXL with every byte
+verified, its table, and the registry's interleaved churn measurement."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtopo_bench import push, registry
+
+
+def test_a_tiny_push_case_moves_and_verifies_every_byte() -> None:
+    logged: list[str] = []
+    case = push.run_case(4096, 4, 64, 1, logged.append, "cpu")
+    assert case.verified and case.requests >= 64
+    assert case.raw_nixl_gbps > 0 and case.push_gbps > 0 and case.raw_merged_gbps > 0
+    # Every configuration ran: progress thread x in flight x merging, raw and push.
+    assert len(case.push_all) == 2 * len(push.PUSH_WINDOWS) * 2
+    assert len(case.raw_all) == 2 * len(push.WINDOWS) * 2
+    assert case.raw_config.endswith("merge=off")  # the floor is the per-block anchor
+    assert abs(case.ratio_push_vs_raw - case.push_gbps / case.raw_nixl_gbps) < 0.01
+    report: dict[str, Any] = {
+        "cases": [vars(case)],
+        "memcpy_gbps": 10.0,
+        "gpu": {"skipped": "no CUDA device"},
+    }
+    table = push.format_table(report)
+    assert "4 KiB x 4" in table and "GPU variant skipped" in table
+    assert push.all_verified(report)
+    report["gpu"] = {
+        "device": "x",
+        "memcpy_gbps": 1.0,
+        "cases": [{**vars(case), "verified": False}],
+    }
+    assert not push.all_verified(report)
+
+
+def test_the_churn_measurement_alternates_segments_and_churns() -> None:
+    res = registry.writer_under_churn(0.8, 1000.0, segment_s=0.1)
+    assert res.segments == 8
+    assert res.rps_alone > 0 and res.rps_under_churn > 0
+    assert 0 < res.churn_ratio < 2
+    assert res.evictions_per_s > 300  # the churn thread really ran while it was on
