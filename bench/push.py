@@ -6,7 +6,9 @@ a real NIXL agent (UCX) over a torch KV cache. For each case it measures, side b
 - raw NIXL: WRITEs of the same blocks with the same prepped descriptor lists, each request
   waiting for its completion notification at the receiver, at every combination of
   {NIXL progress thread on, off} x {1, 8 requests in flight}; the best is the floor (the
-  per-block anchor); also raw NIXL posting one merged descriptor per request;
+  per-block anchor); also raw NIXL posting one merged descriptor per request, and raw NIXL
+  with the emulated engine thread waking every step in the sending process (what sharing
+  the process with an engine costs, apart from kvtopo);
 - the kvtopo push path: decode registers (PUSH_REG), prefill matches and WRITEs, decode gets
   the completion and verifies every byte, through the real PushConnector, best of the same
   progress-thread settings x {1, 8, 16, 32} requests in flight x block merging off/on;
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
@@ -48,6 +51,10 @@ class CaseResult:
     raw_merged_gbps: float  # raw NIXL posting one descriptor per request
     raw_merged_config: str
     ratio_push_vs_raw_merged: float
+    # raw NIXL with the emulated engine thread waking every step in the sending process (as
+    # it does beside the push path): what sharing the process costs, apart from kvtopo
+    raw_with_engine_gbps: float
+    ratio_push_vs_raw_with_engine: float
     push_per_block_gbps: float  # the push path with block merging off
     ratio_push_per_block_vs_raw: float
     raw_all: dict[str, float]
@@ -147,7 +154,10 @@ def _peer_main(
                             content.fill(kv, blocks, rid)
                     conn.send("ready")
                     conn.recv()  # go
-                    if connector is None:
+                    if connector is None and mode == "raw+engine" and role == "sender":
+                        with _EngineThread():
+                            times = _raw_epoch(role, transport, peer_agent, window, slots, merge)
+                    elif connector is None:
                         times = _raw_epoch(role, transport, peer_agent, window, slots, merge)
                     else:
                         times = _push_epoch(role, connector, peer_id, window, ids, slots)
@@ -164,6 +174,30 @@ def _peer_main(
                     connector.stop()
     finally:
         transport.close()
+
+
+class _EngineThread:
+    """The emulated engine thread of the push runs, without the push path: it wakes every
+    engine step and goes back to sleep. Raw NIXL with it running in the sending process
+    measures what sharing the process with an engine thread costs the data path (each
+    wake-up takes the GIL from the thread that drives the copies), apart from what kvtopo's
+    push path adds."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-engine", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            time.sleep(ENGINE_STEP_S)
+
+    def __enter__(self) -> _EngineThread:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def _raw_epoch(
@@ -304,6 +338,7 @@ def run_case(
     total = epoch_requests * epochs
     nbytes = request_bytes * total
     raw: dict[str, float] = {}
+    raw_engine: dict[str, float] = {}
     push: dict[str, float] = {}
     verified = True
     for progress in (False, True):
@@ -319,6 +354,12 @@ def run_case(
                         if window in WINDOWS:
                             res = pair.run("raw", window, epoch_requests, epochs, per_req, merge)
                             raw[key] = max(raw.get(key, 0.0), nbytes / res["seconds"] / 1e9)
+                            if not merge:  # and with an engine thread beside it
+                                res = pair.run(
+                                    "raw+engine", window, epoch_requests, epochs, per_req, False
+                                )
+                                gbps = nbytes / res["seconds"] / 1e9
+                                raw_engine[key] = max(raw_engine.get(key, 0.0), gbps)
                         if window in PUSH_WINDOWS:
                             res = pair.run("push", window, epoch_requests, epochs, per_req, merge)
                             verified &= res["verified"] == total and res["failed"] == 0
@@ -343,6 +384,7 @@ def run_case(
         (best(push, "merge=off"), best(push, "merge=on")), key=lambda kv: kv[1]
     )
     _, push_per_block = best(push, "merge=off")
+    _, raw_engine_gbps = best(raw_engine, "merge=off")
     return CaseResult(
         block_bytes=block_len,
         blocks_per_request=per_req,
@@ -356,6 +398,8 @@ def run_case(
         raw_merged_gbps=round(raw_merged_gbps, 3),
         raw_merged_config=raw_merged_key,
         ratio_push_vs_raw_merged=round(push_gbps / raw_merged_gbps, 3),
+        raw_with_engine_gbps=round(raw_engine_gbps, 3),
+        ratio_push_vs_raw_with_engine=round(push_gbps / raw_engine_gbps, 3),
         push_per_block_gbps=round(push_per_block, 3),
         ratio_push_per_block_vs_raw=round(push_per_block / raw_gbps, 3),
         raw_all={k: round(v, 3) for k, v in raw.items()},
@@ -423,8 +467,9 @@ def run(
 def _table(cases: list[dict[str, Any]], memcpy: float) -> list[str]:
     rows = [
         "| case | requests | raw NIXL GB/s (config) | push GB/s (config) | push/raw | push/memcpy "
-        "| raw merged GB/s | push per-block/raw | verified |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| raw merged GB/s | raw + engine thread GB/s | push/(raw + engine) | push per-block/raw "
+        "| verified |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cases:
         rows.append(
@@ -432,6 +477,7 @@ def _table(cases: list[dict[str, Any]], memcpy: float) -> list[str]:
             f"| {c['raw_nixl_gbps']:.2f} ({c['raw_config']}) "
             f"| {c['push_gbps']:.2f} ({c['push_config']}) | {c['ratio_push_vs_raw']:.2f} "
             f"| {c['push_gbps'] / memcpy:.2f} | {c['raw_merged_gbps']:.2f} "
+            f"| {c['raw_with_engine_gbps']:.2f} | {c['ratio_push_vs_raw_with_engine']:.2f} "
             f"| {c['ratio_push_per_block_vs_raw']:.2f} | {c['verified']} |"
         )
     rows.append(f"\ntorch copy of the same bytes: {memcpy:.2f} GB/s")

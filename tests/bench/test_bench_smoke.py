@@ -14,6 +14,7 @@ def test_a_tiny_push_case_moves_and_verifies_every_byte() -> None:
     case = push.run_case(4096, 4, 64, 1, logged.append, "cpu")
     assert case.verified and case.requests >= 64
     assert case.raw_nixl_gbps > 0 and case.push_gbps > 0 and case.raw_merged_gbps > 0
+    assert case.raw_with_engine_gbps > 0
     # Every configuration ran: progress thread x in flight x merging, raw and push.
     assert len(case.push_all) == 2 * len(push.PUSH_WINDOWS) * 2
     assert len(case.raw_all) == 2 * len(push.WINDOWS) * 2
