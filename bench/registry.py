@@ -38,8 +38,8 @@ class NullTransport:
 
     def write_blocks(
         self, agent_name: str, local: Sequence[int], remote: Sequence[int], notif: bytes
-    ) -> object:
-        return None
+    ) -> tuple[object, str]:
+        return None, "DONE"
 
     def poll(self, handle: object) -> str:
         return "DONE"

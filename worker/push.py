@@ -43,7 +43,7 @@ from kvtopo_worker.protocol import (
     encode_notification,
 )
 from kvtopo_worker.registry import EngineRegistry
-from kvtopo_worker.transport import KVTransport, TransportError, XferHandle
+from kvtopo_worker.transport import KVTransport, TransportError, XferHandle, XferState
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,14 @@ class _InFlight:
     nbytes: int
 
 
+def _signal(event: threading.Event) -> None:
+    """Sets `event` unless it is set already (a set takes a lock and notifies). Safe for
+    the connector's events because their waiters clear them before reading the state that
+    the signal announces, and that state is written before the signal."""
+    if not event.is_set():
+        event.set()
+
+
 class PushConnector:
     """The worker side of push-mode KV transfer for one engine rank."""
 
@@ -151,6 +159,10 @@ class PushConnector:
         self.requests_done = 0
         self.requests_failed = 0
         self._next_deadline_check = 0.0
+        # Label lookups cost a lock and a dict probe per call: bind the children once.
+        self._requests_total = {
+            o: self.metrics.requests_total.labels(o) for o in ("done", "failed")
+        }
 
     # --- life cycle ----------------------------------------------------------------------
 
@@ -202,7 +214,7 @@ class PushConnector:
                 prefill_engine_id, reg.block_ids, self._clock() + self.config.registration_timeout_s
             )
         self._reg_q.put(reg)
-        self._wake.set()
+        _signal(self._wake)
 
     def request_send(self, request_id: str, block_ids: Sequence[int]) -> None:
         """Prefill side: the request's KV is in `block_ids`; push it when D registers."""
@@ -214,7 +226,7 @@ class PushConnector:
             self._pending_send[request_id] = _PendingSend(
                 list(block_ids), self._clock() + self.config.kv_lease_s
             )
-        self._wake.set()
+        _signal(self._wake)
 
     def wait_finished(self, timeout: float) -> bool:
         """Blocks the engine thread until an outcome may be ready (or `timeout` passes)."""
@@ -224,11 +236,11 @@ class PushConnector:
 
     def _report(self, kind: str, request_id: str) -> None:
         self._finished_q.put((kind, request_id))
-        self._outcome_ready.set()
+        _signal(self._outcome_ready)
 
     def _report_failure(self, failed: FailedRequest) -> None:
         self.failed_requests.put(failed)
-        self._outcome_ready.set()
+        _signal(self._outcome_ready)
 
     def get_finished(self) -> Finished:
         """Drains every outcome since the last call; each request appears exactly once."""
@@ -270,7 +282,7 @@ class PushConnector:
             self.requests_done += 1
         else:
             self.requests_failed += 1
-        self.metrics.requests_total.labels(outcome).inc()
+        self._requests_total[outcome].inc()
         return True
 
     # --- decode side: the registration writer --------------------------------------------
@@ -442,18 +454,24 @@ class PushConnector:
         )
         now = self._clock()
         try:
-            handle = self.transport.write_blocks(agent, send.block_ids, reg.block_ids, done)
+            handle, state = self.transport.write_blocks(agent, send.block_ids, reg.block_ids, done)
         except TransportError as exc:
             self.registry.end_transfer(decode_id)
             self._fail_send(rid, FailureType.TRANSFER_FAILED, str(exc), decode_id)
             return
-        nbytes = len(send.block_ids) * self.block_len
+        xfer = _InFlight(
+            handle,
+            decode_id,
+            agent,
+            now + self.config.transfer_timeout_s,
+            now,
+            len(send.block_ids) * self.block_len,
+        )
+        if state == "DONE":  # shared-memory WRITEs often finish inside the post
+            self._end_transfer(rid, xfer, "DONE", self._clock())
+            return
         with self._state_lock:
-            self._in_flight[rid] = _InFlight(
-                handle, decode_id, agent, now + self.config.transfer_timeout_s, now, nbytes
-            )
-        # Shared-memory WRITEs often finish inside the post: collect them right away.
-        self._poll_transfers([rid])
+            self._in_flight[rid] = xfer
 
     def _poll_transfers(self, only: list[str] | None = None) -> int:
         """Polls WRITEs in flight (all, or `only`) once; returns how many ended, -1 if none."""
@@ -473,18 +491,23 @@ class PushConnector:
             ended += 1
             with self._state_lock:
                 self._in_flight.pop(rid, None)
-            try:
-                self.transport.release(xfer.handle)
-            finally:
-                self.registry.end_transfer(xfer.decode_engine_id)
-            if state == "DONE":
-                self.metrics.transfer_seconds.observe(now - xfer.started)
-                self.metrics.transfer_bytes_total.inc(xfer.nbytes)
-                self._report("sent", rid)
-            else:
-                why = "WRITE failed" if state == "ERR" else "WRITE timed out"
-                self._fail_send(rid, FailureType.TRANSFER_FAILED, why, xfer.decode_engine_id)
+            self._end_transfer(rid, xfer, state, now)
         return ended
+
+    def _end_transfer(self, rid: str, xfer: _InFlight, state: XferState, now: float) -> None:
+        """Releases a WRITE that ended (DONE, ERR, or PROC past its deadline) and ends its
+        request: sent, or failed with the reason (and the decode engine told)."""
+        try:
+            self.transport.release(xfer.handle)
+        finally:
+            self.registry.end_transfer(xfer.decode_engine_id)
+        if state == "DONE":
+            self.metrics.transfer_seconds.observe(now - xfer.started)
+            self.metrics.transfer_bytes_total.inc(xfer.nbytes)
+            self._report("sent", rid)
+        else:
+            why = "WRITE failed" if state == "ERR" else "WRITE timed out"
+            self._fail_send(rid, FailureType.TRANSFER_FAILED, why, xfer.decode_engine_id)
 
     def _fail_send(
         self, request_id: str, reason: FailureType, message: str, tell_engine: str | None = None

@@ -107,7 +107,7 @@ class KVTransport(Protocol):
         local_block_ids: Sequence[int],
         remote_block_ids: Sequence[int],
         notif: bytes,
-    ) -> XferHandle: ...
+    ) -> tuple[XferHandle, XferState]: ...
 
     def poll(self, handle: XferHandle) -> XferState: ...
 
@@ -337,8 +337,10 @@ class NixlTransport:
         local_block_ids: Sequence[int],
         remote_block_ids: Sequence[int],
         notif: bytes,
-    ) -> XferHandle:
-        """Starts a WRITE of local blocks into the peer's blocks; returns the handle."""
+    ) -> tuple[XferHandle, XferState]:
+        """Starts a WRITE of local blocks into the peer's blocks; returns the handle and the
+        state the post left it in ("DONE" when the copy finished inside the post, as it
+        often does over shared memory, else "PROC"). The caller releases the handle."""
         if len(local_block_ids) != len(remote_block_ids):
             raise ValueError("local and remote block lists differ in length")
         with self._lock:
@@ -388,7 +390,7 @@ class NixlTransport:
             if state == "ERR":
                 self._agent.release_xfer_handle(handle)
                 raise TransportError(f"WRITE to {agent_name} failed to post")
-            return handle
+            return handle, ("DONE" if state == "DONE" else "PROC")
 
     def poll(self, handle: XferHandle) -> XferState:
         with self._lock:

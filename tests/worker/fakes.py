@@ -37,7 +37,8 @@ class FakeTransport:
     # failure switches
     fail_sends: bool = False
     fail_writes: bool = False
-    write_state: XferState = "DONE"
+    write_state: XferState = "DONE"  # what poll() says of a WRITE in flight
+    post_state: XferState = "PROC"  # what the post says ("DONE": finished inside the post)
     on_send: Callable[[str, bytes], None] | None = None
     on_remove: Callable[[str], None] | None = None
     # observations
@@ -95,7 +96,7 @@ class FakeTransport:
             if self.fail_writes or agent_name not in self.remotes:
                 raise TransportError("injected write failure")
             self.writes.append((agent_name, list(local_block_ids), list(remote_block_ids), notif))
-            return next(self._handles)
+            return next(self._handles), self.post_state
 
     def poll(self, handle: object) -> XferState:
         return self.write_state

@@ -178,6 +178,29 @@ def test_prefill_matches_registration_and_writes(
     assert registry.peer_states()[0].transfers_in_flight == 0
 
 
+def test_a_write_that_finishes_inside_its_post_ends_at_once_and_exactly_once(
+    prefill: PushConnector, registry: EngineRegistry, transport: FakeTransport
+) -> None:
+    agent = add_engine(transport, registry, DECODE)
+    transport.post_state = "DONE"
+    transport.write_state = "ERR"  # a poll would fail it: there must be none
+    for i in range(3):
+        prefill.request_send(f"r{i}", [i])
+        reg = PushRegistration(
+            request_id=f"r{i}", decode_engine_id=DECODE, prefill_engine_id=PREFILL, block_ids=[i]
+        )
+        transport.deliver(agent, encode_notification(reg))
+    prefill.progress_once()
+    assert len(transport.writes) == 3 and len(transport.released) == 3
+    prefill.progress_once()
+    fin = prefill.get_finished()
+    assert sorted(fin.done_sending) == ["r0", "r1", "r2"] and fin.failed == []
+    assert prefill.get_finished().done_sending == []
+    assert registry.peer_states()[0].transfers_in_flight == 0
+    assert prefill.metrics.transfer_bytes_total._value.get() == 3 * transport.block_len
+    assert prefill.in_flight() == 0
+
+
 def test_prefill_transfer_error_fails_once_and_tells_decode(
     prefill: PushConnector, registry: EngineRegistry, transport: FakeTransport
 ) -> None:

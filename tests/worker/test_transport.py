@@ -20,13 +20,20 @@ def test_block_runs_find_the_stretches_that_count_up_together() -> None:
     assert block_runs([3], [8]) == [(3, 8, 1)]
 
 
-def _wait(sender: NixlTransport, receiver: NixlTransport, handle: object) -> None:
+def _wait(
+    sender: NixlTransport, receiver: NixlTransport, posted: tuple[object, str]
+) -> list[tuple[str, bytes]]:
+    """Drives the WRITE to its end; the notifications the receiver got meanwhile."""
+    handle, state = posted
+    notes: list[tuple[str, bytes]] = []
     deadline = time.monotonic() + 10
-    while (state := sender.poll(handle)) == "PROC":
-        receiver.get_notifs()
+    while state == "PROC":
+        state = sender.poll(handle)
+        notes += receiver.get_notifs()
         assert time.monotonic() < deadline, "WRITE did not finish within 10 s"
     assert state == "DONE"
     sender.release(handle)
+    return notes
 
 
 @pytest.mark.parametrize("merge", [True, False])
@@ -47,13 +54,12 @@ def test_writes_land_every_byte_merged_or_not(merge: bool) -> None:
         # A run of four, a lone block, and a run of two that is misaligned on the far side.
         local = [0, 1, 2, 3, 7, 10, 11]
         remote = [4, 5, 6, 7, 0, 13, 14]
-        _wait(src, dst, src.write_blocks(name, local, remote, b"done"))
+        notes = _wait(src, dst, src.write_blocks(name, local, remote, b"done"))
         for lid, rid in zip(local, remote, strict=True):
             assert torch.equal(kv_dst[rid], kv_src[lid]), (lid, rid)
         untouched = sorted(set(range(blocks)) - set(remote))
         assert int(kv_dst[untouched].sum()) == 0
         deadline = time.monotonic() + 10
-        notes: list[tuple[str, bytes]] = []
         while not notes and time.monotonic() < deadline:
             notes = dst.get_notifs()
         assert [n for _, n in notes] == [b"done"]
