@@ -17,7 +17,7 @@ import msgspec
 # Protocol version history (bump on any change to a struct below that an old peer would
 # misread; peers with different versions refuse to connect instead of corrupting KV):
 #   1: first release: EngineMetadata envelope, PUSH_REG / PUSH_DONE / PUSH_FAIL notifications.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: PushDone may complete several requests (one WRITE)
 
 REG_PREFIX = b"PUSH_REG:"
 DONE_PREFIX = b"PUSH_DONE:"
@@ -185,12 +185,21 @@ class PushRegistration(msgspec.Struct, frozen=True, kw_only=True):
     decode_tp_rank: int = 0
 
 
-class PushDone(msgspec.Struct, frozen=True, kw_only=True):
-    """Prefill -> decode, attached to the WRITE: the blocks of request R have landed."""
+MAX_REQUESTS_PER_WRITE = 64
+
+
+class PushDone(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Prefill -> decode, attached to the WRITE: the blocks of request R (and of the
+    requests in `more_request_ids`, when one WRITE carried several) have landed."""
 
     request_id: str
     prefill_engine_id: str
-    num_blocks: int
+    num_blocks: int  # all the WRITE's blocks
+    more_request_ids: list[str] = []
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [self.request_id, *self.more_request_ids]
 
 
 class PushFail(msgspec.Struct, frozen=True, kw_only=True):
@@ -232,6 +241,13 @@ def decode_notification(data: bytes) -> Notification:
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 raise MalformedMessage(f"{prefix.decode()} body does not decode: {exc}") from None
             _check_id("request_id", msg.request_id)
+            if isinstance(msg, PushDone):
+                if len(msg.more_request_ids) >= MAX_REQUESTS_PER_WRITE:
+                    raise MalformedMessage(
+                        f"a completion may name at most {MAX_REQUESTS_PER_WRITE} requests"
+                    )
+                for rid in msg.more_request_ids:
+                    _check_id("more_request_ids[]", rid)
             if isinstance(msg, PushRegistration):
                 _check_id("decode_engine_id", msg.decode_engine_id)
                 _check_id("prefill_engine_id", msg.prefill_engine_id)

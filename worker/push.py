@@ -9,8 +9,11 @@ Owns the request life cycle on both sides and the engine-thread API:
   `registration_timeout_s`.
 - prefill side: `request_send` marks a request's blocks finished; the progress thread
   matches them with the registration when it arrives and WRITEs them into the decode
-  engine's blocks with a `PUSH_DONE` completion notification. The decode engine is pinned
-  in the registry for the transfer, so it cannot be evicted under it.
+  engine's blocks with a `PUSH_DONE` completion notification; requests matched in the same
+  pass for the same decode rank share one WRITE and one completion (bounded by
+  `max_requests_per_write` and `max_bytes_per_write`), which saves the per-WRITE work of
+  small requests. The decode engine is pinned in the registry for the transfer, so it
+  cannot be evicted under it.
 - `get_finished()` (engine thread) drains done sending, done receiving and failed requests.
   Every request ends exactly once: each producer claims the request by removing it from its
   pending table under `_state_lock` before reporting, and the engine thread drops (and
@@ -65,6 +68,11 @@ class PushConfig:
     # transfers back to back for up to this long before looking at anything else.
     transfer_poll_burst_s: float = 0.0005
     deadline_check_s: float = 0.005  # how often timeouts and leases are checked
+    # Requests matched in one pass for the same decode rank share one WRITE (one post, one
+    # completion naming them all) up to these bounds, which also bound the latency a
+    # request can gain by waiting for its batch-mates' bytes. 1 turns batching off.
+    max_requests_per_write: int = 8
+    max_bytes_per_write: int = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,7 @@ class _InFlight:
     deadline: float
     started: float
     nbytes: int
+    request_ids: tuple[str, ...]  # the requests this WRITE carries (keyed by the first)
 
 
 def _signal(event: threading.Event) -> None:
@@ -149,7 +158,8 @@ class PushConnector:
         self._pending_recv: dict[str, _PendingRecv] = {}
         self._pending_send: dict[str, _PendingSend] = {}
         self._pending_reg: dict[str, tuple[PushRegistration, float]] = {}
-        self._in_flight: dict[str, _InFlight] = {}
+        self._in_flight: dict[str, _InFlight] = {}  # by the first request id of the WRITE
+        self._writing: set[str] = set()  # every request id of the WRITEs in flight
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._ended_cap = 200_000
         self._stop = threading.Event()
@@ -263,7 +273,11 @@ class PushConnector:
 
     def in_flight(self) -> int:
         with self._state_lock:
-            return len(self._pending_recv) + len(self._pending_send) + len(self._in_flight)
+            return (
+                len(self._pending_recv)
+                + len(self._pending_send)
+                + sum(len(x.request_ids) for x in self._in_flight.values())
+            )
 
     def _end(self, request_id: str, outcome: str) -> bool:
         with self._state_lock:
@@ -402,7 +416,7 @@ class PushConnector:
                 log.warning("registration for %s reached %s", msg.prefill_engine_id, self.engine_id)
                 return
             with self._state_lock:
-                if msg.request_id in self._in_flight or msg.request_id in self._ended:
+                if msg.request_id in self._writing or msg.request_id in self._ended:
                     duplicate = True
                 else:
                     duplicate = False
@@ -413,12 +427,13 @@ class PushConnector:
             if duplicate:
                 self.metrics.reject("notification")
         elif isinstance(msg, PushDone):
+            rids = msg.request_ids
             with self._state_lock:
-                pending = self._pending_recv.pop(msg.request_id, None)
-            if pending is None:
+                claimed = [r for r in rids if self._pending_recv.pop(r, None) is not None]
+            if len(claimed) < len(rids):
                 self.metrics.reject("notification")  # late (timed out) or unknown
-                return
-            self._report("recv", msg.request_id)
+            for rid in claimed:
+                self._report("recv", rid)
         else:
             self._fail_recv(msg.request_id, msg.reason, f"prefill refused: {msg.message}")
 
@@ -426,38 +441,76 @@ class PushConnector:
         with self._state_lock:
             matched = [rid for rid in self._pending_reg if rid in self._pending_send]
             work = [(self._pending_reg.pop(r)[0], self._pending_send.pop(r)) for r in matched]
+        batch: list[tuple[PushRegistration, _PendingSend]] = []
+        nbytes = 0
         for reg, send in work:
-            self._start_transfer(reg, send)
+            if len(reg.block_ids) != len(send.block_ids):
+                msg = (
+                    f"decode offered {len(reg.block_ids)} blocks, request has {len(send.block_ids)}"
+                )
+                self._fail_send(
+                    reg.request_id, FailureType.TRANSFER_SETUP_FAILED, msg, reg.decode_engine_id
+                )
+                continue
+            size = len(send.block_ids) * self.block_len
+            if batch and (
+                (reg.decode_engine_id, reg.decode_tp_rank)
+                != (batch[0][0].decode_engine_id, batch[0][0].decode_tp_rank)
+                or len(batch) >= self.config.max_requests_per_write
+                or nbytes + size > self.config.max_bytes_per_write
+            ):
+                self._start_transfer(batch)
+                batch, nbytes = [], 0
+            batch.append((reg, send))
+            nbytes += size
+        if batch:
+            self._start_transfer(batch)
 
-    def _start_transfer(self, reg: PushRegistration, send: _PendingSend) -> None:
-        rid, decode_id = reg.request_id, reg.decode_engine_id
-        if len(reg.block_ids) != len(send.block_ids):
-            msg = f"decode offered {len(reg.block_ids)} blocks, request has {len(send.block_ids)}"
-            self._fail_send(rid, FailureType.TRANSFER_SETUP_FAILED, msg, decode_id)
-            return
+    def _start_transfer(self, batch: list[tuple[PushRegistration, _PendingSend]]) -> None:
+        """One WRITE for requests bound for the same decode engine rank (a batch of one
+        when batching is off or nothing else matched)."""
+        first = batch[0][0]
+        rids = tuple(reg.request_id for reg, _ in batch)
+        decode_id = first.decode_engine_id
+
+        def fail(reason: FailureType, message: str, tell: str | None) -> None:
+            for rid in rids:
+                self._fail_send(rid, reason, message, tell)
+
         agents = self.registry.begin_transfer(decode_id)
         if agents is None:
-            self._fail_send(
-                rid, FailureType.TRANSFER_SETUP_FAILED, f"No remote agents for engine {decode_id}"
+            fail(
+                FailureType.TRANSFER_SETUP_FAILED, f"No remote agents for engine {decode_id}", None
             )
             return
-        agent = agents.get(reg.decode_tp_rank)
+        agent = agents.get(first.decode_tp_rank)
         if agent is None:
             self.registry.end_transfer(decode_id)
-            msg = f"engine {decode_id} has no rank {reg.decode_tp_rank}"
-            self._fail_send(rid, FailureType.TRANSFER_SETUP_FAILED, msg)
+            fail(
+                FailureType.TRANSFER_SETUP_FAILED,
+                f"engine {decode_id} has no rank {first.decode_tp_rank}",
+                None,
+            )
             return
+        local: list[int] = []
+        remote: list[int] = []
+        for reg, send in batch:
+            local += send.block_ids
+            remote += reg.block_ids
         done = encode_notification(
             PushDone(
-                request_id=rid, prefill_engine_id=self.engine_id, num_blocks=len(reg.block_ids)
+                request_id=rids[0],
+                more_request_ids=list(rids[1:]),
+                prefill_engine_id=self.engine_id,
+                num_blocks=len(remote),
             )
         )
         now = self._clock()
         try:
-            handle, state = self.transport.write_blocks(agent, send.block_ids, reg.block_ids, done)
+            handle, state = self.transport.write_blocks(agent, local, remote, done)
         except TransportError as exc:
             self.registry.end_transfer(decode_id)
-            self._fail_send(rid, FailureType.TRANSFER_FAILED, str(exc), decode_id)
+            fail(FailureType.TRANSFER_FAILED, str(exc), decode_id)
             return
         xfer = _InFlight(
             handle,
@@ -465,13 +518,15 @@ class PushConnector:
             agent,
             now + self.config.transfer_timeout_s,
             now,
-            len(send.block_ids) * self.block_len,
+            len(local) * self.block_len,
+            rids,
         )
         if state == "DONE":  # shared-memory WRITEs often finish inside the post
-            self._end_transfer(rid, xfer, "DONE", self._clock())
+            self._end_transfer(xfer, "DONE", self._clock())
             return
         with self._state_lock:
-            self._in_flight[rid] = xfer
+            self._in_flight[rids[0]] = xfer
+            self._writing.update(rids)
 
     def _poll_transfers(self, only: list[str] | None = None) -> int:
         """Polls WRITEs in flight (all, or `only`) once; returns how many ended, -1 if none."""
@@ -491,12 +546,13 @@ class PushConnector:
             ended += 1
             with self._state_lock:
                 self._in_flight.pop(rid, None)
-            self._end_transfer(rid, xfer, state, now)
+                self._writing.difference_update(xfer.request_ids)
+            self._end_transfer(xfer, state, now)
         return ended
 
-    def _end_transfer(self, rid: str, xfer: _InFlight, state: XferState, now: float) -> None:
-        """Releases a WRITE that ended (DONE, ERR, or PROC past its deadline) and ends its
-        request: sent, or failed with the reason (and the decode engine told)."""
+    def _end_transfer(self, xfer: _InFlight, state: XferState, now: float) -> None:
+        """Releases a WRITE that ended (DONE, ERR, or PROC past its deadline) and ends each
+        of its requests: sent, or failed with the reason (and the decode engine told)."""
         try:
             self.transport.release(xfer.handle)
         finally:
@@ -504,10 +560,12 @@ class PushConnector:
         if state == "DONE":
             self.metrics.transfer_seconds.observe(now - xfer.started)
             self.metrics.transfer_bytes_total.inc(xfer.nbytes)
-            self._report("sent", rid)
+            for rid in xfer.request_ids:
+                self._report("sent", rid)
         else:
             why = "WRITE failed" if state == "ERR" else "WRITE timed out"
-            self._fail_send(rid, FailureType.TRANSFER_FAILED, why, xfer.decode_engine_id)
+            for rid in xfer.request_ids:
+                self._fail_send(rid, FailureType.TRANSFER_FAILED, why, xfer.decode_engine_id)
 
     def _fail_send(
         self, request_id: str, reason: FailureType, message: str, tell_engine: str | None = None

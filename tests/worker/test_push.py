@@ -178,6 +178,15 @@ def test_prefill_matches_registration_and_writes(
     assert registry.peer_states()[0].transfers_in_flight == 0
 
 
+def _register(
+    transport: FakeTransport, agent: str, rid: str, blocks: list[int], decode: str = DECODE
+) -> None:
+    reg = PushRegistration(
+        request_id=rid, decode_engine_id=decode, prefill_engine_id=PREFILL, block_ids=blocks
+    )
+    transport.deliver(agent, encode_notification(reg))
+
+
 def test_a_write_that_finishes_inside_its_post_ends_at_once_and_exactly_once(
     prefill: PushConnector, registry: EngineRegistry, transport: FakeTransport
 ) -> None:
@@ -186,12 +195,9 @@ def test_a_write_that_finishes_inside_its_post_ends_at_once_and_exactly_once(
     transport.write_state = "ERR"  # a poll would fail it: there must be none
     for i in range(3):
         prefill.request_send(f"r{i}", [i])
-        reg = PushRegistration(
-            request_id=f"r{i}", decode_engine_id=DECODE, prefill_engine_id=PREFILL, block_ids=[i]
-        )
-        transport.deliver(agent, encode_notification(reg))
+        _register(transport, agent, f"r{i}", [10 + i])
     prefill.progress_once()
-    assert len(transport.writes) == 3 and len(transport.released) == 3
+    assert len(transport.released) == len(transport.writes) == 1  # one WRITE carried all three
     prefill.progress_once()
     fin = prefill.get_finished()
     assert sorted(fin.done_sending) == ["r0", "r1", "r2"] and fin.failed == []
@@ -199,6 +205,62 @@ def test_a_write_that_finishes_inside_its_post_ends_at_once_and_exactly_once(
     assert registry.peer_states()[0].transfers_in_flight == 0
     assert prefill.metrics.transfer_bytes_total._value.get() == 3 * transport.block_len
     assert prefill.in_flight() == 0
+
+
+def test_requests_matched_together_share_a_write_per_decode_rank_within_bounds(
+    transport: FakeTransport, registry: EngineRegistry, clock: FakeClock
+) -> None:
+    prefill = make_connector("prefill", transport, registry, clock, max_requests_per_write=3)
+    transport.write_state = "PROC"
+    a = add_engine(transport, registry, DECODE)
+    b = add_engine(transport, registry, "decode-b")
+    for i in range(5):
+        prefill.request_send(f"a{i}", [i])
+        _register(transport, a, f"a{i}", [20 + i])
+    prefill.request_send("b0", [9])
+    _register(transport, b, "b0", [30], decode="decode-b")
+    prefill.progress_once()
+    writes = [(w[0], w[1], w[2], decode_notification(w[3])) for w in transport.writes]
+    assert [(agent, local, remote) for agent, local, remote, _ in writes] == [
+        (a, [0, 1, 2], [20, 21, 22]),
+        (a, [3, 4], [23, 24]),
+        (b, [9], [30]),
+    ]
+    assert [d.request_ids for *_, d in writes] == [["a0", "a1", "a2"], ["a3", "a4"], ["b0"]]  # type: ignore[union-attr]
+    assert [d.num_blocks for *_, d in writes] == [3, 2, 1]  # type: ignore[union-attr]
+    # In flight: each request counts, a registration repeated for one of them is a duplicate.
+    assert prefill.in_flight() == 6
+    _register(transport, a, "a1", [21])
+    prefill.progress_once()
+    assert len(transport.writes) == 3
+    assert prefill.metrics.rejected_total.labels("notification")._value.get() == 1
+    # A failed WRITE fails each of its requests once and tells decode about each.
+    transport.write_state = "ERR"
+    prefill.progress_once()
+    fin = prefill.get_finished()
+    assert sorted(f.request_id for f in fin.failed) == ["a0", "a1", "a2", "a3", "a4", "b0"]
+    told = sorted(decode_notification(p).request_id for _, p in transport.sent)
+    assert told == ["a0", "a1", "a2", "a3", "a4", "b0"]
+    assert len(transport.released) == 3 and prefill.in_flight() == 0
+    assert all(s.transfers_in_flight == 0 for s in registry.peer_states())
+    prefill.stop()
+
+
+def test_decode_ends_every_request_a_completion_names_once(
+    decode: PushConnector, registry: EngineRegistry, transport: FakeTransport
+) -> None:
+    agent = add_engine(transport, registry, PREFILL)
+    for rid in ("r1", "r2"):
+        decode.request_receive(rid, PREFILL, [1])
+    done = PushDone(
+        request_id="r1", more_request_ids=["r2", "unknown"], prefill_engine_id=PREFILL, num_blocks=2
+    )
+    transport.deliver(agent, encode_notification(done))
+    transport.deliver(agent, encode_notification(done))  # again: nothing ends twice
+    decode.progress_once()
+    assert sorted(decode.get_finished().done_receiving) == ["r1", "r2"]
+    assert decode.metrics.rejected_total.labels("notification")._value.get() == 2
+    assert decode.metrics.duplicate_outcomes_total._value.get() == 0
 
 
 def test_prefill_transfer_error_fails_once_and_tells_decode(
