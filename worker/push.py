@@ -385,8 +385,9 @@ class PushConnector:
 
         Returns the load that paces the next pass: "transferring", "waiting" or "idle".
         """
-        for agent_name, data in self.transport.get_notifs():
-            self._on_notification(agent_name, data)
+        notifs = self.transport.get_notifs()
+        if notifs:
+            self._on_notifications(notifs)
         if self.role == "prefill":
             self._start_matched_transfers()
             burst_end = time.monotonic() + self.config.transfer_poll_burst_s
@@ -403,30 +404,42 @@ class PushConnector:
                 return "waiting"
             return "idle"
 
-    def _on_notification(self, agent_name: str, data: bytes) -> None:
+    def _on_notifications(self, notifs: list[tuple[str, bytes]]) -> None:
+        """Handles a pass's notifications; the registrations go in under one lock."""
+        regs: list[PushRegistration] = []
+        for agent_name, data in notifs:
+            msg = self._on_notification(agent_name, data)
+            if msg is not None:
+                regs.append(msg)
+        if not regs:
+            return
+        deadline = self._clock() + self.config.kv_lease_s
+        duplicates = 0
+        with self._state_lock:
+            for msg in regs:
+                if msg.request_id in self._writing or msg.request_id in self._ended:
+                    duplicates += 1
+                else:
+                    self._pending_reg[msg.request_id] = (msg, deadline)
+        for _ in range(duplicates):
+            self.metrics.reject("notification")
+
+    def _on_notification(self, agent_name: str, data: bytes) -> PushRegistration | None:
+        """Handles one notification; a registration for this engine is returned to be
+        recorded with the pass's others."""
         try:
             msg = decode_notification(data)
         except MalformedMessage as exc:
             self.metrics.reject("notification")
             log.warning("dropped malformed notification from %s: %s", agent_name, exc.message)
-            return
+            return None
         if isinstance(msg, PushRegistration):
             if self.role != "prefill" or msg.prefill_engine_id != self.engine_id:
                 self.metrics.reject("notification")
                 log.warning("registration for %s reached %s", msg.prefill_engine_id, self.engine_id)
-                return
-            with self._state_lock:
-                if msg.request_id in self._writing or msg.request_id in self._ended:
-                    duplicate = True
-                else:
-                    duplicate = False
-                    self._pending_reg[msg.request_id] = (
-                        msg,
-                        self._clock() + self.config.kv_lease_s,
-                    )
-            if duplicate:
-                self.metrics.reject("notification")
-        elif isinstance(msg, PushDone):
+                return None
+            return msg
+        if isinstance(msg, PushDone):
             rids = msg.request_ids
             with self._state_lock:
                 claimed = [r for r in rids if self._pending_recv.pop(r, None) is not None]
@@ -434,8 +447,9 @@ class PushConnector:
                 self.metrics.reject("notification")  # late (timed out) or unknown
             for rid in claimed:
                 self._report("recv", rid)
-        else:
-            self._fail_recv(msg.request_id, msg.reason, f"prefill refused: {msg.message}")
+            return None
+        self._fail_recv(msg.request_id, msg.reason, f"prefill refused: {msg.message}")
+        return None
 
     def _start_matched_transfers(self) -> None:
         with self._state_lock:
