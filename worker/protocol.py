@@ -17,7 +17,8 @@ import msgspec
 # Protocol version history (bump on any change to a struct below that an old peer would
 # misread; peers with different versions refuse to connect instead of corrupting KV):
 #   1: first release: EngineMetadata envelope, PUSH_REG / PUSH_DONE / PUSH_FAIL notifications.
-PROTOCOL_VERSION = 2  # 2: PushDone may complete several requests (one WRITE)
+#   2: PUSH_DONE may complete several requests (`more_request_ids`: one WRITE carried them).
+PROTOCOL_VERSION = 2
 
 REG_PREFIX = b"PUSH_REG:"
 DONE_PREFIX = b"PUSH_DONE:"
