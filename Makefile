@@ -60,6 +60,8 @@ bench: venv toolchain
 	$(VENV)/bin/kvtopo bench push --json bench/results/push.json
 	$(VENV)/bin/kvtopo bench registry --json bench/results/registry.json
 	$(VENV)/bin/kvtopo bench operator --json bench/results/operator.json
+	@echo
+	-$(VENV)/bin/kvtopo bench summary --results bench/results
 
 clean-cache:
 	rm -rf $(KVTOPO_CACHE)

@@ -35,6 +35,16 @@ def _bench_push(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _bench_summary(args: argparse.Namespace) -> int:
+    from kvtopo_bench.summary import summarize
+
+    table, ok = summarize(args.results)
+    print(table)
+    if not ok:
+        print("\nsome targets are missed or reports missing (see above)", file=sys.stderr)
+    return 0 if ok else 1
+
+
 def _bench_report(module: str) -> Callable[[argparse.Namespace], int]:
     """The handler of a benchmark that writes its own report: run, then say where it is."""
 
@@ -118,6 +128,22 @@ def build_parser() -> argparse.ArgumentParser:
                 help="auto (default): the CPU cases, plus the GPU variant (KV caches in GPU "
                 "memory) where torch sees a CUDA device; cpu: CPU only; cuda: GPU only",
             )
+
+    summary = bench_kinds.add_parser(
+        "summary",
+        help="one table of the figures with targets, from the JSON reports",
+        description="Reads push.json, registry.json and operator.json from --results and "
+        "prints each figure that has a target, the target and whether it is met. Exits 1 "
+        "when a target is missed or a report is missing.",
+    )
+    summary.add_argument(
+        "--results",
+        type=Path,
+        default=Path("bench/results"),
+        metavar="DIR",
+        help="folder of the JSON reports (default: bench/results)",
+    )
+    summary.set_defaults(func=_bench_summary)
 
     from kvtopo.cluster.cli import add_cluster_parser, run_cluster
     from kvtopo.drill.run import add_drill_parser

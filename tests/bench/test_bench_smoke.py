@@ -4,6 +4,8 @@ verified, its table, and the registry's interleaved churn measurement."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from kvtopo_bench import push, registry
@@ -42,3 +44,42 @@ def test_the_churn_measurement_alternates_segments_and_churns() -> None:
     assert res.rps_alone > 0 and res.rps_under_churn > 0
     assert 0 < res.churn_ratio < 2
     assert res.evictions_per_s > 300  # the churn thread really ran while it was on
+
+
+def test_the_summary_checks_each_target_and_says_what_is_missing(tmp_path: Path) -> None:
+    from kvtopo_bench.summary import summarize
+
+    table, ok = summarize(tmp_path)
+    assert not ok and table.count("**missing**") == 3
+    case = {
+        "block_bytes": 32768,
+        "blocks_per_request": 64,
+        "ratio_push_vs_raw": 0.93,
+        "push_gbps": 7.0,
+        "verified": True,
+    }
+    (tmp_path / "push.json").write_text(
+        json.dumps({"cases": [case], "memcpy_gbps": 14.0, "gpu": {"skipped": "no CUDA device"}})
+    )
+    (tmp_path / "registry.json").write_text(
+        json.dumps({"snapshot_p99_us": 0.8, "churn_ratio": 0.97})
+    )
+    sizes = [
+        {
+            "size": size,
+            "ready_to_connected_p99_s": ready,
+            "gone_to_evicted_p99_s": 1.2,
+            "grace_s": 1,
+            "rollout_converge_s": rollout,
+            "operator_rss_mb": 170.0,
+            "cpu_s_per_1k_events": 4.0,
+        }
+        for size, ready, rollout in (("16x64", 0.4, 3.0), ("32x1000", 15.0, 30.0))
+    ]
+    (tmp_path / "operator.json").write_text(json.dumps({"sizes": sizes}))
+    table, ok = summarize(tmp_path)
+    assert ok and "**missed**" not in table and "no CUDA device" in table
+    sizes[1]["rollout_converge_s"] = 61.0
+    (tmp_path / "operator.json").write_text(json.dumps({"sizes": sizes}))
+    table, ok = summarize(tmp_path)
+    assert not ok and "| rollout converged, 32x1000 | 61.0 s | <= 60 s | **missed** |" in table

@@ -1,0 +1,139 @@
+"""`kvtopo bench summary`: one table of the figures that have targets, from the JSON reports.
+
+Owns the targets of the benchmarks issue and their check against `bench/results/*.json`
+(push, registry, operator): each row says the figure, the target and whether it is met.
+`make bench` prints it last. A missing report is reported as such, not guessed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+Row = tuple[str, str, str, str]  # what, measured, target, verdict
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "**missed**"
+
+
+def _push(report: dict[str, Any]) -> list[Row]:
+    rows: list[Row] = []
+    variants = [("CPU", report.get("cases", []), report.get("memcpy_gbps", 0.0))]
+    gpu = report.get("gpu") or {}
+    if "cases" in gpu:
+        variants.append(("GPU", gpu["cases"], gpu["memcpy_gbps"]))
+    for name, cases, memcpy in variants:
+        for c in cases:
+            case = f"{c['block_bytes'] // 1024} KiB x {c['blocks_per_request']}"
+            ratio = c["ratio_push_vs_raw"]
+            share = c["push_gbps"] / memcpy if memcpy else 0.0
+            if name == "CPU":
+                rows.append(
+                    (
+                        f"push/raw NIXL, {name} {case}",
+                        f"{ratio:.2f}",
+                        ">= 0.9",
+                        _verdict(ratio >= 0.9),
+                    )
+                )
+            else:
+                rows.append((f"push/raw NIXL, {name} {case}", f"{ratio:.2f}", "(quoted)", "-"))
+            rows.append(
+                (f"push/memcpy, {name} {case}", f"{share:.2f}", ">= 0.4", _verdict(share >= 0.4))
+            )
+            rows.append(
+                (
+                    f"every byte verified, {name} {case}",
+                    str(c["verified"]).lower(),
+                    "true",
+                    _verdict(bool(c["verified"])),
+                )
+            )
+    if "skipped" in gpu:
+        rows.append(("push, GPU variant", "not run", "where a GPU is lent", gpu["skipped"]))
+    return rows
+
+
+def _registry(report: dict[str, Any]) -> list[Row]:
+    snap, churn = report["snapshot_p99_us"], report["churn_ratio"]
+    return [
+        ("registry snapshot p99, 64 ranks", f"{snap:.2f} us", "<= 10 us", _verdict(snap <= 10)),
+        ("registry writer churn ratio", f"{churn:.3f}", ">= 0.95", _verdict(churn >= 0.95)),
+    ]
+
+
+def _operator(report: dict[str, Any]) -> list[Row]:
+    rows: list[Row] = []
+    for s in report["sizes"]:
+        size = s["size"]
+        ready, gone, grace = s["ready_to_connected_p99_s"], s["gone_to_evicted_p99_s"], s["grace_s"]
+        rollout, rss = s["rollout_converge_s"], s["operator_rss_mb"]
+        if size == "16x64":
+            rows.append(
+                (
+                    f"ready -> connected p99, {size}",
+                    f"{ready:.2f} s",
+                    "<= 1 s",
+                    _verdict(ready <= 1),
+                )
+            )
+            rows.append(
+                (
+                    f"gone -> evicted p99, {size}",
+                    f"{gone:.2f} s",
+                    f"<= {grace + 1} s",
+                    _verdict(gone <= grace + 1),
+                )
+            )
+        else:
+            rows.append((f"ready -> connected p99, {size}", f"{ready:.2f} s", "-", "-"))
+            rows.append((f"gone -> evicted p99, {size}", f"{gone:.2f} s", "-", "-"))
+        if size == "32x1000":
+            rows.append(
+                (
+                    f"rollout converged, {size}",
+                    f"{rollout:.1f} s",
+                    "<= 60 s",
+                    _verdict(rollout <= 60),
+                )
+            )
+            rows.append(
+                (f"operator RSS, {size}", f"{rss:.0f} MB", "<= 300 MB", _verdict(rss <= 300))
+            )
+        else:
+            rows.append((f"rollout converged, {size}", f"{rollout:.1f} s", "-", "-"))
+            rows.append((f"operator RSS, {size}", f"{rss:.0f} MB", "-", "-"))
+        rows.append(
+            (f"operator CPU s / 1k pod events, {size}", f"{s['cpu_s_per_1k_events']:.2f}", "-", "-")
+        )
+    return rows
+
+
+SECTIONS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
+    "push": _push,
+    "registry": _registry,
+    "operator": _operator,
+}
+
+
+def summarize(results: Path) -> tuple[str, bool]:
+    """The table, and whether every target with a verdict is met (and every report found)."""
+    rows: list[Row] = []
+    ok = True
+    for name, section in SECTIONS.items():
+        path = results / f"{name}.json"
+        if not path.exists():
+            rows.append((f"{name} benchmark", "no report", str(path), "**missing**"))
+            ok = False
+            continue
+        section_rows = section(json.loads(path.read_text()))
+        ok &= not any(r[3] == "**missed**" for r in section_rows)
+        rows += section_rows
+    lines = ["| figure | measured | target | |", "|---|---|---|---|"]
+    lines += [
+        f"| {what} | {value} | {target} | {verdict} |" for what, value, target, verdict in rows
+    ]
+    return "\n".join(lines), ok
