@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -384,6 +385,12 @@ class SizeRun:
             topo,
         )
         profile = os.environ.get("KVTOPO_BENCH_PROFILE")  # a folder: run under py-spy
+        if profile and shutil.which("py-spy") is None:
+            raise RuntimeError(
+                "KVTOPO_BENCH_PROFILE needs py-spy on PATH (pip install py-spy into the venv)"
+            )
+        if profile:
+            Path(profile).mkdir(parents=True, exist_ok=True)
         wrap = (
             [
                 "py-spy",
