@@ -390,7 +390,7 @@ class SizeRun:
                 "KVTOPO_BENCH_PROFILE needs py-spy on PATH (pip install py-spy into the venv)"
             )
         if profile:
-            Path(profile).mkdir(parents=True, exist_ok=True)
+            os.makedirs(profile, exist_ok=True)
         wrap = (
             [
                 "py-spy",
