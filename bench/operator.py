@@ -29,6 +29,7 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
+from kvtopo_operator.api import ENDPOINT_ANNOTATION, ROLE_LABEL
 from kvtopo_worker.protocol import (
     PeerAddRequest,
     PeerChanges,
@@ -38,13 +39,11 @@ from kvtopo_worker.protocol import (
     WorkerState,
 )
 
+from kvtopo.cluster.fake_nodes import FAKE_NODE_PLACEMENT
+
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = ((16, 64), (32, 1000))
 GRACE = 1
-PLACEMENT: dict[str, Any] = {
-    "nodeSelector": {"type": "kwok"},
-    "tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}],
-}
 
 
 @dataclass
@@ -161,7 +160,7 @@ class FakeFleet:
 
 
 def _deployment(name: str, role: str, replicas: int) -> dict[str, Any]:
-    labels = {"app": "bench", "kvtopo.dev/role": role}
+    labels = {"app": "bench", ROLE_LABEL: role}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -173,10 +172,10 @@ def _deployment(name: str, role: str, replicas: int) -> dict[str, Any]:
             "template": {
                 "metadata": {
                     "labels": labels,
-                    "annotations": {"kvtopo.dev/control-endpoint": "pending"},
+                    "annotations": {ENDPOINT_ANNOTATION: "pending"},
                 },
                 "spec": {
-                    **PLACEMENT,
+                    **FAKE_NODE_PLACEMENT,
                     "terminationGracePeriodSeconds": 0,
                     "containers": [{"name": "engine", "image": "kvtopo/fake:0"}],
                 },
@@ -232,11 +231,7 @@ class SizeRun:
                     self.core.patch_namespaced_pod,
                     name,
                     self.ns,
-                    {
-                        "metadata": {
-                            "annotations": {"kvtopo.dev/control-endpoint": f"127.0.0.1:{w.port}"}
-                        }
-                    },
+                    {"metadata": {"annotations": {ENDPOINT_ANNOTATION: f"127.0.0.1:{w.port}"}}},
                 )
             w.serving_at = time.monotonic()
 
@@ -266,7 +261,7 @@ class SizeRun:
                 w = self.by_uid.get(uid)
                 if w is None and usable and uid not in self.starting:
                     self.starting.add(uid)
-                    starting.append(serve(meta["name"], meta["labels"]["kvtopo.dev/role"], uid))
+                    starting.append(serve(meta["name"], meta["labels"][ROLE_LABEL], uid))
                 elif w is not None and not usable and w.gone_at is None:
                     w.gone_at = time.monotonic()
             for uid, w in self.by_uid.items():
@@ -366,12 +361,8 @@ class SizeRun:
             "kind": "KVTopology",
             "metadata": {"name": "bench"},
             "spec": {
-                "prefill": {
-                    "selector": {"matchLabels": {"app": "bench", "kvtopo.dev/role": "prefill"}}
-                },
-                "decode": {
-                    "selector": {"matchLabels": {"app": "bench", "kvtopo.dev/role": "decode"}}
-                },
+                "prefill": {"selector": {"matchLabels": {"app": "bench", ROLE_LABEL: "prefill"}}},
+                "decode": {"selector": {"matchLabels": {"app": "bench", ROLE_LABEL: "decode"}}},
                 "eviction": {"graceSeconds": GRACE},
                 "handshake": {"maxConcurrent": 256},
             },

@@ -65,50 +65,42 @@ def _registry(report: dict[str, Any]) -> list[Row]:
     ]
 
 
+# The operator figures shown per size: JSON key, label, format.
+_OPERATOR_FIGURES: tuple[tuple[str, str, str], ...] = (
+    ("ready_to_connected_p99_s", "ready -> connected p99", "{:.2f} s"),
+    ("gone_to_evicted_p99_s", "gone -> evicted p99", "{:.2f} s"),
+    ("rollout_converge_s", "rollout converged", "{:.1f} s"),
+    ("operator_rss_mb", "operator RSS", "{:.0f} MB"),
+    ("cpu_s_per_1k_events", "operator CPU s / 1k pod events", "{:.2f}"),
+)
+
+
+def _operator_targets(size: dict[str, Any]) -> dict[str, tuple[float, str]]:
+    """The issue's targets for one size: JSON key -> (upper bound, as written)."""
+    grace = size["grace_s"]
+    return {
+        "16x64": {
+            "ready_to_connected_p99_s": (1.0, "<= 1 s"),
+            "gone_to_evicted_p99_s": (grace + 1.0, f"<= {grace + 1} s"),
+        },
+        "32x1000": {
+            "rollout_converge_s": (60.0, "<= 60 s"),
+            "operator_rss_mb": (300.0, "<= 300 MB"),
+        },
+    }.get(size["size"], {})
+
+
 def _operator(report: dict[str, Any]) -> list[Row]:
     rows: list[Row] = []
-    for s in report["sizes"]:
-        size = s["size"]
-        ready, gone, grace = s["ready_to_connected_p99_s"], s["gone_to_evicted_p99_s"], s["grace_s"]
-        rollout, rss = s["rollout_converge_s"], s["operator_rss_mb"]
-        if size == "16x64":
-            rows.append(
-                (
-                    f"ready -> connected p99, {size}",
-                    f"{ready:.2f} s",
-                    "<= 1 s",
-                    _verdict(ready <= 1),
-                )
+    for size in report["sizes"]:
+        targets = _operator_targets(size)
+        for key, label, fmt in _OPERATOR_FIGURES:
+            value = size[key]
+            bound = targets.get(key)
+            target, verdict = (
+                ("-", "-") if bound is None else (bound[1], _verdict(value <= bound[0]))
             )
-            rows.append(
-                (
-                    f"gone -> evicted p99, {size}",
-                    f"{gone:.2f} s",
-                    f"<= {grace + 1} s",
-                    _verdict(gone <= grace + 1),
-                )
-            )
-        else:
-            rows.append((f"ready -> connected p99, {size}", f"{ready:.2f} s", "-", "-"))
-            rows.append((f"gone -> evicted p99, {size}", f"{gone:.2f} s", "-", "-"))
-        if size == "32x1000":
-            rows.append(
-                (
-                    f"rollout converged, {size}",
-                    f"{rollout:.1f} s",
-                    "<= 60 s",
-                    _verdict(rollout <= 60),
-                )
-            )
-            rows.append(
-                (f"operator RSS, {size}", f"{rss:.0f} MB", "<= 300 MB", _verdict(rss <= 300))
-            )
-        else:
-            rows.append((f"rollout converged, {size}", f"{rollout:.1f} s", "-", "-"))
-            rows.append((f"operator RSS, {size}", f"{rss:.0f} MB", "-", "-"))
-        rows.append(
-            (f"operator CPU s / 1k pod events, {size}", f"{s['cpu_s_per_1k_events']:.2f}", "-", "-")
-        )
+            rows.append((f"{label}, {size['size']}", fmt.format(value), target, verdict))
     return rows
 
 

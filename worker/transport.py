@@ -56,11 +56,7 @@ class RemoteKV:
     agent_name: str
     num_blocks: int
     block_len: int
-    # Where its blocks lie when they are laid out back to back (block i at base + i * len);
-    # None when they are not, and then its blocks are never merged.
-    base: int | None = None
-    device: int = 0
-    mem_type: Any = None
+    descs: Any = None  # its per-block descriptors as it sent them (for merged WRITEs)
 
 
 def block_runs(local_ids: Sequence[int], remote_ids: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -140,15 +136,15 @@ def _quiet_nixl_logging() -> None:
             handler.setStream(sys.stderr)
 
 
-def _back_to_back(descs: Any, num_blocks: int, block_len: int) -> tuple[int | None, int]:
+def _back_to_back(descs: Any, num_blocks: int, block_len: int) -> tuple[int, int] | None:
     """(base address, device) of a peer's block descriptors when block i lies at
-    base + i * block_len on one device, else (None, 0)."""
+    base + i * block_len on one device, else None."""
     if num_blocks == 0:
-        return None, 0
+        return None
     base, _, device = descs[0]
     for i in range(num_blocks):
         if tuple(descs[i]) != (base + i * block_len, block_len, device):
-            return None, 0
+            return None
     return int(base), int(device)
 
 
@@ -199,6 +195,9 @@ class NixlTransport:
         self._device = 0
         self._mem_enum: Any = None
         self._dlist_type: Any = None
+        # (base, device) of each peer's blocks when they lie back to back, None when not;
+        # worked out at a peer's first merged WRITE, so handshakes do not pay for it.
+        self._layouts: dict[str, tuple[int, int] | None] = {}
 
     # --- local memory --------------------------------------------------------------------
 
@@ -255,8 +254,7 @@ class NixlTransport:
                         f"peer {name} describes {descs.descCount()} blocks, says {num_blocks}"
                     )
                 dlist = self._agent.prep_xfer_dlist(name, descs)
-                base, device = _back_to_back(descs, num_blocks, block_len)
-                remote = RemoteKV(name, num_blocks, block_len, base, device, descs.getType())
+                remote = RemoteKV(name, num_blocks, block_len, descs)
             except TransportError:
                 raise
             except Exception as exc:
@@ -268,6 +266,7 @@ class NixlTransport:
         """Releases the peer's descriptor list and removes its agent (idempotent)."""
         with self._lock:
             entry = self._remotes.pop(agent_name, None)
+            self._layouts.pop(agent_name, None)
             if entry is None:
                 return
             try:
@@ -287,12 +286,25 @@ class NixlTransport:
         with self._lock:
             return self._local_dlist, self._remotes[agent_name][0]
 
+    def _layout(self, agent_name: str, remote: RemoteKV) -> tuple[int, int] | None:
+        """(base, device) of the peer's blocks if block i lies at base + i * block_len (our
+        block length); None otherwise. Call with the lock held."""
+        if agent_name not in self._layouts:
+            same_len = remote.block_len == self._block_len and remote.descs is not None
+            self._layouts[agent_name] = (
+                _back_to_back(remote.descs, remote.num_blocks, remote.block_len)
+                if same_len
+                else None
+            )
+        return self._layouts[agent_name]
+
     def raw_bases(self, agent_name: str) -> tuple[int, int, int, int, str, str]:
         """(local base, remote base, local device, remote device, local memory type,
         remote memory type) of the KV blocks, for raw benchmarks that merge descriptors."""
         with self._lock:
             remote = self._remotes[agent_name][1]
-        if remote.base is None:
+            layout = self._layout(agent_name, remote)
+        if layout is None:
             raise TransportError(f"the blocks of {agent_name} do not lie back to back")
 
         def name(mem: Any) -> str:
@@ -300,11 +312,11 @@ class NixlTransport:
 
         return (
             self._base,
-            remote.base,
+            layout[0],
             self._device,
-            remote.device,
+            layout[1],
             name(self._mem_enum),
-            name(remote.mem_type),
+            name(remote.descs.getType()),
         )
 
     def remote_names(self) -> list[str]:
@@ -354,23 +366,20 @@ class NixlTransport:
                 raise TransportError(f"block id outside peer's {remote.num_blocks} blocks")
             if min(local_block_ids) < 0 or max(local_block_ids) >= self._num_blocks:
                 raise TransportError(f"block id outside our {self._num_blocks} blocks")
-            far_base = remote.base if remote.block_len == self._block_len else None
-            runs = (
-                block_runs(local_block_ids, remote_block_ids)
-                if self.merge_blocks and far_base is not None
-                else None
-            )
+            layout = self._layout(agent_name, remote) if self.merge_blocks else None
+            runs = block_runs(local_block_ids, remote_block_ids) if layout is not None else None
             handle: XferHandle = None
             try:
-                if runs is not None and far_base is not None and len(runs) < len(local_block_ids):
+                if layout is not None and runs is not None and len(runs) < len(local_block_ids):
+                    far_base, far_device = layout
                     bl = self._block_len
                     local = self._dlist_type(
                         self._mem_enum,
                         [(self._base + ls * bl, n * bl, self._device) for ls, _, n in runs],
                     )
                     far = self._dlist_type(
-                        remote.mem_type,
-                        [(far_base + rs * bl, n * bl, remote.device) for _, rs, n in runs],
+                        remote.descs.getType(),
+                        [(far_base + rs * bl, n * bl, far_device) for _, rs, n in runs],
                     )
                     handle = self._agent.initialize_xfer("WRITE", local, far, agent_name, notif)
                 else:

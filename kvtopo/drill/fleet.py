@@ -22,10 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from kvtopo_operator.api import ENDPOINT_ANNOTATION
 
 log = logging.getLogger(__name__)
-
-ENDPOINT_ANNOTATION = "kvtopo.dev/control-endpoint"
 
 
 @dataclass

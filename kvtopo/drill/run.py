@@ -26,17 +26,15 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from kvtopo_operator.api import ENDPOINT_ANNOTATION
 
-from kvtopo.drill.fleet import ENDPOINT_ANNOTATION, Fleet
+from kvtopo.cluster.fake_nodes import FAKE_NODE_PLACEMENT
+from kvtopo.drill.fleet import Fleet
 from kvtopo.drill.ledger import Ledger, invariants_hold
 
 log = logging.getLogger(__name__)
 
 ROOT_CRD = Path(__file__).resolve().parents[2] / "crds" / "kvtopology.yaml"
-KWOK_PLACEMENT: dict[str, Any] = {
-    "nodeSelector": {"type": "kwok"},
-    "tolerations": [{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}],
-}
 
 
 @dataclass
@@ -113,7 +111,7 @@ def _deployment(name: str, role: str, replicas: int) -> dict[str, Any]:
                     "annotations": {ENDPOINT_ANNOTATION: "pending"},
                 },
                 "spec": {
-                    **KWOK_PLACEMENT,
+                    **FAKE_NODE_PLACEMENT,
                     "terminationGracePeriodSeconds": 5,
                     "containers": [{"name": "engine", "image": "ghcr.io/kvtopo/worker:0.1.0"}],
                 },

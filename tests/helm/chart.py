@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from kvtopo.cluster.binaries import BinariesMissingError, find_binary
+from kvtopo.cluster.fake_nodes import FAKE_NODE_PLACEMENT
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "kvtopo"
@@ -27,12 +28,7 @@ KUBE_VERSION = "1.36.3"
 HELM_TIMEOUT_S = 120.0
 
 # Pods of the operator land on kwok's fake nodes (tier b) only with these.
-KWOK_PLACEMENT: dict[str, Any] = {
-    "nodeSelector": {"type": "kwok"},
-    "tolerations": [
-        {"key": "kwok.x-k8s.io/node", "operator": "Equal", "value": "fake", "effect": "NoSchedule"}
-    ],
-}
+KWOK_PLACEMENT: dict[str, Any] = FAKE_NODE_PLACEMENT
 
 
 def binary(name: str) -> Path:

@@ -27,6 +27,15 @@ def _done(rid: str) -> bytes:
     return encode_notification(PushDone(request_id=rid, prefill_engine_id=PREFILL, num_blocks=2))
 
 
+def _register(
+    transport: FakeTransport, agent: str, rid: str, blocks: list[int], decode: str = DECODE
+) -> None:
+    reg = PushRegistration(
+        request_id=rid, decode_engine_id=decode, prefill_engine_id=PREFILL, block_ids=blocks
+    )
+    transport.deliver(agent, encode_notification(reg))
+
+
 def _send_waits_for_lock(
     decode: PushConnector, registry: EngineRegistry, transport: FakeTransport
 ) -> None:
@@ -52,6 +61,8 @@ def _send_waits_for_lock(
 def test_registration_send_is_serialised_by_the_registry_lock(
     decode: PushConnector, registry: EngineRegistry, transport: FakeTransport
 ) -> None:
+    """The assertions live in `_send_waits_for_lock`, shared with the test below that
+    proves they fail against a registry whose snapshot skips the lock."""
     _send_waits_for_lock(decode, registry, transport)
 
 
@@ -178,15 +189,6 @@ def test_prefill_matches_registration_and_writes(
     assert registry.peer_states()[0].transfers_in_flight == 0
 
 
-def _register(
-    transport: FakeTransport, agent: str, rid: str, blocks: list[int], decode: str = DECODE
-) -> None:
-    reg = PushRegistration(
-        request_id=rid, decode_engine_id=decode, prefill_engine_id=PREFILL, block_ids=blocks
-    )
-    transport.deliver(agent, encode_notification(reg))
-
-
 def test_a_write_that_finishes_inside_its_post_ends_at_once_and_exactly_once(
     prefill: PushConnector, registry: EngineRegistry, transport: FakeTransport
 ) -> None:
@@ -269,14 +271,7 @@ def test_prefill_transfer_error_fails_once_and_tells_decode(
     agent = add_engine(transport, registry, DECODE)
     transport.write_state = "ERR"
     prefill.request_send("r1", [0])
-    transport.deliver(
-        agent,
-        encode_notification(
-            PushRegistration(
-                request_id="r1", decode_engine_id=DECODE, prefill_engine_id=PREFILL, block_ids=[5]
-            )
-        ),
-    )
+    _register(transport, agent, "r1", [5])
     prefill.progress_once()
     prefill.progress_once()
     fin = prefill.get_finished()
@@ -299,14 +294,7 @@ def test_eviction_waits_for_the_prefill_write(
     agent = add_engine(transport, registry, DECODE)
     transport.write_state = "PROC"
     prefill.request_send("r1", [0])
-    transport.deliver(
-        agent,
-        encode_notification(
-            PushRegistration(
-                request_id="r1", decode_engine_id=DECODE, prefill_engine_id=PREFILL, block_ids=[5]
-            )
-        ),
-    )
+    _register(transport, agent, "r1", [5])
     prefill.progress_once()
     assert registry.evict(DECODE) == "deferred"
     assert transport.removed == []

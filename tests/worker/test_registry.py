@@ -43,6 +43,8 @@ def _eviction_waits_for_lock(registry: EngineRegistry, transport: FakeTransport)
 def test_eviction_is_serialised_by_the_registry_lock(
     registry: EngineRegistry, transport: FakeTransport
 ) -> None:
+    """The assertions live in `_eviction_waits_for_lock`, shared with the test below that
+    proves they fail against a registry whose eviction skips the lock."""
     _eviction_waits_for_lock(registry, transport)
 
 
