@@ -1,61 +1,82 @@
-# kvtopo developer entry points. Everything heavy is cached under $(KVTOPO_CACHE):
-#   venv/                 the Python environment (torch, nixl, kopf, dev tools)
-#   bin/<product>-<ver>/  control-plane binaries built from Go modules (toolchain/build.sh)
+# kvtopo developer entry points.
+#
+# The Python environment is locked: uv.lock is committed, and every target first syncs the
+# venv exactly to it (`uv sync --locked` with the extras that target needs), so a package that
+# pyproject.toml does not declare is removed and its import fails on every machine, not only on
+# a new one. uv itself is bootstrapped into the cache; nothing is installed system-wide.
+#
+#   $(KVTOPO_CACHE)/uv-<version>/     uv, installed with pip into a venv of its own
+#   $(KVTOPO_CACHE)/bin/<product>-<v>/ control-plane binaries built from Go modules
+#   .venv/ (or $UV_PROJECT_ENVIRONMENT) the project's venv, rebuilt from uv's download cache
 SHELL := /bin/bash
 KVTOPO_CACHE ?= $(HOME)/.cache/kvtopo
 export KVTOPO_CACHE
-VENV := $(KVTOPO_CACHE)/venv
+UV_VERSION := 0.13.9
+UV_HOME := $(KVTOPO_CACHE)/uv-$(UV_VERSION)
+UV := $(UV_HOME)/bin/uv
+# uv's own conventions: the venv lives in .venv unless UV_PROJECT_ENVIRONMENT names another
+# folder (.ci/run gives every CI run a fresh one); no managed Python is downloaded.
+UV_PROJECT_ENVIRONMENT ?= $(CURDIR)/.venv
+export UV_PROJECT_ENVIRONMENT
+export UV_PYTHON_DOWNLOADS := never
+VENV := $(UV_PROJECT_ENVIRONMENT)
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.kvtopo-installed
 PYTEST_ARGS ?=
+# Exact sync to the lock with the given extras (torch and nixl are several GB the first time;
+# uv's download cache makes every later sync take seconds).
+SYNC = @echo "[make] syncing $(VENV) exactly to uv.lock (extras: $(1))" && \
+  $(UV) sync --locked --quiet $(foreach e,$(1),--extra $(e))
 
-.PHONY: help venv toolchain lint test test-fast demo bench clean-cache
+.PHONY: help venv toolchain crds lint test test-fast demo bench clean-cache
 
 help:
 	@echo "make demo    run the rollout churn drill on a local control plane"
 	@echo "make test    install what is missing, lint, and run the whole test suite"
 	@echo "make bench   run the benchmarks, write bench/results/*.json"
-	@echo "make lint    ruff, mypy --strict, import-linter contracts"
+	@echo "make lint    ruff, mypy --strict, import-linter contracts, deptry"
+	@echo "make crds    regenerate crds/ and the chart's copy from the API models"
 
-# The stamp records the pyproject hash and this checkout's path, so a changed dependency
-# list or a fresh clone re-runs the (quick, cached) editable install.
-venv:
-	@want="$$(sha256sum pyproject.toml | cut -c1-16) $(CURDIR)"; \
-	if [ ! -x $(PY) ]; then echo "[make] creating venv in $(VENV)"; python3 -m venv $(VENV); fi; \
-	if [ "$$(cat $(STAMP) 2>/dev/null)" != "$$want" ]; then \
-	  echo "[make] installing kvtopo[worker,dev] into $(VENV) (first time: torch and nixl, several GB, minutes)"; \
-	  $(PY) -m pip install --progress-bar off -q --upgrade pip && \
-	  $(PY) -m pip install --progress-bar off -q -e '.[worker,dev]' && echo "$$want" > $(STAMP); \
-	fi
+$(UV):
+	@echo "[make] bootstrapping uv $(UV_VERSION) into $(UV_HOME)"
+	@rm -rf $(UV_HOME) && python3 -m venv $(UV_HOME) && \
+	  $(UV_HOME)/bin/pip install --progress-bar off -q --disable-pip-version-check \
+	    "uv==$(UV_VERSION)"
+
+venv: $(UV)
+	$(call SYNC,drill dev)
 
 toolchain:
 	@toolchain/build.sh
 
-# mypy needs the import names: the folders are named for the design (operator/, worker/),
-# so a small tree of symlinks maps import names to folders for the type checker.
-lint: venv
-	$(VENV)/bin/ruff check .
-	@mkdir -p .typecheck && ln -sfn ../operator .typecheck/kvtopo_operator && \
-	  ln -sfn ../worker .typecheck/kvtopo_worker && ln -sfn ../bench .typecheck/kvtopo_bench && \
-	  ln -sfn ../kvtopo .typecheck/kvtopo
-	cd .typecheck && MYPYPATH=. $(VENV)/bin/mypy --config-file ../pyproject.toml \
-	  -p kvtopo_worker -p kvtopo_operator -p kvtopo_bench -p kvtopo
-	$(VENV)/bin/lint-imports
+# The CRD is generated from the pydantic models; the chart carries a byte-identical copy.
+crds: $(UV)
+	$(call SYNC,dev)
+	$(VENV)/bin/kvtopo crds > crds/kvtopology.yaml
+	cp crds/kvtopology.yaml helm/kvtopo/crds/kvtopology.yaml
 
-test: venv toolchain lint
+lint: $(UV)
+	$(call SYNC,drill dev)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/deptry .
+
+test: lint toolchain
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
 
-test-fast: venv lint
+test-fast: lint
 	$(PY) -m pytest -q -ra -m "not cluster" $(PYTEST_ARGS)
 
 # The rollout churn drill on defaults: 3 decode rollouts, a scale down and up, >= 1000
 # verified requests, on a local control plane with kwok (a minute or two once installed).
-demo: venv toolchain
+demo: $(UV) toolchain
+	$(call SYNC,drill)
 	@mkdir -p out
 	$(VENV)/bin/kvtopo drill --json out/drill.json --plot out/drill.png
 	@echo "report: out/drill.json  timeline: out/drill.png"
 
-bench: venv toolchain
+bench: $(UV) toolchain
+	$(call SYNC,worker)
 	@mkdir -p bench/results
 	$(VENV)/bin/kvtopo bench push --json bench/results/push.json
 	$(VENV)/bin/kvtopo bench registry --json bench/results/registry.json

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+
 from kvtopo_operator.api import ENDPOINT_ANNOTATION
 
 log = logging.getLogger(__name__)

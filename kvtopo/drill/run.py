@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from kvtopo_operator.api import ENDPOINT_ANNOTATION
 
 from kvtopo.cluster.fake_nodes import FAKE_NODE_PLACEMENT
 from kvtopo.drill.fleet import Fleet
 from kvtopo.drill.ledger import Ledger, invariants_hold
+from kvtopo_operator.api import ENDPOINT_ANNOTATION
 
 log = logging.getLogger(__name__)
 

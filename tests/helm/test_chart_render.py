@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 import yaml
-from kvtopo_operator.main import parse_args
 
+from kvtopo_operator.main import parse_args
 from tests.helm.chart import (
     CHART,
     FULL_VALUES,

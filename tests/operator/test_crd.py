@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 import pytest
 import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
 from kvtopo_operator import crd
 from kvtopo_operator.api import (
     LABEL_KEY_RE,
@@ -22,7 +24,6 @@ from kvtopo_operator.api import (
     KVTopologyStatus,
     dump,
 )
-from pydantic import BaseModel, ConfigDict, Field
 
 REPO = Path(__file__).resolve().parents[2]
 CHECKED_IN = REPO / "crds" / "kvtopology.yaml"

@@ -12,6 +12,9 @@ from typing import Any
 
 import pytest
 import yaml
+
+from kvtopo.cluster.deadlines import wait_until
+from kvtopo.cluster.local_cluster import LocalCluster
 from kvtopo_operator.api import (
     ROLE_LABEL,
     Condition,
@@ -28,9 +31,6 @@ from kvtopo_operator.api import (
     dump,
 )
 from kvtopo_operator.crd import CRD_NAME
-
-from kvtopo.cluster.deadlines import wait_until
-from kvtopo.cluster.local_cluster import LocalCluster
 from tests.cluster.kube import condition, create_namespace, get_json
 
 REPO = Path(__file__).resolve().parents[2]

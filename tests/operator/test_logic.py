@@ -7,6 +7,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvtopo_operator.api import (
     EngineState,
     EngineStatus,

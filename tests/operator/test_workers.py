@@ -9,6 +9,7 @@ import socket
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+
 from kvtopo_operator.workers import CallResult, WorkerClient
 
 

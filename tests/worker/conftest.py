@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+
 from kvtopo_worker.metrics import WorkerMetrics
 from kvtopo_worker.push import PushConfig, PushConnector
 from kvtopo_worker.registry import EngineRegistry
-
 from tests.worker.fakes import FakeClock, FakeTransport
 
 PREFILL = "prefill-engine-1"

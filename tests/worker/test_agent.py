@@ -16,11 +16,11 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from kvtopo_worker.agent import ControlServer, LocalEngine, TokenSource
 from kvtopo_worker.metrics import WorkerMetrics
 from kvtopo_worker.protocol import CompatInfo, EngineMetadata, Envelope, compat_hash
 from kvtopo_worker.registry import EngineRegistry
-
 from tests.worker.fakes import FakeTransport
 
 TOKEN = "t0ken-for-tests"

@@ -7,6 +7,7 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvtopo_worker import protocol as p
 
 

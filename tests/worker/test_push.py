@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+
 from kvtopo_worker.protocol import (
     FailureType,
     PushDone,
@@ -18,7 +19,6 @@ from kvtopo_worker.protocol import (
 )
 from kvtopo_worker.push import PushConnector
 from kvtopo_worker.registry import EngineRegistry
-
 from tests.worker.conftest import DECODE, PREFILL, add_engine, make_connector
 from tests.worker.fakes import FakeClock, FakeTransport
 

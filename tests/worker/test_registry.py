@@ -7,8 +7,8 @@ import threading
 from concurrent.futures import Future
 
 import pytest
-from kvtopo_worker.registry import EngineRegistry
 
+from kvtopo_worker.registry import EngineRegistry
 from tests.worker.conftest import add_engine
 from tests.worker.fakes import FakeClock, FakeTransport
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from kvtopo_worker.transport import NixlTransport, block_runs
 
 

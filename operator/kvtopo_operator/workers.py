@@ -16,6 +16,7 @@ from pathlib import Path
 
 import aiohttp
 import msgspec
+
 from kvtopo_operator.logic import FailureView, WorkerUnreachable, WorkerView
 from kvtopo_worker.protocol import (
     ErrorBody,

@@ -33,6 +33,8 @@ from typing import Literal, Protocol
 import aiohttp
 import msgspec
 from aiohttp import web
+from prometheus_client import generate_latest
+
 from kvtopo_worker.metrics import WorkerMetrics
 from kvtopo_worker.protocol import (
     MAX_ID_LEN,
@@ -56,7 +58,6 @@ from kvtopo_worker.protocol import (
     encode_metadata,
 )
 from kvtopo_worker.registry import EngineRegistry
-from prometheus_client import generate_latest
 
 log = logging.getLogger(__name__)
 

@@ -29,6 +29,8 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
+
+from kvtopo.cluster.fake_nodes import FAKE_NODE_PLACEMENT
 from kvtopo_operator.api import ENDPOINT_ANNOTATION, ROLE_LABEL
 from kvtopo_worker.protocol import (
     PeerAddRequest,
@@ -38,8 +40,6 @@ from kvtopo_worker.protocol import (
     PeerState,
     WorkerState,
 )
-
-from kvtopo.cluster.fake_nodes import FAKE_NODE_PLACEMENT
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = ((16, 64), (32, 1000))

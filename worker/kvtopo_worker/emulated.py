@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import msgspec
 import torch
 from aiohttp import web
+
 from kvtopo_worker.agent import ControlServer, LocalEngine, TokenSource
 from kvtopo_worker.metrics import WorkerMetrics
 from kvtopo_worker.protocol import (

@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from pydantic import ValidationError
+
 from kvtopo_operator.api import KVTopologySpec, KVTopologyStatus, LastFailure, dump
 from kvtopo_operator.gather import WorkerViews
 from kvtopo_operator.kube import KubeClient
@@ -36,7 +38,6 @@ from kvtopo_operator.logic import (
 )
 from kvtopo_operator.metrics import OperatorMetrics
 from kvtopo_operator.workers import CallResult, WorkerClient
-from pydantic import ValidationError
 
 log = logging.getLogger(__name__)
 

@@ -15,6 +15,7 @@ from datetime import datetime
 from typing import Any
 
 import kopf
+
 from kvtopo_operator.api import ENDPOINT_ANNOTATION, GROUP, PLURAL, ROLE_LABEL, VERSION
 from kvtopo_operator.kube import KubeClient
 from kvtopo_operator.logic import PodView

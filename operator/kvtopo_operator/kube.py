@@ -15,6 +15,7 @@ from typing import Any, cast
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
+
 from kvtopo_operator.api import GROUP, KIND, PLURAL, VERSION
 
 log = logging.getLogger(__name__)

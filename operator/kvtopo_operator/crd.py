@@ -18,6 +18,10 @@ from collections.abc import Mapping
 from typing import Any, Final, Literal
 
 import yaml
+from pydantic import BaseModel
+from pydantic.json_schema import GenerateJsonSchema, NoDefault
+from pydantic_core import core_schema
+
 from kvtopo_operator.api import (
     GROUP,
     KIND,
@@ -27,9 +31,6 @@ from kvtopo_operator.api import (
     KVTopologySpec,
     KVTopologyStatus,
 )
-from pydantic import BaseModel
-from pydantic.json_schema import GenerateJsonSchema, NoDefault
-from pydantic_core import core_schema
 
 CRD_NAME: Final = f"{PLURAL}.{GROUP}"
 SINGULAR: Final = KIND.lower()

@@ -13,8 +13,9 @@ import os
 import sys
 from pathlib import Path
 
-from kvtopo_operator.metrics import OperatorMetrics
 from prometheus_client import start_http_server
+
+from kvtopo_operator.metrics import OperatorMetrics
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

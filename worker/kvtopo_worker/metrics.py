@@ -14,8 +14,9 @@ import time
 from collections import Counter as _Tally
 from collections.abc import Mapping
 
-from kvtopo_worker.protocol import FailureRecord, FailureType
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvtopo_worker.protocol import FailureRecord, FailureType
 
 log = logging.getLogger("kvtopo_worker.failures")
 

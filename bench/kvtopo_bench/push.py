@@ -107,6 +107,7 @@ def _peer_main(
     """One side of the benchmark; obeys commands from the parent over `conn`."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
+
     from kvtopo_worker.emulated import KVContent
     from kvtopo_worker.metrics import WorkerMetrics
     from kvtopo_worker.push import PushConfig, PushConnector
