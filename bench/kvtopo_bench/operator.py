@@ -30,8 +30,10 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from kvtopo.cluster.fake_nodes import FAKE_NODE_PLACEMENT
-from kvtopo_operator.api import ENDPOINT_ANNOTATION, ROLE_LABEL
+from kvtopo.drill import manifests
+from kvtopo_operator.api import ENDPOINT_ANNOTATION, GROUP, PLURAL, ROLE_LABEL
+from kvtopo_operator.crd import crd_manifest
+from kvtopo_operator.kube import ClusterApi
 from kvtopo_worker.protocol import (
     PeerAddRequest,
     PeerChanges,
@@ -41,9 +43,10 @@ from kvtopo_worker.protocol import (
     WorkerState,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 SIZES = ((16, 64), (32, 1000))
 GRACE = 1
+APP = "bench"
+"""The `app` label of the benchmark's engine pods and the name of its KVTopology."""
 
 
 @dataclass
@@ -159,31 +162,6 @@ class FakeFleet:
         return web.Response(body=body, content_type="application/json")
 
 
-def _deployment(name: str, role: str, replicas: int) -> dict[str, Any]:
-    labels = {"app": "bench", ROLE_LABEL: role}
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": name, "labels": labels},
-        "spec": {
-            "replicas": replicas,
-            "selector": {"matchLabels": labels},
-            "strategy": {"rollingUpdate": {"maxSurge": "25%", "maxUnavailable": "25%"}},
-            "template": {
-                "metadata": {
-                    "labels": labels,
-                    "annotations": {ENDPOINT_ANNOTATION: "pending"},
-                },
-                "spec": {
-                    **FAKE_NODE_PLACEMENT,
-                    "terminationGracePeriodSeconds": 0,
-                    "containers": [{"name": "engine", "image": "kvtopo/fake:0"}],
-                },
-            },
-        },
-    }
-
-
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -203,12 +181,9 @@ def _proc_cpu_rss(pid: int) -> tuple[float, float]:
 
 class SizeRun:
     def __init__(self, cluster: Any, prefill: int, decode: int, log: Callable[[str], None]) -> None:
-        from kubernetes import client, config
-
-        api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
-        self.core: Any = client.CoreV1Api(api)
-        self.apps: Any = client.AppsV1Api(api)
-        self.custom: Any = client.CustomObjectsApi(api)
+        self.api = api = ClusterApi(cluster.kubeconfig)
+        self.core: Any = api.core
+        self.apps: Any = api.apps
         self.cluster = cluster
         self.prefill, self.decode = prefill, decode
         self.ns = f"bench-{prefill}x{decode}"
@@ -228,21 +203,17 @@ class SizeRun:
             self.by_uid[uid] = w
             async with sem:
                 await asyncio.to_thread(
-                    self.core.patch_namespaced_pod,
-                    name,
+                    self.api.annotate_pod,
                     self.ns,
-                    {"metadata": {"annotations": {ENDPOINT_ANNOTATION: f"127.0.0.1:{w.port}"}}},
+                    name,
+                    {ENDPOINT_ANNOTATION: f"127.0.0.1:{w.port}"},
                 )
             w.serving_at = time.monotonic()
 
         def list_pods() -> list[dict[str, Any]]:
             # Raw JSON: building the client's model objects for a thousand pods took this
             # process seconds of CPU per poll, on the cores the operator is measured on.
-            resp = self.core.list_namespaced_pod(
-                self.ns, label_selector="app=bench", _preload_content=False
-            )
-            items: list[dict[str, Any]] = json.loads(resp.data)["items"]
-            return items
+            return self.api.list_pods(self.ns, f"app={APP}")
 
         while True:
             pods = await asyncio.to_thread(list_pods)
@@ -332,9 +303,7 @@ class SizeRun:
         raise TimeoutError(f"{what}: not within {limit_s:.0f}s")
 
     def _status_written(self) -> bool:
-        obj = self.custom.get_namespaced_custom_object(
-            "kvtopo.dev", "v1alpha1", self.ns, "kvtopologies", "bench"
-        )
+        obj = self.api.read_topology(self.ns, APP) or {}
         return bool((obj.get("status") or {}).get("conditions"))
 
     async def _child_of(self, pid: int) -> int:
@@ -350,31 +319,19 @@ class SizeRun:
 
     async def run(self, token_file: Path, log_dir: Path) -> dict[str, Any]:
         await self.fleet.start()
-        await asyncio.to_thread(self.core.create_namespace, {"metadata": {"name": self.ns}})
+        await asyncio.to_thread(self.api.create_namespace, self.ns)
         await self.until(
             "ServiceAccount",
             lambda: bool(self.core.list_namespaced_service_account(self.ns).items),
             60,
         )
-        topo = {
-            "apiVersion": "kvtopo.dev/v1alpha1",
-            "kind": "KVTopology",
-            "metadata": {"name": "bench"},
-            "spec": {
-                "prefill": {"selector": {"matchLabels": {"app": "bench", ROLE_LABEL: "prefill"}}},
-                "decode": {"selector": {"matchLabels": {"app": "bench", ROLE_LABEL: "decode"}}},
-                "eviction": {"graceSeconds": GRACE},
-                "handshake": {"maxConcurrent": 256},
-            },
-        }
-        await asyncio.to_thread(
-            self.custom.create_namespaced_custom_object,
-            "kvtopo.dev",
-            "v1alpha1",
-            self.ns,
-            "kvtopologies",
-            topo,
+        topo = manifests.topology(
+            APP,
+            app=APP,
+            eviction={"graceSeconds": GRACE},
+            handshake={"maxConcurrent": 256},
         )
+        await asyncio.to_thread(self.api.create_topology, self.ns, topo)
         profile = os.environ.get("KVTOPO_BENCH_PROFILE")  # a folder: run under py-spy
         if profile and shutil.which("py-spy") is None:
             raise RuntimeError(
@@ -428,12 +385,23 @@ class SizeRun:
             await self.until("operator start", self._status_written, 60)
             cpu0, _ = _proc_cpu_rss(pid)
             ev0 = self.events
-            for name, role, n in (
-                ("prefill", "prefill", self.prefill),
-                ("decode", "decode", self.decode),
-            ):
+            roles: tuple[tuple[manifests.Role, int], ...] = (
+                ("prefill", self.prefill),
+                ("decode", self.decode),
+            )
+            for role, n in roles:
+                deployment = manifests.engine_deployment(
+                    role,
+                    app=APP,
+                    role=role,
+                    replicas=n,
+                    version=None,
+                    max_surge="25%",
+                    max_unavailable="25%",
+                    termination_grace_seconds=0,
+                )
                 await asyncio.to_thread(
-                    self.apps.create_namespaced_deployment, self.ns, _deployment(name, role, n)
+                    self.apps.create_namespaced_deployment, self.ns, deployment
                 )
             limit = 120 + (self.prefill + self.decode) * 0.6
             await self.until("initial convergence", self.all_connected, limit)
@@ -517,16 +485,16 @@ def run(json_path: Path | None, quick: bool, log: Callable[[str], None] = print)
 
     sizes = SIZES[:1] if quick else SIZES
     nodes = max(3, (max(p + d for p, d in sizes) * 2) // 100 + 1)
-    workdir = ROOT / "out" / "bench-operator"
+    workdir = Path("out") / "bench-operator"  # beside the drill's, under the working folder
     workdir.mkdir(parents=True, exist_ok=True)
     token = workdir / "token"
     token.write_text("bench\n")
     results = []
     with LocalCluster(workdir / "cluster", "b", fake_nodes=nodes, progress=log) as cluster:
-        cluster.kubectl("apply", "-f", str(ROOT / "crds" / "kvtopology.yaml"))
-        cluster.kubectl(
-            "wait", "--for=condition=Established", "crd/kvtopologies.kvtopo.dev", "--timeout=60s"
-        )
+        api = ClusterApi(cluster.kubeconfig)
+        api.apply_crd(crd_manifest())
+        crd = f"crd/{PLURAL}.{GROUP}"
+        cluster.kubectl("wait", "--for=condition=Established", crd, "--timeout=60s")
         for p, d in sizes:
             log(f"kvtopo bench operator: {p} prefill x {d} decode pods on {nodes} kwok nodes")
             res = asyncio.run(SizeRun(cluster, p, d, log).run(token, workdir))

@@ -93,7 +93,7 @@ class Fleet:
             usable = ready and meta.get("deletionTimestamp") is None
             eng = self.engines.get(uid)
             if eng is None and usable:
-                await self._start(meta["name"], uid, meta["labels"]["kvtopo.dev/role"])
+                await self._start(meta["name"], uid, meta["labels"][ROLE_LABEL])
             elif eng is not None and not usable:
                 self._begin_drain(eng)
             elif eng is not None and eng.serving_at and eng.draining_since is None:

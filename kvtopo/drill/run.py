@@ -1,17 +1,16 @@
 """`kvtopo drill`: roll and scale a real P/D deployment while KV flows; prove nothing is lost.
 
 Owns the drill's orchestration: the control plane (local tier b, or `--kubeconfig`), the CRD,
-the operator process, prefill/decode Deployments on kwok nodes, the fleet of real workers
-(`fleet`), the traffic generator, the scenario (rollout restarts, scale down/up, optional
-chaos), live progress, and the report (`ledger`), table and timeline plot.
+the operator process, prefill/decode Deployments on kwok nodes (`manifests`), the fleet of
+real workers (`fleet`), the traffic generator, and the scenario (rollout restarts, scale
+down/up, optional chaos). The ledger (`ledger`) keeps the report; `report` shows it and `cli`
+runs a drill from the command line.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import random
@@ -25,16 +24,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from kvtopo.cluster.fake_nodes import FAKE_NODE_PLACEMENT
+from kvtopo.drill import manifests
 from kvtopo.drill.fleet import Fleet
-from kvtopo.drill.ledger import Ledger, invariants_hold
-from kvtopo_operator.api import ENDPOINT_ANNOTATION
+from kvtopo.drill.ledger import Ledger
+from kvtopo_operator.api import ENDPOINT_ANNOTATION, GROUP, PLURAL
+from kvtopo_operator.crd import crd_manifest
+from kvtopo_operator.kube import ClusterApi
 
 log = logging.getLogger(__name__)
 
-ROOT_CRD = Path(__file__).resolve().parents[2] / "crds" / "kvtopology.yaml"
+APP = "drill"
+"""The `app` label of the drill's engine pods and the name of its KVTopology."""
+CRD_NAME = f"{PLURAL}.{GROUP}"
 
 
 @dataclass
@@ -61,82 +62,6 @@ class DrillOptions:
     timeout_s: float = 600.0
 
 
-class Kube:
-    """The few API calls the drill makes, through the official client."""
-
-    def __init__(self, kubeconfig: Path) -> None:
-        from kubernetes import client, config
-
-        api = config.new_client_from_config(config_file=str(kubeconfig))
-        # The client's generated models are loosely typed; the drill reads them as Any.
-        self.core: Any = client.CoreV1Api(api)
-        self.apps: Any = client.AppsV1Api(api)
-        self.custom: Any = client.CustomObjectsApi(api)
-        self.ext: Any = client.ApiextensionsV1Api(api)
-
-    def apply_crd(self, path: Path) -> None:
-        from kubernetes.client.exceptions import ApiException
-
-        body = yaml.safe_load(path.read_text())
-        try:
-            self.ext.create_custom_resource_definition(body)
-        except ApiException as exc:
-            if exc.status != 409:
-                raise
-            current = self.ext.read_custom_resource_definition(body["metadata"]["name"])
-            body["metadata"]["resourceVersion"] = current.metadata.resource_version
-            self.ext.replace_custom_resource_definition(body["metadata"]["name"], body)
-
-    def crd_established(self, name: str) -> bool:
-        crd = self.ext.read_custom_resource_definition(name)
-        return any(
-            c.type == "Established" and c.status == "True" for c in crd.status.conditions or []
-        )
-
-
-def _deployment(name: str, role: str, replicas: int) -> dict[str, Any]:
-    labels = {"app": "drill", "kvtopo.dev/role": role}
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": name, "labels": labels},
-        "spec": {
-            "replicas": replicas,
-            "minReadySeconds": 3,
-            "selector": {"matchLabels": labels},
-            "strategy": {"rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "template": {
-                "metadata": {
-                    "labels": {**labels, "app.kubernetes.io/version": "v1"},
-                    "annotations": {ENDPOINT_ANNOTATION: "pending"},
-                },
-                "spec": {
-                    **FAKE_NODE_PLACEMENT,
-                    "terminationGracePeriodSeconds": 5,
-                    "containers": [{"name": "engine", "image": "ghcr.io/kvtopo/worker:0.1.0"}],
-                },
-            },
-        },
-    }
-
-
-def _topology(grace: int) -> dict[str, Any]:
-    return {
-        "apiVersion": "kvtopo.dev/v1alpha1",
-        "kind": "KVTopology",
-        "metadata": {"name": "drill"},
-        "spec": {
-            "prefill": {
-                "selector": {"matchLabels": {"app": "drill", "kvtopo.dev/role": "prefill"}}
-            },
-            "decode": {"selector": {"matchLabels": {"app": "drill", "kvtopo.dev/role": "decode"}}},
-            "pairing": {"matchLabels": ["app.kubernetes.io/version"]},
-            "eviction": {"graceSeconds": grace},
-            "handshake": {"timeoutSeconds": 5},
-        },
-    }
-
-
 class Drill:
     def __init__(self, opts: DrillOptions, say: Callable[[str], None]) -> None:
         self.opts = opts
@@ -147,7 +72,7 @@ class Drill:
         self.rollout_label = "-"
         self.operator: subprocess.Popen[bytes] | None = None
         self.cluster: Any = None
-        self.kube: Kube | None = None
+        self.kube: ClusterApi | None = None
         self.fleet: Fleet | None = None
         self.namespace = "kvtopo-drill"
         self.seq = 0
@@ -194,24 +119,17 @@ class Drill:
         )
 
     async def setup(self) -> None:
-        from kubernetes.client.exceptions import ApiException
-
         self.opts.workdir.mkdir(parents=True, exist_ok=True)
         kubeconfig = await asyncio.to_thread(self._kubeconfig)
-        kube = self.kube = Kube(kubeconfig)
+        kube = self.kube = await asyncio.to_thread(ClusterApi, kubeconfig)
         token = f"drill-{os.getpid()}-{time.time_ns()}"
         token_file = self.opts.workdir / "worker-token"
         token_file.write_text(token + "\n")
         token_file.chmod(0o600)
         self.say("installing the KVTopology CRD")
-        await asyncio.to_thread(kube.apply_crd, ROOT_CRD)
-        await self._until(
-            "CRD established", lambda: kube.crd_established("kvtopologies.kvtopo.dev"), 30
-        )
-        with contextlib.suppress(ApiException):
-            await asyncio.to_thread(
-                kube.core.create_namespace, {"metadata": {"name": self.namespace}}
-            )
+        await asyncio.to_thread(kube.apply_crd, crd_manifest())
+        await self._until("CRD established", lambda: kube.crd_established(CRD_NAME), 30)
+        await asyncio.to_thread(kube.create_namespace, self.namespace)
         await self._until(
             "default ServiceAccount",
             lambda: bool(kube.core.list_namespaced_service_account(self.namespace).items),
@@ -231,13 +149,10 @@ class Drill:
         ]
 
         def list_pods() -> list[dict[str, Any]]:
-            items = kube.core.list_namespaced_pod(self.namespace, label_selector="app=drill").items
-            return [kube.core.api_client.sanitize_for_serialization(p) for p in items]
+            return kube.list_pods(self.namespace, f"app={APP}")
 
         def annotate(pod: str, endpoint: str) -> None:
-            kube.core.patch_namespaced_pod(
-                pod, self.namespace, {"metadata": {"annotations": {ENDPOINT_ANNOTATION: endpoint}}}
-            )
+            kube.annotate_pod(self.namespace, pod, {ENDPOINT_ANNOTATION: endpoint})
 
         self.fleet = Fleet(
             namespace=self.namespace,
@@ -252,20 +167,24 @@ class Drill:
             kill_without_drain=self.opts.fault == "crash-decode",
         )
         self.say("creating the KVTopology and the prefill/decode Deployments on kwok nodes")
-        await asyncio.to_thread(
-            kube.custom.create_namespaced_custom_object,
-            "kvtopo.dev",
-            "v1alpha1",
-            self.namespace,
-            "kvtopologies",
-            _topology(self.opts.grace),
+        body = manifests.topology(
+            APP,
+            app=APP,
+            pair_on=(manifests.VERSION_LABEL,),
+            eviction={"graceSeconds": self.opts.grace},
+            handshake={"timeoutSeconds": 5},
         )
-        for name, role, n in (
-            ("prefill", "prefill", self.opts.prefill),
-            ("decode", "decode", self.opts.decode),
-        ):
+        await asyncio.to_thread(kube.create_topology, self.namespace, body)
+        roles: tuple[tuple[manifests.Role, int], ...] = (
+            ("prefill", self.opts.prefill),
+            ("decode", self.opts.decode),
+        )
+        for role, n in roles:
+            deployment = manifests.engine_deployment(
+                role, app=APP, role=role, replicas=n, min_ready_seconds=3
+            )
             await asyncio.to_thread(
-                kube.apps.create_namespaced_deployment, self.namespace, _deployment(name, role, n)
+                kube.apps.create_namespaced_deployment, self.namespace, deployment
             )
 
     def _record_outcomes(self, role: str, outcomes: list[dict[str, Any]], t: float) -> None:
@@ -411,9 +330,7 @@ class Drill:
                 return False
             if not self.ledger.samples_pairs or len(self.ledger.samples_pairs[-1]) != np_ * nd:
                 return False
-            obj = kube.custom.get_namespaced_custom_object(
-                "kvtopo.dev", "v1alpha1", self.namespace, "kvtopologies", "drill"
-            )
+            obj = kube.read_topology(self.namespace, APP) or {}
             conds = (obj.get("status") or {}).get("conditions") or []
             return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
 
@@ -433,9 +350,7 @@ class Drill:
                 )
             pairs = self.ledger.samples_pairs[-1] if self.ledger.samples_pairs else frozenset()
             lines.append(f"connected pairs in the last sample: {len(pairs)}")
-            obj = kube.custom.get_namespaced_custom_object(
-                "kvtopo.dev", "v1alpha1", self.namespace, "kvtopologies", "drill"
-            )
+            obj = kube.read_topology(self.namespace, APP) or {}
             status = obj.get("status") or {}
             lines.append(f"KVTopology summary {status.get('summary')}")
             for c in status.get("conditions") or []:
@@ -602,241 +517,3 @@ class Drill:
                 if e.serving_at and e.engine_id and e.engine_id not in self._serving_log:
                     self._serving_log[e.engine_id] = e.serving_at
             await asyncio.sleep(0.1)
-
-
-# --- presentation --------------------------------------------------------------------------
-
-
-def render_table(report: dict[str, Any]) -> Any:
-    from rich.table import Table
-
-    table = Table(title="kvtopo drill", show_header=True)
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    table.add_column("target")
-    conv = report["convergence_s"]
-    rows = [
-        ("rollouts", str(report["rollouts"]), ">= 3"),
-        ("requests", str(report["requests_total"]), ">= 1000"),
-        ("completed (verified)", str(report["completed"]), ""),
-        ("failed", json.dumps(report["failed_by_reason"]) or "{}", "explained"),
-        ("lost", str(report["lost"]), "0"),
-        ("false failures", str(report["false_failures"]), "0"),
-        ("duplicate failure reports", str(report["duplicate_failure_reports"]), "0"),
-        ("verified bytes", f"{report['verified_bytes']:,}", ""),
-        ("convergence per rollout (s)", ", ".join(f"{c:.2f}" for c in conv) or "-", "p99 <= 5"),
-        ("convergence p99, all new engines (s)", str(report["convergence_p99_s"]), "<= 5"),
-        (
-            "eviction max (s)",
-            str(report["eviction_max_s"]),
-            f"<= grace + 2 ({report.get('grace', '?')} + 2)",
-        ),
-        (
-            "recovery after the fault (s)",
-            ", ".join(f"{c:.2f}" for c in report["chaos_recovery_s"]) or "-",
-            "<= 15",
-        ),
-        ("stale peers at the end", str(report["stale_peers_at_end"]), "0"),
-    ]
-    for r in rows:
-        table.add_row(*r)
-    return table
-
-
-def render_plot(ledger: Ledger, report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    t0 = ledger.t0
-    ends = [r.ended_at - t0 for r in ledger.requests.values() if r.ended_at is not None]
-    horizon = max([*ends, *(t - t0 for t in ledger.samples_t), 1.0])
-    bins = int(horizon) + 1
-    done = [0] * bins
-    failed: dict[str, list[int]] = {}
-    for r in ledger.requests.values():
-        if r.ended_at is None or not r.decode_outcomes:
-            continue
-        b = int(r.ended_at - t0)
-        o = r.decode_outcomes[0]
-        if o["status"] == "done":
-            done[b] += 1
-        else:
-            failed.setdefault(str(o.get("reason")), [0] * bins)[b] += 1
-    fig, axes = plt.subplots(3, 1, figsize=(11, 7), sharex=True)
-    axes[0].plot(range(bins), done, color="tab:green", label="completed (verified)")
-    axes[0].set_ylabel("requests / s")
-    axes[0].legend(loc="upper left")
-    for reason, series in sorted(failed.items()):
-        axes[1].bar(range(bins), series, label=reason)
-    axes[1].set_ylabel("failures / s")
-    if failed:
-        axes[1].legend(loc="upper left")
-    else:
-        axes[1].text(0.5, 0.5, "no failures", transform=axes[1].transAxes, ha="center")
-    axes[2].step(
-        [t - t0 for t in ledger.samples_t],
-        [len(p) for p in ledger.samples_pairs],
-        where="post",
-        color="tab:blue",
-    )
-    axes[2].set_ylabel("connected pairs")
-    axes[2].set_xlabel("seconds since the drill started")
-    colors = {"rollout": "tab:orange", "scale": "tab:purple", "chaos": "tab:red", "phase": "grey"}
-    for m in ledger.marks:
-        for ax in axes:
-            ax.axvline(m.t - t0, color=colors.get(m.kind, "grey"), linestyle="--", linewidth=1)
-        axes[0].annotate(
-            m.label,
-            (m.t - t0, 1),
-            xycoords=("data", "axes fraction"),
-            rotation=90,
-            va="top",
-            fontsize=7,
-        )
-    fig.suptitle(
-        f"kvtopo drill: {report['requests_total']} requests, lost {report['lost']}, "
-        f"false failures {report['false_failures']}, "
-        f"duplicates {report['duplicate_failure_reports']}"
-    )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def add_drill_parser(verbs: Any) -> None:
-    p = verbs.add_parser(
-        "drill",
-        help="roll and scale a P/D deployment while KV flows; prove nothing is lost",
-        description="Starts a local control plane (tier b with kwok) unless --kubeconfig is "
-        "given, installs the CRD, runs the operator, creates prefill and decode Deployments, "
-        "runs one real kvtopo-worker per Ready pod, streams verified KV transfers through "
-        "connected pairs, and rolls and scales the decode Deployment. Exits non-zero when a "
-        "request is lost, fails falsely or is reported twice.",
-    )
-    p.add_argument("--prefill", type=int, default=2, help="prefill replicas")
-    p.add_argument("--decode", type=int, default=4, help="decode replicas")
-    p.add_argument("--rollouts", type=int, default=3, help="decode rollout restarts")
-    p.add_argument("--prefill-rollouts", type=int, default=0)
-    p.add_argument("--scale-to", type=int, default=2, help="scale decode down to this, then back")
-    p.add_argument("--rate", type=float, default=40.0, help="requests per second")
-    p.add_argument("--max-in-flight", type=int, default=16)
-    p.add_argument("--blocks", type=int, default=4, help="KV blocks per request")
-    p.add_argument("--block-bytes", type=int, default=64 * 1024)
-    p.add_argument("--grace", type=int, default=3, help="eviction.graceSeconds of the topology")
-    p.add_argument(
-        "--settle", type=float, default=4.0, help="seconds of steady traffic between steps"
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--chaos", choices=["operator-kill", "apiserver-restart"])
-    p.add_argument(
-        "--fault",
-        choices=["crash-decode"],
-        help="self-test: decode engines crash instead of draining (the drill must fail)",
-    )
-    p.add_argument("--kubeconfig", type=Path, help="use this cluster instead of a local one")
-    p.add_argument("--workdir", type=Path, default=Path("out") / "drill", help="logs and cluster")
-    p.add_argument("--json", type=Path, dest="json_path", help="write the JSON report here")
-    p.add_argument("--plot", type=Path, dest="plot_path", help="write the PNG timeline here")
-    p.add_argument(
-        "--no-live", action="store_true", help="plain progress lines instead of a live view"
-    )
-    p.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
-    p.set_defaults(func=run_drill)
-
-
-def run_drill(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    console = Console()
-    opts = DrillOptions(
-        prefill=args.prefill,
-        decode=args.decode,
-        rollouts=args.rollouts,
-        prefill_rollouts=args.prefill_rollouts,
-        scale_to=args.scale_to,
-        rate=args.rate,
-        max_in_flight=args.max_in_flight,
-        blocks=args.blocks,
-        block_bytes=args.block_bytes,
-        grace=args.grace,
-        settle_s=args.settle,
-        seed=args.seed,
-        chaos=args.chaos,
-        fault=args.fault,
-        kubeconfig=args.kubeconfig,
-        workdir=args.workdir,
-        json_path=args.json_path,
-        plot_path=args.plot_path,
-        live=not args.no_live,
-        timeout_s=args.timeout,
-    )
-    drill = Drill(opts, say=lambda line: console.print(f"[dim]{line}[/dim]"))
-
-    async def main() -> dict[str, Any]:
-        if not opts.live:
-            return await drill.run()
-        from rich.live import Live
-
-        with Live(console=console, refresh_per_second=4, transient=True) as live:
-
-            async def show() -> None:
-                while True:
-                    live.update(_progress(drill))
-                    await asyncio.sleep(0.25)
-
-            shower = asyncio.create_task(show())
-            try:
-                return await drill.run()
-            finally:
-                shower.cancel()
-
-    try:
-        report = asyncio.run(main())
-    except (TimeoutError, RuntimeError) as exc:
-        console.print(f"[red]drill failed: {exc}[/red]; logs are in {opts.workdir}")
-        return 2
-    report["grace"] = opts.grace
-    report["chaos"] = opts.chaos
-    console.print(render_table(report))
-    if opts.json_path is not None:
-        opts.json_path.parent.mkdir(parents=True, exist_ok=True)
-        opts.json_path.write_text(json.dumps(report, indent=2) + "\n")
-        console.print(f"JSON report: {opts.json_path}")
-    if opts.plot_path is not None:
-        render_plot(drill.ledger, report, opts.plot_path)
-        console.print(f"timeline plot: {opts.plot_path}")
-    if not invariants_hold(report):
-        console.print("[red]an invariant broke[/red]; offending requests:")
-        console.print(json.dumps(report["offending_requests"], indent=1))
-        return 1
-    return 0
-
-
-def _progress(drill: Drill) -> Any:
-    from rich.table import Table
-
-    rep_done = sum(
-        1
-        for r in drill.ledger.requests.values()
-        if r.decode_outcomes and r.decode_outcomes[0]["status"] == "done"
-    )
-    rep_failed = sum(
-        1
-        for r in drill.ledger.requests.values()
-        if r.decode_outcomes and r.decode_outcomes[0]["status"] == "failed"
-    )
-    pairs = len(drill.ledger.samples_pairs[-1]) if drill.ledger.samples_pairs else 0
-    engines = len(drill.fleet.serving()) if drill.fleet else 0
-    t = Table.grid(padding=(0, 2))
-    t.add_row("phase", drill.phase)
-    t.add_row("current", drill.rollout_label)
-    t.add_row(
-        "requests done / failed / in flight",
-        f"{rep_done} / {rep_failed} / {drill.ledger.in_flight()}",
-    )
-    t.add_row("serving engines / connected pairs", f"{engines} / {pairs}")
-    t.add_row("elapsed", f"{time.monotonic() - drill.ledger.t0:.0f} s")
-    return t

@@ -9,6 +9,7 @@ from typing import Any
 
 from kvtopo.cluster.deadlines import wait_until
 from kvtopo.cluster.local_cluster import LocalCluster
+from kvtopo.drill import manifests
 
 
 def get_json(cluster: LocalCluster, *args: str) -> Any:
@@ -66,27 +67,17 @@ def ready_engine_pod(
     cluster: LocalCluster,
     namespace: str,
     name: str,
-    role: str,
+    role: manifests.Role,
     endpoint: str,
     labels: dict[str, str] | None = None,
 ) -> None:
-    """An engine pod on tier a (no kubelet): created with its worker's control endpoint in
-    the `kvtopo.dev/control-endpoint` annotation, then marked Running and Ready through the
-    status subresource."""
-    apply(
-        cluster,
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {
-                "name": name,
-                "namespace": namespace,
-                "labels": {"kvtopo.dev/role": role, "app": "llama", **(labels or {})},
-                "annotations": {"kvtopo.dev/control-endpoint": endpoint},
-            },
-            "spec": {"containers": [{"name": "engine", "image": "kvtopo/worker:test"}]},
-        },
+    """An engine pod of app `llama` on tier a (no kubelet): created with its worker's control
+    endpoint in the `kvtopo.dev/control-endpoint` annotation, then marked Running and Ready
+    through the status subresource."""
+    pod = manifests.engine_pod(
+        name, app="llama", role=role, endpoint=endpoint, namespace=namespace, labels=labels
     )
+    apply(cluster, pod)
     now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     status = {
         "status": {

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from kvtopo.cluster.deadlines import wait_until
-from kvtopo.cluster.fake_nodes import FAKE_NODE_PLACEMENT
 from kvtopo.cluster.local_cluster import LocalCluster
+from kvtopo.drill import manifests
 from tests.cluster.kube import apply, condition, create_namespace, get_json, is_ready, pods
 
 pytestmark = pytest.mark.cluster
@@ -20,24 +20,10 @@ WAIT_S = 90.0
 
 
 def _deployment(namespace: str, replicas: int) -> dict[str, Any]:
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": APP, "namespace": namespace},
-        "spec": {
-            "replicas": replicas,
-            "selector": {"matchLabels": {"app": APP}},
-            "template": {
-                "metadata": {"labels": {"app": APP}},
-                "spec": {
-                    **FAKE_NODE_PLACEMENT,
-                    # kwok never pulls or runs it: the name only has to be valid.
-                    "containers": [{"name": APP, "image": "registry.invalid/kvtopo/web:1"}],
-                    "terminationGracePeriodSeconds": 5,
-                },
-            },
-        },
-    }
+    # An engine Deployment with no worker behind it: these tests exercise the control plane.
+    return manifests.engine_deployment(
+        APP, app=APP, role="decode", replicas=replicas, namespace=namespace, endpoint=None
+    )
 
 
 def _rollout_status(cluster: LocalCluster, namespace: str) -> None:

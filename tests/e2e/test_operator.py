@@ -22,6 +22,7 @@ import pytest
 
 from kvtopo.cluster.deadlines import wait_until
 from kvtopo.cluster.local_cluster import LocalCluster
+from kvtopo.drill import manifests
 from tests.cluster.kube import apply, create_namespace, get_json, ready_engine_pod
 from tests.worker.workers import WorkerProcess, start_worker
 
@@ -78,24 +79,11 @@ class Env:
         self.cluster.kubectl("delete", "pod", name, "-n", self.namespace, "--wait=true")
 
     def topology(self, name: str = "llama", **spec: Any) -> None:
-        body: dict[str, Any] = {
-            "prefill": {
-                "selector": {"matchLabels": {"app": "llama", "kvtopo.dev/role": "prefill"}}
-            },
-            "decode": {"selector": {"matchLabels": {"app": "llama", "kvtopo.dev/role": "decode"}}},
-            "pairing": {"matchLabels": ["version"]},
-            "eviction": {"graceSeconds": GRACE},
-        }
-        body.update(spec)
-        apply(
-            self.cluster,
-            {
-                "apiVersion": "kvtopo.dev/v1alpha1",
-                "kind": "KVTopology",
-                "metadata": {"name": name, "namespace": self.namespace},
-                "spec": body,
-            },
+        spec.setdefault("eviction", {"graceSeconds": GRACE})
+        body = manifests.topology(
+            name, app="llama", namespace=self.namespace, pair_on=("version",), **spec
         )
+        apply(self.cluster, body)
 
     def status(self, name: str = "llama") -> dict[str, Any]:
         obj = get_json(self.cluster, "kvt", name, "-n", self.namespace)

@@ -29,6 +29,7 @@ import yaml
 
 from kvtopo.cluster.deadlines import wait_until
 from kvtopo.cluster.local_cluster import LocalCluster
+from kvtopo.drill import manifests
 from tests.cluster.kube import apply, create_namespace, get_json, ready_engine_pod
 from tests.helm.chart import CHART, ROOT, Helm, binary, parse
 from tests.worker.workers import WorkerProcess, start_worker
@@ -239,20 +240,9 @@ def test_operator_as_the_chart_service_account_reconciles_end_to_end(
     env.pod("d0", "decode", start_worker("decode", token_file, env.tmp, "--num-blocks", "16"))
     apply(
         cluster,
-        {
-            "apiVersion": "kvtopo.dev/v1alpha1",
-            "kind": "KVTopology",
-            "metadata": {"name": "llama", "namespace": env.namespace},
-            "spec": {
-                "prefill": {
-                    "selector": {"matchLabels": {"app": "llama", "kvtopo.dev/role": "prefill"}}
-                },
-                "decode": {
-                    "selector": {"matchLabels": {"app": "llama", "kvtopo.dev/role": "decode"}}
-                },
-                "eviction": {"graceSeconds": GRACE},
-            },
-        },
+        manifests.topology(
+            "llama", app="llama", namespace=env.namespace, eviction={"graceSeconds": GRACE}
+        ),
     )
     env.start_operator(args)
 

@@ -1,0 +1,129 @@
+"""`kvtopo drill`'s command line: its flags, and running a drill from them.
+
+Owns parsing, the live view's lifetime, writing the JSON report and the plot, and the exit
+code (non-zero when an invariant broke or the drill could not finish).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+from kvtopo.drill.ledger import invariants_hold
+from kvtopo.drill.report import progress_view, render_plot, render_table
+from kvtopo.drill.run import Drill, DrillOptions
+
+
+def add_drill_parser(verbs: Any) -> None:
+    """Adds the `drill` verb to the `kvtopo` command's subparsers."""
+    p = verbs.add_parser(
+        "drill",
+        help="roll and scale a P/D deployment while KV flows; prove nothing is lost",
+        description="Starts a local control plane (tier b with kwok) unless --kubeconfig is "
+        "given, installs the CRD, runs the operator, creates prefill and decode Deployments, "
+        "runs one real kvtopo-worker per Ready pod, streams verified KV transfers through "
+        "connected pairs, and rolls and scales the decode Deployment. Exits non-zero when a "
+        "request is lost, fails falsely or is reported twice.",
+    )
+    p.add_argument("--prefill", type=int, default=2, help="prefill replicas")
+    p.add_argument("--decode", type=int, default=4, help="decode replicas")
+    p.add_argument("--rollouts", type=int, default=3, help="decode rollout restarts")
+    p.add_argument("--prefill-rollouts", type=int, default=0)
+    p.add_argument("--scale-to", type=int, default=2, help="scale decode down to this, then back")
+    p.add_argument("--rate", type=float, default=40.0, help="requests per second")
+    p.add_argument("--max-in-flight", type=int, default=16)
+    p.add_argument("--blocks", type=int, default=4, help="KV blocks per request")
+    p.add_argument("--block-bytes", type=int, default=64 * 1024)
+    p.add_argument("--grace", type=int, default=3, help="eviction.graceSeconds of the topology")
+    p.add_argument(
+        "--settle", type=float, default=4.0, help="seconds of steady traffic between steps"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chaos", choices=["operator-kill", "apiserver-restart"])
+    p.add_argument(
+        "--fault",
+        choices=["crash-decode"],
+        help="self-test: decode engines crash instead of draining (the drill must fail)",
+    )
+    p.add_argument("--kubeconfig", type=Path, help="use this cluster instead of a local one")
+    p.add_argument("--workdir", type=Path, default=Path("out") / "drill", help="logs and cluster")
+    p.add_argument("--json", type=Path, dest="json_path", help="write the JSON report here")
+    p.add_argument("--plot", type=Path, dest="plot_path", help="write the PNG timeline here")
+    p.add_argument(
+        "--no-live", action="store_true", help="plain progress lines instead of a live view"
+    )
+    p.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
+    p.set_defaults(func=run_drill)
+
+
+def run_drill(args: argparse.Namespace) -> int:
+    """Runs a drill from parsed flags; 0 when every invariant held, 1 when one broke, 2 when
+    the drill could not finish."""
+    from rich.console import Console
+
+    console = Console()
+    opts = DrillOptions(
+        prefill=args.prefill,
+        decode=args.decode,
+        rollouts=args.rollouts,
+        prefill_rollouts=args.prefill_rollouts,
+        scale_to=args.scale_to,
+        rate=args.rate,
+        max_in_flight=args.max_in_flight,
+        blocks=args.blocks,
+        block_bytes=args.block_bytes,
+        grace=args.grace,
+        settle_s=args.settle,
+        seed=args.seed,
+        chaos=args.chaos,
+        fault=args.fault,
+        kubeconfig=args.kubeconfig,
+        workdir=args.workdir,
+        json_path=args.json_path,
+        plot_path=args.plot_path,
+        live=not args.no_live,
+        timeout_s=args.timeout,
+    )
+    drill = Drill(opts, say=lambda line: console.print(f"[dim]{line}[/dim]"))
+
+    async def main() -> dict[str, Any]:
+        if not opts.live:
+            return await drill.run()
+        from rich.live import Live
+
+        with Live(console=console, refresh_per_second=4, transient=True) as live:
+
+            async def show() -> None:
+                while True:
+                    live.update(progress_view(drill))
+                    await asyncio.sleep(0.25)
+
+            shower = asyncio.create_task(show())
+            try:
+                return await drill.run()
+            finally:
+                shower.cancel()
+
+    try:
+        report = asyncio.run(main())
+    except (TimeoutError, RuntimeError) as exc:
+        console.print(f"[red]drill failed: {exc}[/red]; logs are in {opts.workdir}")
+        return 2
+    report["grace"] = opts.grace
+    report["chaos"] = opts.chaos
+    console.print(render_table(report))
+    if opts.json_path is not None:
+        opts.json_path.parent.mkdir(parents=True, exist_ok=True)
+        opts.json_path.write_text(json.dumps(report, indent=2) + "\n")
+        console.print(f"JSON report: {opts.json_path}")
+    if opts.plot_path is not None:
+        render_plot(drill.ledger, report, opts.plot_path)
+        console.print(f"timeline plot: {opts.plot_path}")
+    if not invariants_hold(report):
+        console.print("[red]an invariant broke[/red]; offending requests:")
+        console.print(json.dumps(report["offending_requests"], indent=1))
+        return 1
+    return 0
