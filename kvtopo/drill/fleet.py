@@ -23,7 +23,7 @@ from typing import Any
 
 import aiohttp
 
-from kvtopo_operator.api import ENDPOINT_ANNOTATION
+from kvtopo_operator.api import ENDPOINT_ANNOTATION, ROLE_LABEL
 
 log = logging.getLogger(__name__)
 
