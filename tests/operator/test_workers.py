@@ -1,16 +1,21 @@
-"""The operator's worker client: batched peer changes, the fallback for workers without
-`PATCH /v1/peers`, and whole-call failures. Real aiohttp servers on loopback."""
+"""The operator's worker client: batched peer changes, whole-call failures, and the worker
+token read from its file. Real aiohttp servers on loopback."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
+import pytest
 from aiohttp import web
 
+from kvtopo_operator.logic import WorkerUnreachable
 from kvtopo_operator.workers import CallResult, WorkerClient
+from kvtopo_worker.credentials import TokenError
 
 
 async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
@@ -26,24 +31,32 @@ def run(body: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(body())
 
 
-def test_a_worker_without_batches_gets_one_call_per_peer() -> None:
-    seen: list[tuple[str, str, str]] = []
+def test_a_batch_carries_the_token_and_gives_each_item_its_outcome() -> None:
+    seen: list[dict[str, object]] = []
 
-    async def put(request: web.Request) -> web.Response:
+    async def patch(request: web.Request) -> web.Response:
         assert request.headers["Authorization"] == "Bearer tok"
-        seen.append(("PUT", request.match_info["eid"], json.loads(await request.read())["role"]))
-        if request.match_info["eid"] == "bad":
-            return web.json_response({"error": "handshake_failed", "message": "no"}, status=502)
-        return web.json_response({"engine_id": request.match_info["eid"], "result": "added"})
-
-    async def delete(request: web.Request) -> web.Response:
-        seen.append(("DELETE", request.match_info["eid"], ""))
-        return web.json_response({"engine_id": request.match_info["eid"], "result": "absent"})
+        body = json.loads(await request.read())
+        seen.append(body)
+        return web.json_response(
+            {
+                "results": [
+                    {"engine_id": "p1", "op": "add", "status": 200, "result": "added"},
+                    {
+                        "engine_id": "bad",
+                        "op": "add",
+                        "status": 502,
+                        "error": "handshake_failed",
+                        "message": "no",
+                    },
+                    {"engine_id": "p0", "op": "evict", "status": 200, "result": "absent"},
+                ]
+            }
+        )
 
     async def body() -> None:
         app = web.Application()
-        app.router.add_put("/v1/peers/{eid}", put)
-        app.router.add_delete("/v1/peers/{eid}", delete)
+        app.router.add_patch("/v1/peers", patch)
         runner, endpoint = await serve(app)
         client = WorkerClient(None, token="tok")
         try:
@@ -58,11 +71,52 @@ def test_a_worker_without_batches_gets_one_call_per_peer() -> None:
             ("add", "bad"): CallResult(False, 502, "handshake_failed: no"),
             ("evict", "p0"): CallResult(True, 200, "", "absent"),
         }
-        assert sorted(seen) == [
-            ("DELETE", "p0", ""),
-            ("PUT", "bad", "prefill"),
-            ("PUT", "p1", "prefill"),
+        assert seen == [
+            {
+                "add": [
+                    {"engine_id": "p1", "endpoint": "h:1", "role": "prefill"},
+                    {"engine_id": "bad", "endpoint": "h:2", "role": "prefill"},
+                ],
+                "evict": ["p0"],
+            }
         ]
+
+    run(body)
+
+
+def test_an_empty_token_file_fails_the_calls_naming_it(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("\n")
+    with pytest.raises(TokenError, match=f"worker token file {token_file} is empty"):
+        WorkerClient(token_file)
+    calls: list[str] = []
+
+    async def patch(request: web.Request) -> web.Response:
+        calls.append(request.headers.get("Authorization", ""))
+        return web.json_response({"results": []})
+
+    async def body() -> None:
+        token_file.write_text("tok\n")
+        client = WorkerClient(token_file)
+        app = web.Application()
+        app.router.add_patch("/v1/peers", patch)
+        app.router.add_get("/v1/state", patch)
+        runner, endpoint = await serve(app)
+        try:
+            await client.change_peers(endpoint, [], ["p0"], 1.0)
+            assert calls == ["Bearer tok"]
+            token_file.write_text("  ")  # rotated to nothing: the file is read again
+            later = token_file.stat().st_mtime_ns + 5_000_000_000
+            os.utime(token_file, ns=(later, later))
+            got = await client.change_peers(endpoint, [], ["p0"], 1.0)
+            state = await client.state(endpoint, 1.0)
+        finally:
+            await client.close()
+            await runner.cleanup()
+        assert calls == ["Bearer tok"]  # nothing was sent without a token
+        (result,) = got.values()
+        assert not result.ok and f"worker token file {token_file} is empty" in result.message
+        assert isinstance(state, WorkerUnreachable) and str(token_file) in state.message
 
     run(body)
 
@@ -88,9 +142,11 @@ def test_a_failed_batch_fails_every_item_with_its_reason() -> None:
             for handler, status, text in (
                 (refuse, 401, "unauthorized: token"),
                 (leave_out, 502, "left it out"),
+                (None, 404, "Not Found"),  # no route: no single calls instead, a failure
             ):
                 app = web.Application()
-                app.router.add_patch("/v1/peers", handler)
+                if handler is not None:
+                    app.router.add_patch("/v1/peers", handler)
                 runner, endpoint = await serve(app)
                 try:
                     got = await client.change_peers(endpoint, [], ["p0", "p2"], 1.0)

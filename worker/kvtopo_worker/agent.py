@@ -12,7 +12,8 @@ Owns the aiohttp server that runs inside the engine process on its own thread an
     GET    /healthz                liveness (no token)
 
 Every other route needs `Authorization: Bearer <token>`; the token comes from a file (a
-mounted Secret) and is re-read when the file changes. Bad bodies get a 4xx with an
+mounted Secret) and is re-read when the file changes (`kvtopo_worker.credentials`); while
+that file holds no token every such route answers 503. Bad bodies get a 4xx with an
 `ErrorBody`; peers' bytes are decoded in two phases and never reach NIXL unchecked. NIXL
 handshakes run on one single-thread executor, at most one per engine (the registry's
 handshake futures). Used by `emulated` and by real engines embedding kvtopo.
@@ -27,7 +28,6 @@ import logging
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal, Protocol
 
 import aiohttp
@@ -35,10 +35,12 @@ import msgspec
 from aiohttp import web
 from prometheus_client import generate_latest
 
+from kvtopo_worker.credentials import TokenError, TokenSource
 from kvtopo_worker.metrics import WorkerMetrics
 from kvtopo_worker.protocol import (
     MAX_ID_LEN,
     MAX_PEER_CHANGES,
+    PEER_BATCH_CONCURRENCY,
     EngineMetadata,
     ErrorBody,
     FailureType,
@@ -63,7 +65,6 @@ log = logging.getLogger(__name__)
 
 MAX_METADATA_BYTES = 4 << 20
 OPEN_PATHS = frozenset({"/healthz", "/metrics"})
-PEER_BATCH_CONCURRENCY = 16  # handshakes of one `PATCH /v1/peers` running at once
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -74,39 +75,6 @@ class PeerTransport(Protocol):
     def add_remote(
         self, agent_metadata: bytes, kv_descs: bytes, num_blocks: int, block_len: int
     ) -> str: ...
-
-
-class TokenSource:
-    """The bearer token, from a file (re-read when its mtime changes) or a fixed string."""
-
-    def __init__(self, *, path: str | Path | None = None, value: str | None = None) -> None:
-        if (path is None) == (value is None):
-            raise ValueError("give exactly one of a token file path or a token value")
-        self._path = Path(path) if path is not None else None
-        self._value = value or ""
-        self._mtime = -1.0
-        if self._path is not None:
-            self._reload()
-
-    def _reload(self) -> None:
-        assert self._path is not None
-        try:
-            st = self._path.stat()
-        except OSError as exc:
-            raise ValueError(
-                f"cannot read the worker token file {self._path}: {exc.strerror}; "
-                "mount the kvtopo worker token Secret there or pass --token-file"
-            ) from None
-        if st.st_mtime != self._mtime:
-            self._value = self._path.read_text().strip()
-            self._mtime = st.st_mtime
-            if not self._value:
-                raise ValueError(f"the worker token file {self._path} is empty")
-
-    def current(self) -> str:
-        if self._path is not None:
-            self._reload()
-        return self._value
 
 
 @dataclass
@@ -261,7 +229,13 @@ class ControlServer:
         if request.path not in OPEN_PATHS:
             header = request.headers.get("Authorization", "")
             given = header[7:] if header.startswith("Bearer ") else ""
-            if not given or not hmac.compare_digest(given.encode(), self.token.current().encode()):
+            try:
+                token = self.token.current()
+            except TokenError as exc:  # no token of our own: nothing is authorised
+                self.metrics.reject("control_auth")
+                log.error("control API refused %s %s: %s", request.method, request.path, exc)
+                return _error(503, "token_unavailable", str(exc))
+            if not given or not hmac.compare_digest(given.encode(), token.encode()):
                 self.metrics.reject("control_auth")
                 return _error(
                     401, "unauthorized", "a valid 'Authorization: Bearer <token>' is required"

@@ -30,7 +30,8 @@ import msgspec
 import torch
 from aiohttp import web
 
-from kvtopo_worker.agent import ControlServer, LocalEngine, TokenSource
+from kvtopo_worker.agent import ControlServer, LocalEngine
+from kvtopo_worker.credentials import TokenError, TokenSource
 from kvtopo_worker.metrics import WorkerMetrics
 from kvtopo_worker.protocol import (
     CompatInfo,
@@ -403,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         token = TokenSource(path=args.token_file)
-    except ValueError as exc:
+    except TokenError as exc:
         print(f"kvtopo-worker: {exc}", file=sys.stderr)
         return 2
     progress = {"auto": None, "on": True, "off": False}[args.progress_thread]

@@ -1,7 +1,8 @@
 """The worker's wire contract: every byte two engines or the operator exchange.
 
 Owns the message structs (engine metadata, push registrations, notifications, control-API
-bodies), the protocol version, the compatibility hash, and the two-phase decode that turns
+bodies), the protocol version, the compatibility hash, the bounds both sides keep to (id
+lengths, batch sizes, a batch's handshake concurrency), and the two-phase decode that turns
 garbage or a mismatch into a typed error instead of a crash. Imported by every other worker
 module and by the operator; it imports neither torch, nixl, kopf nor kubernetes.
 """
@@ -271,6 +272,9 @@ class PeerAddRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
 
 MAX_PEER_CHANGES = 1024  # adds plus evictions in one `PATCH /v1/peers`
+# Adds of one `PATCH /v1/peers` the worker handshakes at once; the operator sizes the call's
+# timeout by it (each round of adds may take the worker its handshake timeout).
+PEER_BATCH_CONCURRENCY = 16
 
 
 class PeerAddItem(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
