@@ -290,59 +290,185 @@ class EngineState(enum.StrEnum):
 
 
 class Condition(_Model):
-    type: ConditionType
-    status: Literal["True", "False", "Unknown"]
-    reason: str = Field(max_length=128)
-    message: str = Field(default="", max_length=1024)
-    last_transition_time: str = Field(max_length=MAX_TIMESTAMP)
-    observed_generation: int = 0
+    """One aspect of the topology's state, in the Kubernetes condition convention."""
+
+    type: ConditionType = Field(
+        description="Ready: every expected prefill/decode pair is Connected. Progressing: "
+        "handshakes are to be made or gone engines are draining. Degraded: an engine is "
+        "incompatible or its worker unreachable."
+    )
+    status: Literal["True", "False", "Unknown"] = Field(
+        description="Whether the condition holds: True, False or Unknown."
+    )
+    reason: str = Field(
+        max_length=128,
+        description="Why the condition has its status, one CamelCase word (e.g. "
+        "AllPairsConnected, PairsMissing, NoEngines, Handshaking, Draining, Stable, "
+        "Incompatible, WorkerUnreachable, Healthy).",
+    )
+    message: str = Field(
+        default="",
+        max_length=1024,
+        description="Human-readable details, e.g. how many pairs are connected or which "
+        "workers are unreachable.",
+    )
+    last_transition_time: str = Field(
+        max_length=MAX_TIMESTAMP,
+        description="When the status last changed (RFC 3339, UTC); kept while only the "
+        "reason or message changes.",
+    )
+    observed_generation: int = Field(
+        default=0,
+        description="The metadata.generation of the spec this condition was computed from.",
+    )
 
 
 class Summary(_Model):
-    prefill: str = Field(default="0/0", max_length=MAX_SUMMARY)
-    decode: str = Field(default="0/0", max_length=MAX_SUMMARY)
-    pairs: str = Field(default="0/0", max_length=MAX_SUMMARY)
+    """Counts at a glance ("usable/total"), shown by `kubectl get kvt`."""
+
+    prefill: str = Field(
+        default="0/0",
+        max_length=MAX_SUMMARY,
+        description="Usable prefill engines (pod Ready, worker read) / prefill pods selected.",
+    )
+    decode: str = Field(
+        default="0/0",
+        max_length=MAX_SUMMARY,
+        description="Usable decode engines (pod Ready, worker read) / decode pods selected.",
+    )
+    pairs: str = Field(
+        default="0/0",
+        max_length=MAX_SUMMARY,
+        description="Connected prefill/decode pairs / pairs that must be connected.",
+    )
 
 
 class EngineStatus(_Model):
-    pod: str = Field(max_length=253)
-    role: Literal["prefill", "decode"]
-    engine_id: str = Field(default="", max_length=256)
-    endpoint: str = Field(default="", max_length=300)
-    state: EngineState
-    peers: int = 0
-    since: str = Field(max_length=MAX_TIMESTAMP)
-    message: str = Field(default="", max_length=512)
-    compat_hash: str = Field(default="", max_length=64)
-    # Last failure counters read from this engine's worker: the baseline for the deltas
-    # that `failures` accumulates, so totals survive worker and operator restarts.
-    failures_seen: dict[str, int] = Field(default_factory=dict, max_length=32)
+    """One engine (a selected pod's worker) as the operator last saw it."""
+
+    pod: str = Field(
+        max_length=253, description="Name of the engine's pod (empty for an unknown peer)."
+    )
+    role: Literal["prefill", "decode"] = Field(description="The engine's role.")
+    engine_id: str = Field(
+        default="",
+        max_length=256,
+        description="The engine id its worker reports; a restarted engine gets a new one.",
+    )
+    endpoint: str = Field(
+        default="",
+        max_length=300,
+        description="The worker's control endpoint (host:port) the operator calls.",
+    )
+    state: EngineState = Field(
+        description="Pending: no peer to pair with. Handshaking: some of its pairs are not "
+        "connected yet. Connected: all of its pairs are. Draining: the engine is gone and "
+        "is kept for eviction.graceSeconds before it is evicted from its peers. Evicted: no "
+        "peer holds it any more (listed for a few minutes). Failed: its worker is "
+        "unreachable or reports another role. Incompatible: its compatibility hash differs "
+        "from that of an engine it would be paired with."
+    )
+    peers: int = Field(
+        default=0, description="Remote engines the worker holds (those being evicted excluded)."
+    )
+    since: str = Field(
+        max_length=MAX_TIMESTAMP,
+        description="When the engine entered its current state (RFC 3339 with milliseconds, "
+        "UTC); for a Draining engine, when it went, which starts the eviction grace.",
+    )
+    message: str = Field(
+        default="",
+        max_length=512,
+        description="Human-readable details of the state, e.g. pairs connected or why the "
+        "worker is unreachable.",
+    )
+    compat_hash: str = Field(
+        default="",
+        max_length=64,
+        description="The worker's compatibility hash (model, KV layout, dtype, block size, "
+        "transfer mode, protocol version); engines are paired only with equal hashes.",
+    )
+    failures_seen: dict[str, int] = Field(
+        default_factory=dict,
+        max_length=32,
+        description="The failure counters last read from this engine's worker, by failure "
+        "type: the baseline for the deltas that failures.counts accumulates, so totals "
+        "survive worker and operator restarts.",
+    )
 
 
 class LastFailure(_Model):
-    time: str = Field(max_length=MAX_TIMESTAMP)
-    type: str = Field(max_length=64)
-    engine_id: str = Field(default="", max_length=256)
-    pod: str = Field(default="", max_length=253)
-    request_id: str = Field(default="", max_length=256)
-    message: str = Field(default="", max_length=512)
+    """The most recent failure, as reported by a worker or seen by the operator."""
+
+    time: str = Field(max_length=MAX_TIMESTAMP, description="When it happened (RFC 3339, UTC).")
+    type: str = Field(
+        max_length=64,
+        description="The failure type, one of the keys of failures.counts (e.g. "
+        "handshake_failed, transfer_failed, kv_expired).",
+    )
+    engine_id: str = Field(
+        default="",
+        max_length=256,
+        description="The engine whose worker reported it, or the peer a failed handshake "
+        "was adding.",
+    )
+    pod: str = Field(
+        default="", max_length=253, description="The pod of the worker that reported it."
+    )
+    request_id: str = Field(
+        default="",
+        max_length=256,
+        description="The inference request it failed, where it concerned one.",
+    )
+    message: str = Field(
+        default="", max_length=512, description="Human-readable details of the failure."
+    )
 
 
 class Failures(_Model):
-    counts: dict[str, int] = Field(default_factory=dict, max_length=32)
-    last: LastFailure | None = None
+    """Transfer failures of the topology's engines, accumulated across restarts."""
+
+    counts: dict[str, int] = Field(
+        default_factory=dict,
+        max_length=32,
+        description="Total failures by type (handshake_failed, incompatible, "
+        "push_reg_notif_failed, transfer_failed, transfer_setup_failed, "
+        "notification_failed, registration_timeout, kv_expired, evicted_inflight, "
+        "malformed_message, ...), summed over every engine's workers; totals survive worker "
+        "and operator restarts.",
+    )
+    last: LastFailure | None = Field(
+        default=None, description="The most recent failure counted; absent until one is."
+    )
 
 
 class KVTopologyStatus(_Model):
-    observed_generation: int = 0
+    """The observed state of the topology, written by the operator."""
+
+    observed_generation: int = Field(
+        default=0,
+        description="The metadata.generation of the spec the operator last reconciled.",
+    )
     conditions: list[Condition] = Field(
         default_factory=list,
         max_length=8,
+        description="Ready, Progressing and Degraded, one of each.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
-    summary: Summary = Field(default_factory=Summary)
-    engines: list[EngineStatus] = Field(default_factory=list, max_length=MAX_ENGINES_IN_STATUS)
-    failures: Failures = Field(default_factory=Failures)
+    summary: Summary = Field(
+        default_factory=Summary,
+        description="Usable engines and connected pairs at a glance (the printer columns).",
+    )
+    engines: list[EngineStatus] = Field(
+        default_factory=list,
+        max_length=MAX_ENGINES_IN_STATUS,
+        description="Every selected engine with its state, ordered by role and pod, "
+        "recently evicted ones last; at most 2048.",
+    )
+    failures: Failures = Field(
+        default_factory=Failures,
+        description="Transfer failure counters by type and the most recent failure.",
+    )
 
 
 class KVTopology(_Model):

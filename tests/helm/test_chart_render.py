@@ -95,7 +95,7 @@ def test_chart_crd_is_the_checked_in_crd() -> None:
     checked_in = ROOT / "crds" / "kvtopology.yaml"
     assert chart_crd.read_bytes() == checked_in.read_bytes(), (
         "helm/kvtopo/crds/kvtopology.yaml differs from crds/kvtopology.yaml; "
-        "copy it: cp crds/kvtopology.yaml helm/kvtopo/crds/"
+        "regenerate both: make crds"
     )
     assert sorted(p.name for p in (CHART / "crds").iterdir()) == ["kvtopology.yaml"]
 

@@ -301,8 +301,7 @@ def openapi(manifest: dict[str, Any]) -> dict[str, Any]:
 def test_checked_in_crd_matches_the_models(manifest: dict[str, Any]) -> None:
     checked_in = yaml.safe_load(CHECKED_IN.read_text())
     assert checked_in == manifest, (
-        "crds/kvtopology.yaml is stale; regenerate: python -m kvtopo_operator.crd > "
-        "crds/kvtopology.yaml"
+        "crds/kvtopology.yaml is stale; regenerate it and the chart's copy: make crds"
     )
     assert yaml.safe_load(crd.render_crd()) == manifest
     assert "&id" not in crd.render_crd()  # no YAML anchors: every subtree written out
