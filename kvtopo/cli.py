@@ -1,7 +1,10 @@
 """The `kvtopo` command: one entry point for the benchmarks and the local control plane.
 
 Owns argument parsing and dispatch only; each verb's work lives in its own package and is
-imported lazily, so `kvtopo --help` stays fast and needs neither torch nor nixl.
+imported lazily, so `kvtopo --help` stays fast and needs neither torch nor nixl. Verbs that
+live above this package (`bench`, in kvtopo_bench) are not imported by name: a package
+registers a function under the `kvtopo.verbs` entry-point group that adds its subparser
+(with its handler as `func`), and :func:`build_parser` calls each one it finds installed.
 """
 
 from __future__ import annotations
@@ -9,55 +12,19 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from pathlib import Path
+from importlib.metadata import entry_points
+
+VERB_ENTRY_POINTS = "kvtopo.verbs"
+"""The entry-point group of verbs other packages add (pyproject.toml, `[project.entry-points]`)."""
 
 
-def _bench_push(args: argparse.Namespace) -> int:
-    from kvtopo_bench import push
-
-    try:
-        report = push.run(
-            args.json,
-            quick=args.quick,
-            log=lambda line: print(line, flush=True),
-            device=args.device,
-        )
-    except RuntimeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print()
-    print(push.format_table(report))
-    if args.json is not None:
-        print(f"\nJSON report: {args.json}")
-    ok = push.all_verified(report)
-    if not ok:
-        print("error: some pushed bytes did not verify", file=sys.stderr)
-    return 0 if ok else 1
-
-
-def _bench_summary(args: argparse.Namespace) -> int:
-    from kvtopo_bench.summary import summarize
-
-    table, ok = summarize(args.results)
-    print(table)
-    if not ok:
-        print("\nsome targets are missed or reports missing (see above)", file=sys.stderr)
-    return 0 if ok else 1
-
-
-def _bench_report(module: str) -> Callable[[argparse.Namespace], int]:
-    """The handler of a benchmark that writes its own report: run, then say where it is."""
-
-    def run(args: argparse.Namespace) -> int:
-        import importlib
-
-        bench = importlib.import_module(f"kvtopo_bench.{module}")
-        bench.run(args.json, quick=args.quick, log=lambda line: print(line, flush=True))
-        if args.json is not None:
-            print(f"JSON report: {args.json}")
-        return 0
-
-    return run
+def add_registered_verbs(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the verbs registered under :data:`VERB_ENTRY_POINTS`, in the order of their names;
+    each entry point names a function that adds its subparser to `verbs`."""
+    for point in sorted(entry_points(group=VERB_ENTRY_POINTS), key=lambda p: p.name):
+        add: Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], object]
+        add = point.load()
+        add(verbs)
 
 
 def _crds(args: argparse.Namespace) -> int:
@@ -83,70 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     crds.set_defaults(func=_crds)
 
-    bench = verbs.add_parser("bench", help="run a benchmark (results as JSON)")
-    bench_kinds = bench.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
-    benchmarks = (
-        (
-            "push",
-            _bench_push,
-            "push data path vs raw NIXL vs a torch copy, two processes, every byte verified",
-            "Measures, side by side in one run, raw NIXL WRITEs (best of progress thread "
-            "on/off x 1/8 in flight, per-block and merged descriptors), the kvtopo push path "
-            "(registration + match + WRITE + completion, every byte verified; 1/8/16/32 in "
-            "flight, block merging off/on) and a torch copy of the same bytes; on the CPU, "
-            "and on the GPU where one is present.",
-            "fewer requests and repeats",
-        ),
-        (
-            "registry",
-            _bench_report("registry"),
-            "registry lock critical sections and writer throughput under churn",
-            "snapshot/evict critical sections (p50/p99 us) at 1, 8 and 64 ranks with 1,000 "
-            "engines; registration-writer throughput alone and under eviction churn.",
-            "fewer calls and shorter runs",
-        ),
-        (
-            "operator",
-            _bench_report("operator"),
-            "the operator at fleet scale on a local control plane with kwok",
-            "16 x 64 and 32 x 1000 pods with in-process fake worker control servers: pod "
-            "serving -> pairs Connected, pod gone -> evicted, full rollout -> converged, "
-            "operator RSS and CPU per 1,000 pod events.",
-            "only the 16 x 64 size",
-        ),
-    )
-    for name, func, help_, description, quick_help in benchmarks:
-        kind = bench_kinds.add_parser(name, help=help_, description=description)
-        kind.add_argument("--json", type=Path, metavar="PATH", help="write the JSON report here")
-        kind.add_argument("--quick", action="store_true", help=quick_help)
-        kind.set_defaults(func=func)
-        if name == "push":
-            kind.add_argument(
-                "--device",
-                choices=("auto", "cpu", "cuda"),
-                default="auto",
-                help="auto (default): the CPU cases, plus the GPU variant (KV caches in GPU "
-                "memory) where torch sees a CUDA device; cpu: CPU only; cuda: GPU only",
-            )
-
-    summary = bench_kinds.add_parser(
-        "summary",
-        help="one table of the figures with targets, from the JSON reports",
-        description="Reads push.json, registry.json and operator.json from --results and "
-        "prints each figure that has a target, the target and whether it is met. Exits 1 "
-        "when a target is missed or a report is missing.",
-    )
-    summary.add_argument(
-        "--results",
-        type=Path,
-        default=Path("bench/results"),
-        metavar="DIR",
-        help="folder of the JSON reports (default: bench/results)",
-    )
-    summary.set_defaults(func=_bench_summary)
+    add_registered_verbs(verbs)
 
     from kvtopo.cluster.cli import add_cluster_parser, run_cluster
-    from kvtopo.drill.run import add_drill_parser
+    from kvtopo.drill.cli import add_drill_parser
 
     add_drill_parser(verbs)
 
