@@ -6,7 +6,7 @@ defaults dropped, bounds, real defaults and `x-kubernetes-*` markers kept), the 
 generator that also emits the defaults pydantic's `default_factory`s make
 (:class:`CRDJsonSchema`), the printer columns, and the CRD manifest itself
 (:func:`crd_manifest`, :func:`render_crd`), which is checked in as `crds/kvtopology.yaml`
-(regenerate with ``python -m kvtopo_operator.crd > crds/kvtopology.yaml``). Pure: no I/O
+(regenerate it and the chart's copy with ``make crds``). Pure: no I/O
 besides that ``__main__``, nothing of kubernetes or kopf.
 """
 
@@ -315,8 +315,8 @@ def crd_manifest() -> dict[str, Any]:
 
 
 HEADER: Final = (
-    "# Generated from operator/api.py by kvtopo_operator.crd.render_crd(); do not edit.\n"
-    "# Regenerate: python -m kvtopo_operator.crd > crds/kvtopology.yaml\n"
+    "# Generated from kvtopo_operator/api.py by kvtopo_operator.crd.render_crd(); do not edit.\n"
+    "# Regenerate (this file and the chart's copy): make crds\n"
 )
 
 

@@ -17,7 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtopo_worker.agent import ControlServer, LocalEngine, TokenSource
+from kvtopo_worker.agent import ControlServer, LocalEngine
+from kvtopo_worker.credentials import TokenSource
 from kvtopo_worker.metrics import WorkerMetrics
 from kvtopo_worker.protocol import CompatInfo, EngineMetadata, Envelope, compat_hash
 from kvtopo_worker.registry import EngineRegistry
