@@ -19,7 +19,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from kvtopo import launch
 from kvtopo.drill import manifests
 from kvtopo_operator.api import ENDPOINT_ANNOTATION, GROUP, PLURAL, ROLE_LABEL
 from kvtopo_operator.crd import crd_manifest
@@ -355,25 +355,10 @@ class SizeRun:
             else []
         )
         self.operator = await asyncio.to_thread(
-            subprocess.Popen,
-            [
-                *wrap,
-                sys.executable,
-                "-m",
-                "kvtopo_operator.main",
-                "--namespace",
-                self.ns,
-                "--kubeconfig",
-                str(self.cluster.kubeconfig),
-                "--worker-token-file",
-                str(token_file),
-                "--metrics-port",
-                "0",
-                "--resync-seconds",
-                "2",
-            ],
-            stdout=(log_dir / f"operator-{self.ns}.log").open("wb"),
-            stderr=subprocess.STDOUT,
+            launch.start_operator,
+            launch.operator_args(self.ns, self.cluster.kubeconfig, token_file, resync_s=2),
+            log_dir / f"operator-{self.ns}.log",
+            wrapper=wrap,
         )
         pid = self.operator.pid
         if profile:  # measure the operator, not py-spy
@@ -472,11 +457,9 @@ class SizeRun:
             agent.cancel()
             measure.cancel()
             if self.operator is not None:
-                self.operator.send_signal(signal.SIGINT if profile else signal.SIGTERM)
-                try:
-                    self.operator.wait(10)
-                except subprocess.TimeoutExpired:
-                    self.operator.kill()
+                # Under py-spy: SIGINT, on which py-spy writes its profile.
+                sig = signal.SIGINT if profile else signal.SIGTERM
+                launch.stop_process(self.operator, 10, sig=sig)
             await self.fleet.runner.cleanup()
 
 

@@ -1,9 +1,10 @@
 """The drill's stand-in for the kubelet: one real `kvtopo-worker` process per Ready pod.
 
 Owns the engine processes of the drill. It lists the drill's pods (kwok makes them Ready),
-starts a `kvtopo-worker` for each Ready pod, and writes the worker's loopback endpoint into
-the pod's `kvtopo.dev/control-endpoint` annotation (the pod template carries "pending" until
-then, so nothing ever dials kwok's fake pod IPs). When a pod is deleted or stops being
+starts a `kvtopo-worker` for each Ready pod (command line and ready line from
+:mod:`kvtopo.launch`), and writes the worker's loopback endpoint into the pod's
+`kvtopo.dev/control-endpoint` annotation (the pod template carries "pending" until then, so
+nothing ever dials kwok's fake pod IPs). When a pod is deleted or stops being
 Ready, its engine drains like a real one: it gets no new traffic, its requests in flight
 end, its outcomes are collected, and only then is the process stopped. Also owns the
 control-API calls the drill makes to workers.
@@ -12,9 +13,7 @@ control-API calls the drill makes to workers.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import sys
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from typing import Any
 
 import aiohttp
 
+from kvtopo.launch import parse_ready_line, worker_command
 from kvtopo_operator.api import ENDPOINT_ANNOTATION, ROLE_LABEL
 
 log = logging.getLogger(__name__)
@@ -106,20 +106,12 @@ class Fleet:
 
     async def _start(self, pod: str, uid: str, role: str) -> None:
         log_path = self.log_dir / f"worker-{pod}.log"
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "kvtopo_worker.emulated",
-            "--role",
-            role,
-            "--port",
-            "0",
-            "--token-file",
-            str(self.token_file),
-            *self.worker_args,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=log_path.open("ab"),
-        )
+        with log_path.open("ab") as log:  # the child keeps its own descriptor
+            proc = await asyncio.create_subprocess_exec(
+                *worker_command(role, self.token_file, *self.worker_args),
+                stdout=asyncio.subprocess.PIPE,
+                stderr=log,
+            )
         eng = Engine(pod=pod, uid=uid, role=role, process=proc, started_at=time.monotonic())
         self.engines[uid] = eng
         self._spawn(self._await_serving(eng), f"serve-{pod}")
@@ -128,13 +120,13 @@ class Fleet:
         assert eng.process.stdout is not None
         try:
             line = await asyncio.wait_for(eng.process.stdout.readline(), timeout=120)
-            info = json.loads(line)
-        except (TimeoutError, json.JSONDecodeError, ValueError):
+            ready = parse_ready_line(line)
+        except (TimeoutError, ValueError):
             log.error("worker for %s did not start; see %s", eng.pod, self.log_dir)
             eng.process.kill()
             self.engines.pop(eng.uid, None)
             return
-        eng.engine_id, eng.endpoint = info["engine_id"], info["endpoint"]
+        eng.engine_id, eng.endpoint = ready.engine_id, ready.endpoint
         try:
             await asyncio.to_thread(self.annotate, eng.pod, eng.endpoint)
         except Exception as exc:  # the pod went away meanwhile

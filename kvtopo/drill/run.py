@@ -10,13 +10,11 @@ runs a drill from the command line.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from kvtopo import launch
 from kvtopo.drill import manifests
 from kvtopo.drill.fleet import Fleet
 from kvtopo.drill.ledger import Ledger
@@ -97,26 +96,9 @@ class Drill:
         return Path(self.cluster.kubeconfig)
 
     def _start_operator(self, kubeconfig: Path, token_file: Path) -> None:
-        log_path = self.opts.workdir / "operator.log"
-        self.operator = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvtopo_operator.main",
-                "--namespace",
-                self.namespace,
-                "--kubeconfig",
-                str(kubeconfig),
-                "--worker-token-file",
-                str(token_file),
-                "--metrics-port",
-                "0",
-                "--resync-seconds",
-                "1",
-            ],
-            stdout=log_path.open("ab"),
-            stderr=subprocess.STDOUT,
-        )
+        args = launch.operator_args(self.namespace, kubeconfig, token_file, resync_s=1)
+        # Appended to: the operator restarted by the chaos fault logs on in the same file.
+        self.operator = launch.start_operator(args, self.opts.workdir / "operator.log", append=True)
 
     async def setup(self) -> None:
         self.opts.workdir.mkdir(parents=True, exist_ok=True)
@@ -500,12 +482,8 @@ class Drill:
                 t.cancel()
             if self.fleet is not None:
                 await self.fleet.stop_all()
-            if self.operator is not None and self.operator.poll() is None:
-                self.operator.terminate()
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.operator.wait(10)
-                if self.operator.poll() is None:
-                    self.operator.kill()
+            if self.operator is not None:
+                launch.stop_process(self.operator, 10)
             if self.cluster is not None:
                 await asyncio.to_thread(self.cluster.down)
         return self.ledger.report()

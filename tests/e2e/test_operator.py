@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,11 +19,13 @@ from typing import Any
 
 import pytest
 
+from kvtopo import launch
 from kvtopo.cluster.deadlines import wait_until
 from kvtopo.cluster.local_cluster import LocalCluster
+from kvtopo.cluster.processes import log_tail
 from kvtopo.drill import manifests
 from tests.cluster.kube import apply, create_namespace, get_json, ready_engine_pod
-from tests.worker.workers import WorkerProcess, start_worker
+from tests.worker.workers import WorkerProcess, start_worker, stop_operator_and_workers
 
 pytestmark = pytest.mark.nixl
 
@@ -93,27 +94,10 @@ class Env:
 
     def start_operator(self) -> None:
         self.operator_log = self.tmp / f"operator-{time.monotonic_ns()}.log"
-        log = open(self.operator_log, "wb")  # noqa: SIM115 - owned by the child
-        self.operator = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvtopo_operator.main",
-                "--namespace",
-                self.namespace,
-                "--kubeconfig",
-                str(self.cluster.kubeconfig),
-                "--worker-token-file",
-                str(self.token_file),
-                "--metrics-port",
-                "0",
-                "--resync-seconds",
-                "1",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
+        args = launch.operator_args(
+            self.namespace, self.cluster.kubeconfig, self.token_file, resync_s=1
         )
+        self.operator = launch.start_operator(args, self.operator_log, cwd=ROOT)
 
     def kill_operator(self) -> None:
         assert self.operator is not None
@@ -121,9 +105,7 @@ class Env:
         self.operator.wait(10)
 
     def operator_tail(self) -> str:
-        if self.operator_log is None:
-            return ""
-        return "\n".join(self.operator_log.read_text(errors="replace").splitlines()[-40:])
+        return "" if self.operator_log is None else log_tail(self.operator_log, 40)
 
     def wait(self, what: str, probe: Any, timeout: float = 30) -> Any:
         return wait_until(
@@ -159,14 +141,7 @@ def env(cluster_a: LocalCluster, tmp_path: Path) -> Iterator[Env]:
     try:
         yield e
     finally:
-        if e.operator is not None and e.operator.poll() is None:
-            e.operator.terminate()
-            try:
-                e.operator.wait(10)
-            except subprocess.TimeoutExpired:
-                e.operator.kill()
-        for w in e.workers.values():
-            w.stop()
+        stop_operator_and_workers(e.operator, 10, e.workers.values())
 
 
 def test_pairs_connect_and_a_deleted_decode_is_evicted(env: Env) -> None:
@@ -361,7 +336,7 @@ def _metrics(w: WorkerProcess) -> str:
 
 def test_operator_help_mentions_scope() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "kvtopo_operator.main", "--help"],
+        launch.operator_command(["--help"]),
         capture_output=True,
         text=True,
         timeout=60,

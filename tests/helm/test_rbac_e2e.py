@@ -17,7 +17,6 @@ import json
 import re
 import socket
 import subprocess
-import sys
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,12 +26,14 @@ from typing import Any
 import pytest
 import yaml
 
+from kvtopo import launch
 from kvtopo.cluster.deadlines import wait_until
 from kvtopo.cluster.local_cluster import LocalCluster
+from kvtopo.cluster.processes import log_tail
 from kvtopo.drill import manifests
 from tests.cluster.kube import apply, create_namespace, get_json, ready_engine_pod
 from tests.helm.chart import CHART, ROOT, Helm, binary, parse
-from tests.worker.workers import WorkerProcess, start_worker
+from tests.worker.workers import WorkerProcess, start_worker, stop_operator_and_workers
 
 pytestmark = pytest.mark.nixl
 
@@ -121,18 +122,10 @@ class Installed:
 
     def start_operator(self, args: list[str]) -> None:
         self.operator_log = self.tmp / "operator.log"
-        log = open(self.operator_log, "wb")  # noqa: SIM115 - owned by the child
-        self.operator = subprocess.Popen(
-            [sys.executable, "-m", "kvtopo_operator.main", *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-        )
+        self.operator = launch.start_operator(args, self.operator_log, cwd=ROOT)
 
     def operator_tail(self, lines: int = 40) -> str:
-        if self.operator_log is None:
-            return ""
-        return "\n".join(self.operator_log.read_text(errors="replace").splitlines()[-lines:])
+        return "" if self.operator_log is None else log_tail(self.operator_log, lines)
 
     def pod(self, name: str, role: str, w: WorkerProcess) -> None:
         self.workers[name] = w
@@ -166,15 +159,7 @@ def installed(cluster_a: LocalCluster, tmp_path: Path) -> Iterator[Installed]:
     try:
         yield env
     finally:
-        if env.operator is not None and env.operator.poll() is None:
-            env.operator.terminate()
-            try:
-                env.operator.wait(15)
-            except subprocess.TimeoutExpired:
-                env.operator.kill()
-                env.operator.wait(5)
-        for w in env.workers.values():
-            w.stop()
+        stop_operator_and_workers(env.operator, 15, env.workers.values())
         helm.run("uninstall", RELEASE, "--namespace", namespace, check=False)
         cluster_a.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 

@@ -1,19 +1,21 @@
-"""Real `kvtopo-worker` processes for integration tests, and a small control-API client."""
+"""Real `kvtopo-worker` processes for integration tests (started and stopped by
+:mod:`kvtopo.launch`), and a small control-API client."""
 
 from __future__ import annotations
 
 import json
 import os
-import select
-import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kvtopo import launch
+from kvtopo.cluster import processes
 
 
 @dataclass
@@ -73,50 +75,27 @@ class WorkerProcess:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        launch.stop_process(self.proc, 10)
 
     def log_tail(self, n: int = 30) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        return processes.log_tail(self.log_path, n)
 
 
 def start_worker(
     role: str, token_file: Path, log_dir: Path, *extra: str, deadline_s: float = 60
 ) -> WorkerProcess:
+    """A serving worker of `role`, its log `<role>-<ns>.log` in `log_dir`."""
     log_path = log_dir / f"{role}-{time.monotonic_ns()}.log"
-    log = open(log_path, "w")  # noqa: SIM115 - owned by the child for its life
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvtopo_worker.emulated",
-        "--role",
-        role,
-        "--port",
-        "0",
-        "--token-file",
-        str(token_file),
-        *extra,
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
-    assert proc.stdout is not None
-    end = time.monotonic() + deadline_s
-    line = ""
-    while time.monotonic() < end:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
-        if ready:
-            line = proc.stdout.readline()
-            break
-        if proc.poll() is not None:
-            break
-    if not line.startswith("{"):
-        proc.kill()
-        raise RuntimeError(f"{role} worker did not start: {log_path.read_text()[-2000:]}")
-    info = json.loads(line)
-    return WorkerProcess(
-        role, proc, info["engine_id"], info["endpoint"], token_file.read_text().strip(), log_path
-    )
+    w = launch.start_worker(role, token_file, log_path, *extra, deadline_s=deadline_s)
+    token = token_file.read_text().strip()
+    return WorkerProcess(role, w.proc, w.engine_id, w.endpoint, token, log_path)
+
+
+def stop_operator_and_workers(
+    operator: subprocess.Popen[bytes] | None, grace_s: float, workers: Iterable[WorkerProcess]
+) -> None:
+    """An end-to-end test's teardown: its operator (when it started one), then its workers."""
+    if operator is not None:
+        launch.stop_process(operator, grace_s)
+    for w in workers:
+        w.stop()
