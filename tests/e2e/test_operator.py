@@ -7,41 +7,32 @@ loopback. The operator runs as its own process so it can be killed mid-way.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvtopo import launch
-from kvtopo.cluster.deadlines import wait_until
 from kvtopo.cluster.local_cluster import LocalCluster
-from kvtopo.cluster.processes import log_tail
 from kvtopo.drill import manifests
-from tests.cluster.kube import apply, create_namespace, get_json, ready_engine_pod
+from tests.cluster.kube import apply, create_namespace
+from tests.e2e.harness import ROOT, OperatorHarness
 from tests.worker.workers import WorkerProcess, start_worker, stop_operator_and_workers
 
 pytestmark = pytest.mark.nixl
 
-ROOT = Path(__file__).resolve().parents[2]
 GRACE = 2
 
 
 @dataclass
-class Env:
-    cluster: LocalCluster
-    namespace: str
+class Env(OperatorHarness):
     token_file: Path
-    tmp: Path
-    workers: dict[str, WorkerProcess] = field(default_factory=dict)
-    operator: subprocess.Popen[bytes] | None = None
-    operator_log: Path | None = None
 
     # --- workers and pods ------------------------------------------------------------------
 
@@ -60,9 +51,10 @@ class Env:
         )
         return w
 
-    def pod(self, name: str, role: str, w: WorkerProcess, version: str = "v1") -> None:
-        self.workers[name] = w
-        ready_engine_pod(self.cluster, self.namespace, name, role, w.endpoint, {"version": version})
+    def pod(  # type: ignore[override]
+        self, name: str, role: manifests.Role, w: WorkerProcess, version: str = "v1"
+    ) -> None:
+        super().pod(name, role, w, version=version)
 
     def repoint(self, name: str, w: WorkerProcess) -> None:
         self.workers[name] = w
@@ -86,39 +78,18 @@ class Env:
         )
         apply(self.cluster, body)
 
-    def status(self, name: str = "llama") -> dict[str, Any]:
-        obj = get_json(self.cluster, "kvt", name, "-n", self.namespace)
-        return obj.get("status") or {}  # type: ignore[no-any-return]
-
     # --- the operator ----------------------------------------------------------------------
 
-    def start_operator(self) -> None:
-        self.operator_log = self.tmp / f"operator-{time.monotonic_ns()}.log"
+    def start_operator(self) -> None:  # type: ignore[override]
         args = launch.operator_args(
             self.namespace, self.cluster.kubeconfig, self.token_file, resync_s=1
         )
-        self.operator = launch.start_operator(args, self.operator_log, cwd=ROOT)
+        super().start_operator(args, f"operator-{time.monotonic_ns()}.log")
 
     def kill_operator(self) -> None:
         assert self.operator is not None
         self.operator.send_signal(signal.SIGKILL)
         self.operator.wait(10)
-
-    def operator_tail(self) -> str:
-        return "" if self.operator_log is None else log_tail(self.operator_log, 40)
-
-    def wait(self, what: str, probe: Any, timeout: float = 30) -> Any:
-        return wait_until(
-            probe,
-            timeout,
-            what,
-            interval_s=0.1,
-            describe_last=lambda: (
-                json.dumps(self.status(), indent=1)[-3000:]
-                + "\n--- operator log ---\n"
-                + self.operator_tail()
-            ),
-        )
 
 
 def ready_status(st: dict[str, Any]) -> str:
@@ -137,7 +108,7 @@ def env(cluster_a: LocalCluster, tmp_path: Path) -> Iterator[Env]:
     )
     token = tmp_path / "token"
     token.write_text("e2e-token\n")
-    e = Env(cluster_a, create_namespace(cluster_a, "kvt-e2e", wait_for_sa=False), token, tmp_path)
+    e = Env(cluster_a, create_namespace(cluster_a, "kvt-e2e", wait_for_sa=False), tmp_path, token)
     try:
         yield e
     finally:

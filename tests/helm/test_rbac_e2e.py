@@ -19,20 +19,18 @@ import socket
 import subprocess
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from kvtopo import launch
-from kvtopo.cluster.deadlines import wait_until
 from kvtopo.cluster.local_cluster import LocalCluster
-from kvtopo.cluster.processes import log_tail
 from kvtopo.drill import manifests
-from tests.cluster.kube import apply, create_namespace, get_json, ready_engine_pod
-from tests.helm.chart import CHART, ROOT, Helm, binary, parse
+from tests.cluster.kube import apply, create_namespace, get_json
+from tests.e2e.harness import OperatorHarness
+from tests.helm.chart import CHART, Helm, binary, parse
 from tests.worker.workers import WorkerProcess, start_worker, stop_operator_and_workers
 
 pytestmark = pytest.mark.nixl
@@ -54,14 +52,8 @@ def free_port() -> int:
 
 
 @dataclass
-class Installed:
-    cluster: LocalCluster
+class Installed(OperatorHarness):
     helm: Helm
-    namespace: str
-    tmp: Path
-    workers: dict[str, WorkerProcess] = field(default_factory=dict)
-    operator: subprocess.Popen[bytes] | None = None
-    operator_log: Path | None = None
 
     def kubectl_as_sa(self, kubeconfig: Path, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -120,42 +112,13 @@ class Installed:
         args: list[str] = c["args"]
         return args
 
-    def start_operator(self, args: list[str]) -> None:
-        self.operator_log = self.tmp / "operator.log"
-        self.operator = launch.start_operator(args, self.operator_log, cwd=ROOT)
-
-    def operator_tail(self, lines: int = 40) -> str:
-        return "" if self.operator_log is None else log_tail(self.operator_log, lines)
-
-    def pod(self, name: str, role: str, w: WorkerProcess) -> None:
-        self.workers[name] = w
-        ready_engine_pod(self.cluster, self.namespace, name, role, w.endpoint)
-
-    def status(self) -> dict[str, Any]:
-        obj: dict[str, Any] = get_json(self.cluster, "kvt", "llama", "-n", self.namespace)
-        status: dict[str, Any] = obj.get("status") or {}
-        return status
-
-    def wait(self, what: str, probe: Any, timeout: float) -> Any:
-        return wait_until(
-            probe,
-            timeout,
-            what,
-            interval_s=0.2,
-            describe_last=lambda: (
-                json.dumps(self.status(), indent=1)[-2000:]
-                + "\n--- operator log ---\n"
-                + self.operator_tail()
-            ),
-        )
-
 
 @pytest.fixture
 def installed(cluster_a: LocalCluster, tmp_path: Path) -> Iterator[Installed]:
     namespace = create_namespace(cluster_a, "kvt-rbac", wait_for_sa=False)
     helm = Helm(tmp_path / "helm", cluster_a.kubeconfig)
     helm.run("install", RELEASE, str(CHART), "--namespace", namespace)
-    env = Installed(cluster_a, helm, namespace, tmp_path)
+    env = Installed(cluster_a, namespace, tmp_path, helm)
     try:
         yield env
     finally:
