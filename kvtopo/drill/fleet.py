@@ -5,9 +5,12 @@ starts a `kvtopo-worker` for each Ready pod (command line and ready line from
 :mod:`kvtopo.launch`), and writes the worker's loopback endpoint into the pod's
 `kvtopo.dev/control-endpoint` annotation (the pod template carries "pending" until then, so
 nothing ever dials kwok's fake pod IPs). When a pod is deleted or stops being
-Ready, its engine drains like a real one: it gets no new traffic, its requests in flight
-end, its outcomes are collected, and only then is the process stopped. Also owns the
-control-API calls the drill makes to workers.
+Ready, its engine drains like a real one: the fleet tells the engine to drain (`POST
+/v1/drain`; from then on the engine itself refuses new requests with 503 `draining`), collects
+outcomes until the engine says it is drained (every request it accepted has ended and its
+outcome has been collected; requests still held at the engine's drain deadline fail with
+reason `shutdown`), and only then stops the process. Also owns the control-API calls the
+drill makes to workers.
 """
 
 from __future__ import annotations
@@ -57,7 +60,9 @@ class Fleet:
     annotate: Callable[[str, str], None]
     on_outcomes: Callable[[str, list[dict[str, Any]], float], None]
     on_going: Callable[[str, float], None]
+    trace: Callable[..., None] = lambda event, **fields: None
     drain_deadline_s: float = 15.0
+    engine_drain_s: float = 10.0  # the engine's own deadline: then it fails what it holds
     engines: dict[str, Engine] = field(default_factory=dict)
     session: aiohttp.ClientSession | None = None
     kill_without_drain: bool = False  # fault injection: a crashing decode engine
@@ -132,6 +137,7 @@ class Fleet:
         except Exception as exc:  # the pod went away meanwhile
             log.info("could not annotate %s: %s", eng.pod, exc)
         eng.serving_at = time.monotonic()
+        self.trace("serving", pod=eng.pod, engine=eng.engine_id, role=eng.role)
 
     def _begin_drain(self, eng: Engine) -> None:
         if eng.draining_since is not None:
@@ -139,19 +145,36 @@ class Fleet:
         eng.draining_since = time.monotonic()
         if eng.engine_id:
             self.on_going(eng.engine_id, eng.draining_since)
+        self.trace("drain_begin", pod=eng.pod, engine=eng.engine_id, role=eng.role)
         self._spawn(self._drain_and_stop(eng), f"drain-{eng.pod}")
 
     async def _drain_and_stop(self, eng: Engine) -> None:
         if not (self.kill_without_drain and eng.role == "decode"):
+            drained = not eng.endpoint  # an engine that never served holds nothing
             deadline = time.monotonic() + self.drain_deadline_s
-            while eng.endpoint and time.monotonic() < deadline:
-                await self.collect(eng)
-                if eng.in_flight == 0:
+            while not drained and eng.process.returncode is None:
+                state = await self.drain(eng)
+                if state is not None and state.get("drained"):
+                    drained = True
                     break
-                await asyncio.sleep(0.1)  # polling the worker's real state, with a deadline
-            if eng.endpoint:
                 await self.collect(eng)
+                if time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(0.1)  # polling the engine's real drain state
+            self.trace(
+                "drained" if drained else "drain_deadline", pod=eng.pod, engine=eng.engine_id
+            )
             eng.process.terminate()
+            # Past the deadline the engine still hands out what it ended while it exits.
+            exit_by = time.monotonic() + 2 * self.engine_drain_s + 5
+            while (
+                not drained
+                and eng.endpoint
+                and eng.process.returncode is None
+                and time.monotonic() < exit_by
+            ):
+                await self.collect(eng)
+                await asyncio.sleep(0.1)  # until the process exits (bounded by its own drain)
         else:
             # The injected fault: the engine dies with requests in flight (their outcomes
             # are never collected, and the drill must notice).
@@ -166,6 +189,7 @@ class Fleet:
             eng.process.kill()
             await eng.process.wait()
         eng.stopped = True
+        self.trace("exited", pod=eng.pod, engine=eng.engine_id, code=eng.process.returncode)
         self.engines.pop(eng.uid, None)
 
     async def stop_all(self) -> None:
@@ -205,6 +229,18 @@ class Fleet:
         await self.refresh(eng)
         if outcomes:
             self.on_outcomes(eng.role, outcomes, time.monotonic())
+
+    async def drain(self, eng: Engine) -> dict[str, Any] | None:
+        """Tells the engine to drain (idempotent); its drain state, or None unreachable."""
+        body = {"timeout_s": self.engine_drain_s}
+        try:
+            async with self.http().post(f"http://{eng.endpoint}/v1/drain", json=body) as resp:
+                if resp.status != 200:
+                    return None
+                state: dict[str, Any] = await resp.json()
+                return state
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+            return None
 
     async def submit(self, eng: Engine, request_id: str, peer: str, num_blocks: int) -> int:
         body = {"request_id": request_id, "peer_engine_id": peer, "num_blocks": num_blocks}

@@ -26,6 +26,7 @@ from kvtopo import launch
 from kvtopo.drill import manifests
 from kvtopo.drill.fleet import Fleet
 from kvtopo.drill.ledger import Ledger
+from kvtopo.drill.trace import Trace
 from kvtopo_operator.api import ENDPOINT_ANNOTATION, GROUP, PLURAL
 from kvtopo_operator.crd import crd_manifest
 from kvtopo_operator.kube import ClusterApi
@@ -67,6 +68,7 @@ class Drill:
         self.say = say
         self.rng = random.Random(opts.seed)
         self.ledger = Ledger(t0=time.monotonic())
+        self.trace = Trace(opts.workdir / "trace.jsonl", self.ledger.t0)
         self.phase = "starting"
         self.rollout_label = "-"
         self.operator: subprocess.Popen[bytes] | None = None
@@ -146,6 +148,7 @@ class Drill:
             annotate=annotate,
             on_outcomes=self._record_outcomes,
             on_going=self.ledger.going_away,
+            trace=self.trace,
             kill_without_drain=self.opts.fault == "crash-decode",
         )
         self.say("creating the KVTopology and the prefill/decode Deployments on kwok nodes")
@@ -171,6 +174,13 @@ class Drill:
 
     def _record_outcomes(self, role: str, outcomes: list[dict[str, Any]], t: float) -> None:
         for outcome in outcomes:
+            self.trace(
+                "outcome",
+                rid=outcome.get("request_id"),
+                side=role,
+                status=outcome.get("status"),
+                reason=outcome.get("reason"),
+            )
             self.ledger.outcome(role, outcome, t)
 
     async def _until(
@@ -270,13 +280,17 @@ class Drill:
             pid, did = self.rng.choice(pairs)
             self.seq += 1
             rid = f"drill-{self.opts.seed}-{self.seq}"
-            if await fleet.submit(serving[pid], rid, did, self.opts.blocks) != 202:
+            status = await fleet.submit(serving[pid], rid, did, self.opts.blocks)
+            self.trace("submit", rid=rid, side="prefill", engine=pid, answer=status)
+            if status != 202:  # e.g. 503 draining: pick another pair next time
                 continue
             # Booked before the decode side is asked: its outcome can be collected before
             # the answer to this very call arrives.
             self.ledger.submitted(rid, pid, did, time.monotonic())
+            self.trace("booked", rid=rid, prefill=pid, decode=did)
             status = await fleet.submit(serving[did], rid, pid, self.opts.blocks)
-            if status != 202:
+            self.trace("submit", rid=rid, side="decode", engine=did, answer=status)
+            if status != 202:  # refused (503 draining): it never started on the decode side
                 self.ledger.withdraw(rid)
 
     # --- the scenario ----------------------------------------------------------------------
@@ -486,7 +500,10 @@ class Drill:
                 launch.stop_process(self.operator, 10)
             if self.cluster is not None:
                 await asyncio.to_thread(self.cluster.down)
-        return self.ledger.report()
+        self.trace.close()
+        report = self.ledger.report()
+        report["trace"] = str(self.trace.path)
+        return report
 
     async def _track_serving(self) -> None:
         assert self.fleet is not None

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import time
 import urllib.error
@@ -74,8 +76,24 @@ class WorkerProcess:
         fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    def stop(self) -> None:
-        launch.stop_process(self.proc, 10)
+    def stop(self, grace_s: float = 10) -> None:
+        """SIGTERM (the worker drains: what it still holds fails with reason `shutdown`),
+        collecting outcomes until it exits, as a real client would; SIGKILL after `grace_s`."""
+        if self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError, ValueError):  # the server is gone (exiting)
+                status, body = self.call("GET", "/v1/finished", timeout=1)
+                if status == 200:
+                    self.outcomes.extend(body)
+            try:
+                self.proc.wait(0.1)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+        launch.stop_process(self.proc, 0)
 
     def log_tail(self, n: int = 30) -> str:
         return processes.log_tail(self.log_path, n)
@@ -86,6 +104,8 @@ def start_worker(
 ) -> WorkerProcess:
     """A serving worker of `role`, its log `<role>-<ns>.log` in `log_dir`."""
     log_path = log_dir / f"{role}-{time.monotonic_ns()}.log"
+    if "--drain-timeout" not in extra:  # what a stopped test worker still holds fails soon
+        extra = (*extra, "--drain-timeout", "2")
     w = launch.start_worker(role, token_file, log_path, *extra, deadline_s=deadline_s)
     token = token_file.read_text().strip()
     return WorkerProcess(role, w.proc, w.engine_id, w.endpoint, token, log_path)

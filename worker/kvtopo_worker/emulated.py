@@ -6,8 +6,16 @@ receiver verifies every byte it was pushed), the engine thread that drains
 `PushConnector.get_finished()`, and two extra control routes for traffic generators:
 
     POST /v1/requests   SubmitRequest: start a request (prefill: fill and offer its blocks;
-                        decode: allocate blocks and register them with the prefill engine)
+                        decode: allocate blocks and register them with the prefill engine);
+                        503 `draining` once the engine drains
     GET  /v1/finished   drain ended requests as a list of RequestOutcome (each exactly once)
+    POST /v1/drain      DrainRequest: stop taking requests; those still held after its
+                        timeout fail with reason `shutdown`; answers DrainState
+    GET  /v1/drain      DrainState (draining, requests held, outcomes not yet collected)
+
+Draining is an engine state, as in a real engine told to stop (a pod's preStop hook, or
+SIGTERM, which drains the same way before the process exits): no request is accepted after
+it begins, and every request accepted before ends with an outcome that can be collected.
 
 Used by tests, the drill and the benchmarks; a real engine embeds `push` and `agent` instead.
 """
@@ -35,6 +43,8 @@ from kvtopo_worker.credentials import TokenError, TokenSource
 from kvtopo_worker.metrics import WorkerMetrics
 from kvtopo_worker.protocol import (
     CompatInfo,
+    DrainRequest,
+    DrainState,
     EngineMetadata,
     FailureType,
     MalformedMessage,
@@ -128,6 +138,10 @@ class _Request:
     block_ids: list[int]
 
 
+class EngineDraining(Exception):
+    """The engine drains: it takes no new requests."""
+
+
 class EmulatedEngine:
     """One engine rank with a real NIXL agent, a KV cache and the control API."""
 
@@ -192,6 +206,8 @@ class EmulatedEngine:
         )
         self.server.app.router.add_post("/v1/requests", self._post_request)
         self.server.app.router.add_get("/v1/finished", self._get_finished)
+        self.server.app.router.add_post("/v1/drain", self._post_drain)
+        self.server.app.router.add_get("/v1/drain", self._get_drain)
         self._alloc_lock = threading.Lock()
         self._free = deque(range(num_blocks))
         self._requests: dict[str, _Request] = {}
@@ -204,6 +220,8 @@ class EmulatedEngine:
         self.verified_bytes = 0
         self._accepted = 0
         self._handed_out = 0
+        self._draining = False  # set under _alloc_lock: no request is accepted after it
+        self._drain_deadline: threading.Timer | None = None
 
     @property
     def endpoint(self) -> str:
@@ -215,11 +233,89 @@ class EmulatedEngine:
         self.server.start()
 
     def stop(self) -> None:
+        """Stops the engine; a request still held fails with reason `shutdown` (its outcome
+        is queued, but nobody can collect it once the control server is gone: drain first)."""
         self._stop.set()
+        if self._drain_deadline is not None:
+            self._drain_deadline.cancel()
+        self._engine_thread.join(5)
+        self.fail_held("the engine stopped before the request ended")
         self.server.stop()
         self.connector.stop()
-        self._engine_thread.join(5)
         self.transport.close()
+
+    # --- draining --------------------------------------------------------------------------
+
+    def begin_drain(self, timeout_s: float) -> None:
+        """Refuses new requests from now on; after `timeout_s`, fails those still held with
+        reason `shutdown`. A second call changes nothing."""
+        with self._alloc_lock:
+            if self._draining:
+                return
+            self._draining = True
+        log.info("draining: %d requests held, %.1f s to end them", self.held(), timeout_s)
+        timer = threading.Timer(
+            timeout_s, self.fail_held, args=("the engine drained past its deadline",)
+        )
+        timer.daemon = True
+        self._drain_deadline = timer
+        timer.start()
+
+    def held(self) -> int:
+        """Requests accepted that have not ended yet."""
+        with self._alloc_lock:
+            return len(self._requests)
+
+    def fail_held(self, message: str) -> int:
+        """Ends every request still held as failed with reason `shutdown`; returns how many.
+        Meant for an engine that takes no more requests: their blocks are never reused."""
+        with self._alloc_lock:
+            held = list(self._requests.values())
+            self._requests.clear()
+            for req in held:
+                self._free.extend(req.block_ids)
+        if not held:
+            return 0
+        now = time.time()
+        outcomes = [
+            RequestOutcome(
+                request_id=req.request_id,
+                status="failed",
+                reason=FailureType.SHUTDOWN,
+                message=message,
+                peer_engine_id=req.peer_engine_id,
+                ended_at=now,
+            )
+            for req in held
+        ]
+        for req in held:
+            self.metrics.record_failure(
+                FailureType.SHUTDOWN, {"request_id": req.request_id, "msg": message}
+            )
+        with self._outcomes_lock:
+            self._outcomes.extend(outcomes)
+        return len(held)
+
+    def drain_state(self) -> DrainState:
+        held = self.held()
+        with self._outcomes_lock:
+            in_flight = self._accepted - self._handed_out
+        return DrainState(
+            draining=self._draining,
+            requests_held=held,
+            requests_in_flight=in_flight,
+            drained=self._draining and held == 0 and in_flight == 0,
+        )
+
+    def wait_drained(self, timeout_s: float) -> bool:
+        """Waits (polling the engine's own state, with a deadline) until every accepted
+        request's outcome has been handed out; False when the deadline came first."""
+        deadline = time.monotonic() + timeout_s
+        while not self.drain_state().drained:
+            if time.monotonic() >= deadline:
+                return False
+            self._stop.wait(0.05)
+        return True
 
     def _request_counts(self) -> tuple[int, int, int]:
         # In flight until its outcome has been handed out by GET /v1/finished, so a client
@@ -235,6 +331,8 @@ class EmulatedEngine:
         if not 0 < req.num_blocks <= self.kv.shape[0]:
             raise ValueError(f"num_blocks must be 1..{self.kv.shape[0]}")
         with self._alloc_lock:
+            if self._draining:
+                raise EngineDraining("the engine is draining: it takes no new requests")
             if req.request_id in self._requests:
                 raise ValueError(f"request {req.request_id} is already in flight")
             if len(self._free) < req.num_blocks:
@@ -267,25 +365,31 @@ class EmulatedEngine:
             outcomes: list[RequestOutcome] = []
             for rid in fin.done_sending:
                 req = self._release(rid)
+                if req is None:  # already ended (failed at shutdown)
+                    continue
                 outcomes.append(
                     RequestOutcome(
                         request_id=rid,
                         status="done",
-                        peer_engine_id=req.peer_engine_id if req else "",
+                        peer_engine_id=req.peer_engine_id,
                         ended_at=now,
                     )
                 )
             for rid in fin.done_receiving:
-                outcomes.append(self._verify(rid, now))
+                verified = self._verify(rid, now)
+                if verified is not None:
+                    outcomes.append(verified)
             for f in fin.failed:
                 req = self._release(f.request_id)
+                if req is None:  # already ended (failed at shutdown)
+                    continue
                 outcomes.append(
                     RequestOutcome(
                         request_id=f.request_id,
                         status="failed",
                         reason=f.reason,
                         message=f.message,
-                        peer_engine_id=req.peer_engine_id if req else "",
+                        peer_engine_id=req.peer_engine_id,
                         ended_at=now,
                     )
                 )
@@ -295,19 +399,16 @@ class EmulatedEngine:
             else:
                 self.connector.wait_finished(0.05)
 
-    def _verify(self, request_id: str, now: float) -> RequestOutcome:
+    def _verify(self, request_id: str, now: float) -> RequestOutcome | None:
+        """The outcome of a pushed request, every byte checked; None when the request has
+        ended already (failed at shutdown)."""
         with self._alloc_lock:
             req = self._requests.get(request_id)
         if req is None:
-            return RequestOutcome(
-                request_id=request_id,
-                status="failed",
-                reason=FailureType.MALFORMED_MESSAGE,
-                message="completion for an unknown request",
-                ended_at=now,
-            )
+            return None
         bad = self.content.mismatched_blocks(self.kv, req.block_ids, request_id)
-        self._release(request_id)
+        if self._release(request_id) is None:  # failed at shutdown meanwhile
+            return None
         if bad:
             self.metrics.record_failure(
                 FailureType.TRANSFER_FAILED,
@@ -343,11 +444,27 @@ class EmulatedEngine:
         body = decode_json_body(await request.read(), SubmitRequest)
         try:
             self.submit(body)
+        except EngineDraining as exc:
+            return _json_error(503, "draining", str(exc))
         except BlockingIOError as exc:
             return _json_error(503, "no_capacity", str(exc))
         except ValueError as exc:
             raise MalformedMessage(str(exc)) from None
         return web.Response(status=202, body=b'{"accepted":true}', content_type="application/json")
+
+    async def _post_drain(self, request: web.Request) -> web.Response:
+        body = decode_json_body(await request.read() or b"{}", DrainRequest)
+        if not 0 <= body.timeout_s <= 3600:
+            raise MalformedMessage("timeout_s must be 0..3600")
+        self.begin_drain(body.timeout_s)
+        return web.Response(
+            body=msgspec.json.encode(self.drain_state()), content_type="application/json"
+        )
+
+    async def _get_drain(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=msgspec.json.encode(self.drain_state()), content_type="application/json"
+        )
 
     async def _get_finished(self, request: web.Request) -> web.Response:
         try:
@@ -387,6 +504,15 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--registration-timeout", type=float, default=30.0, metavar="S")
     p.add_argument("--kv-lease", type=float, default=30.0, metavar="S")
     p.add_argument("--idle-ttl", type=float, default=0.0, metavar="S", help="0: off")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="on SIGTERM/SIGINT: requests still held this long after it fail with reason "
+        "shutdown; the process then waits as long again for their outcomes to be collected "
+        "(GET /v1/finished) before it exits",
+    )
     p.add_argument(
         "--progress-thread",
         choices=["auto", "on", "off"],
@@ -435,6 +561,12 @@ def main(argv: list[str] | None = None) -> int:
     line = {"engine_id": engine.engine_id, "endpoint": engine.endpoint, "role": engine.role}
     print(json.dumps(line), flush=True)
     done.wait()
+    engine.begin_drain(args.drain_timeout)
+    if not engine.wait_drained(2 * args.drain_timeout + 1):
+        st = engine.drain_state()
+        log.warning(
+            "exiting with %d outcomes not collected (GET /v1/finished)", st.requests_in_flight
+        )
     engine.stop()
     return 0
 

@@ -50,6 +50,7 @@ class FailureType(enum.StrEnum):
     EVICTED_INFLIGHT = "evicted_inflight"
     MALFORMED_MESSAGE = "malformed_message"
     REMOTE_REJECTED = "remote_rejected"
+    SHUTDOWN = "shutdown"  # the engine stopped (drain deadline passed) before it ended
 
 
 class ProtocolError(Exception):
@@ -391,6 +392,27 @@ class RequestOutcome(msgspec.Struct, frozen=True, kw_only=True):
     verified_bytes: int = 0
     peer_engine_id: str = ""
     ended_at: float = 0.0
+
+
+class DrainRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`POST /v1/drain` of the emulated engine: stop taking requests, end the ones held.
+
+    From the first call on, `POST /v1/requests` answers 503 `draining`. Requests already
+    accepted run on; those still held `timeout_s` after the first call fail with reason
+    `shutdown`. Repeating the call changes nothing and answers the current `DrainState`.
+    """
+
+    timeout_s: float = 10.0
+
+
+class DrainState(msgspec.Struct, frozen=True, kw_only=True):
+    """The emulated engine's drain: `drained` once every accepted request has ended and its
+    outcome has been handed out by `GET /v1/finished` (nothing more can appear)."""
+
+    draining: bool
+    requests_held: int
+    requests_in_flight: int
+    drained: bool
 
 
 def decode_json_body(data: bytes, kind: type[_T]) -> _T:
