@@ -4,7 +4,11 @@ Two real ControlServers (real aiohttp, real registry) on loopback, with fake tra
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -14,6 +18,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -347,3 +352,62 @@ def test_garbage_and_mismatched_metadata_is_refused_and_counted(
     assert sum(d.server.metrics.failure_counts().values()) == before + 1
     assert d.registry.engine_ids() == [] and d.transport.remotes == set()
     assert urllib.request.urlopen(d.url + "/healthz", timeout=5).status == 200
+
+
+def test_a_non_ascii_or_undecodable_token_is_refused_with_401_not_500(
+    pair: tuple[Node, Node],
+) -> None:
+    p, _ = pair
+    host, port = p.server.endpoint.rsplit(":", 1)
+    for raw in ("Bearer t\u00f6ken".encode(), b"Bearer \xff\xfe\x80"):
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(
+                b"GET /v1/state HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                b"Authorization: " + raw + b"\r\n\r\n"
+            )
+            answer = b""
+            while chunk := s.recv(4096):
+                answer += chunk
+        assert answer.split(b"\r\n", 1)[0].split()[1] == b"401", answer[:200]
+
+
+def test_a_peer_that_answers_an_endless_error_body_fails_the_handshake_promptly(
+    pair: tuple[Node, Node],
+) -> None:
+    # A peer whose error answer never ends: the worker reads a bounded prefix of it and
+    # fails the handshake with the status, instead of reading until the handshake timeout
+    # (or, for a large finite body, holding it all in memory).
+    _, d = pair
+    d.server.handshake_timeout_s = 30
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(status=500)
+        await resp.prepare(request)
+        with contextlib.suppress(ConnectionError):
+            while True:
+                await resp.write(b"x" * 65536)
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/v1/metadata", endless)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = runner.addresses[0][1]
+    serving = threading.Thread(target=loop.run_forever, daemon=True)
+    serving.start()
+    try:
+        t0 = time.monotonic()
+        status, body = call(
+            "PUT", d.url + "/v1/peers/liar", {"endpoint": f"127.0.0.1:{port}", "role": "prefill"}
+        )
+        assert status == 502, body
+        assert "HTTP 500" in str(body["message"]), body
+        assert len(str(body["message"])) < 1024
+        assert time.monotonic() - t0 < 10
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        serving.join(5)

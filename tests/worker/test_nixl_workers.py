@@ -216,3 +216,25 @@ def test_garbage_notifications_over_nixl_are_counted_and_survived(
     submitted, ended = stream(p, d, 20)
     assert ended == set(submitted) and len(submitted) == 20
     assert all(o["status"] == "done" for o in d.outcomes)
+
+
+def test_submits_with_bad_ids_or_no_blocks_are_refused_at_once(
+    pair: tuple[WorkerProcess, WorkerProcess],
+) -> None:
+    # Accepted, they would fail on both sides only at their timeouts.
+    p, d = pair
+    for w, peer in ((p, d), (d, p)):
+        for request_id, peer_id, blocks in (
+            ("", peer.engine_id, 1),
+            ("r" * 300, peer.engine_id, 1),
+            ("ok", "", 1),
+            ("ok", peer.engine_id, 0),
+            ("ok", peer.engine_id, -1),
+        ):
+            status, body = w.call(
+                "POST",
+                "/v1/requests",
+                {"request_id": request_id, "peer_engine_id": peer_id, "num_blocks": blocks},
+            )
+            assert status == 400 and body["error"] == "bad_request", (request_id, blocks, body)
+        assert w.state()["requests_in_flight"] == 0

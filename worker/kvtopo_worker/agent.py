@@ -63,6 +63,9 @@ from kvtopo_worker.registry import EngineRegistry
 
 log = logging.getLogger(__name__)
 
+MAX_ERROR_BODY_BYTES = 300
+"""How much of a peer's non-200 answer is read (and quoted in the handshake failure)."""
+
 MAX_METADATA_BYTES = 4 << 20
 OPEN_PATHS = frozenset({"/healthz", "/metrics"})
 
@@ -235,7 +238,11 @@ class ControlServer:
                 self.metrics.reject("control_auth")
                 log.error("control API refused %s %s: %s", request.method, request.path, exc)
                 return _error(503, "token_unavailable", str(exc))
-            if not given or not hmac.compare_digest(given.encode(), token.encode()):
+            try:
+                given_bytes = given.encode()
+            except UnicodeError:  # undecodable header bytes: no token of ours looks like that
+                given_bytes = b""
+            if not given_bytes or not hmac.compare_digest(given_bytes, token.encode()):
                 self.metrics.reject("control_auth")
                 return _error(
                     401, "unauthorized", "a valid 'Authorization: Bearer <token>' is required"
@@ -402,7 +409,8 @@ class ControlServer:
         timeout = aiohttp.ClientTimeout(total=self.handshake_timeout_s)
         async with self._session.get(url, headers=headers, timeout=timeout) as resp:
             if resp.status != 200:
-                text = (await resp.text())[:300]
+                # A bounded prefix: an error answer can be endless or huge.
+                text = (await resp.content.read(MAX_ERROR_BODY_BYTES)).decode("utf-8", "replace")
                 raise ValueError(f"peer answered HTTP {resp.status}: {text}")
             data = await resp.content.read(MAX_METADATA_BYTES + 1)
             if len(data) > MAX_METADATA_BYTES:

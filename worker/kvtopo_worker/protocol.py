@@ -381,6 +381,12 @@ class SubmitRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     peer_engine_id: str
     num_blocks: int
 
+    def __post_init__(self) -> None:
+        _check_id("request_id", self.request_id)
+        _check_id("peer_engine_id", self.peer_engine_id)
+        if not 0 < self.num_blocks <= MAX_BLOCKS_PER_REQUEST:
+            raise MalformedMessage(f"num_blocks must be 1..{MAX_BLOCKS_PER_REQUEST}")
+
 
 class RequestOutcome(msgspec.Struct, frozen=True, kw_only=True):
     """How one request ended (exactly once)."""
