@@ -17,7 +17,7 @@ from kvtopo_worker.protocol import (
     decode_notification,
     encode_notification,
 )
-from kvtopo_worker.push import PushConnector
+from kvtopo_worker.push import PushConfig, PushConnector
 from kvtopo_worker.registry import EngineRegistry
 from tests.worker.conftest import DECODE, PREFILL, add_engine, make_connector
 from tests.worker.fakes import FakeClock, FakeTransport
@@ -409,3 +409,19 @@ def test_x1_stress_eviction_churn_never_fails_a_present_engine(
     assert sorted(ended) == sorted(ids)
     assert decode.metrics.duplicate_outcomes_total._value.get() == 0
     assert decode.in_flight() == 0
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"max_requests_per_write": 65},  # a completion names at most 64 requests
+        {"max_requests_per_write": 0},
+        {"max_bytes_per_write": 0},
+        {"registration_timeout_s": 0},
+        {"kv_lease_s": -1},
+        {"transfer_timeout_s": float("inf")},
+    ],
+)
+def test_a_configuration_the_protocol_cannot_carry_is_refused(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        PushConfig(**bad)  # type: ignore[arg-type]

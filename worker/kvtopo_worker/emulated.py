@@ -534,6 +534,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvtopo-worker: {exc}", file=sys.stderr)
         return 2
     progress = {"auto": None, "on": True, "off": False}[args.progress_thread]
+    try:
+        push_config = PushConfig(
+            registration_timeout_s=args.registration_timeout, kv_lease_s=args.kv_lease
+        )
+    except ValueError as exc:
+        print(f"kvtopo-worker: {exc}", file=sys.stderr)
+        return 2
+    if not 0 <= args.drain_timeout <= 3600:
+        print(
+            f"kvtopo-worker: --drain-timeout must be 0..3600 s, not {args.drain_timeout}",
+            file=sys.stderr,
+        )
+        return 2
     engine = EmulatedEngine(
         role=args.role,
         engine_id=args.engine_id,
@@ -544,9 +557,7 @@ def main(argv: list[str] | None = None) -> int:
         host=args.host,
         port=args.port,
         token=token,
-        push_config=PushConfig(
-            registration_timeout_s=args.registration_timeout, kv_lease_s=args.kv_lease
-        ),
+        push_config=push_config,
         idle_ttl_s=args.idle_ttl,
         progress_thread=progress,
     )

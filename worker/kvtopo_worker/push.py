@@ -36,6 +36,7 @@ from typing import Any
 
 from kvtopo_worker.metrics import WorkerMetrics
 from kvtopo_worker.protocol import (
+    MAX_REQUESTS_PER_WRITE,
     FailureType,
     MalformedMessage,
     PushDone,
@@ -73,6 +74,20 @@ class PushConfig:
     # request can gain by waiting for its batch-mates' bytes. 1 turns batching off.
     max_requests_per_write: int = 8
     max_bytes_per_write: int = 16 << 20
+
+    def __post_init__(self) -> None:
+        """Refuses a configuration the protocol cannot carry or that never ends a request."""
+        if not 1 <= self.max_requests_per_write <= MAX_REQUESTS_PER_WRITE:
+            raise ValueError(
+                f"max_requests_per_write must be 1..{MAX_REQUESTS_PER_WRITE} (one completion "
+                f"names at most that many requests), not {self.max_requests_per_write}"
+            )
+        if self.max_bytes_per_write < 1:
+            raise ValueError(f"max_bytes_per_write must be >= 1, not {self.max_bytes_per_write}")
+        for name in ("registration_timeout_s", "kv_lease_s", "transfer_timeout_s"):
+            value = getattr(self, name)
+            if not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a positive number of seconds, not {value}")
 
 
 @dataclass(frozen=True)
