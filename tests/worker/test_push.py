@@ -425,3 +425,24 @@ def test_x1_stress_eviction_churn_never_fails_a_present_engine(
 def test_a_configuration_the_protocol_cannot_carry_is_refused(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
         PushConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_arriving_registrations_count_as_use_for_the_idle_backstop(
+    transport: FakeTransport, clock: FakeClock
+) -> None:
+    # A decode engine that only sends registrations (the prefill has not written to it yet)
+    # is in use: the idle-TTL backstop must not evict it while its registrations arrive.
+    registry = EngineRegistry(remove_agent=transport.remove_remote, clock=clock, idle_ttl_s=60)
+    prefill = make_connector("prefill", transport, registry, clock, kv_lease_s=600.0)
+    try:
+        agent = add_engine(transport, registry, DECODE)
+        for i in range(3):
+            clock.advance(50)
+            _register(transport, agent, f"r{i}", [i])
+            prefill.progress_once()
+            assert registry.evict_idle() == [], f"evicted after registration r{i}"
+        assert DECODE in registry
+        clock.advance(61)  # nothing arrives any more: now it is idle
+        assert registry.evict_idle() == [DECODE]
+    finally:
+        prefill.stop()

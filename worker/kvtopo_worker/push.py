@@ -428,6 +428,9 @@ class PushConnector:
                 regs.append(msg)
         if not regs:
             return
+        # A decode engine whose registrations arrive is in use (the idle-TTL backstop).
+        for engine_id in {msg.decode_engine_id for msg in regs}:
+            self.registry.touch(engine_id)
         deadline = self._clock() + self.config.kv_lease_s
         duplicates = 0
         with self._state_lock:
