@@ -500,7 +500,7 @@ class Drill:
                 launch.stop_process(self.operator, 10)
             if self.cluster is not None:
                 await asyncio.to_thread(self.cluster.down)
-        self.trace.close()
+            self.trace.close()
         report = self.ledger.report()
         report["trace"] = str(self.trace.path)
         return report

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -72,3 +73,11 @@ def add_engine(transport: FakeTransport, registry: EngineRegistry, engine_id: st
     transport.add_agent(agent)
     registry.add_engine(engine_id, {0: agent})
     return agent
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    """The control-API token file shared by a test's real worker processes."""
+    f = tmp_path / "token"
+    f.write_text("integration-token\n")
+    return f

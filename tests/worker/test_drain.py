@@ -25,13 +25,6 @@ OPTS = ("--num-blocks", "64", "--block-bytes", "4096", "--progress-thread", "off
 
 
 @pytest.fixture
-def token_file(tmp_path: Path) -> Path:
-    f = tmp_path / "token"
-    f.write_text("drain-token\n")
-    return f
-
-
-@pytest.fixture
 def pair(token_file: Path, tmp_path: Path) -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
     timeouts = ("--registration-timeout", "3", "--kv-lease", "3")
     p = start_worker("prefill", token_file, tmp_path, *OPTS, *timeouts)

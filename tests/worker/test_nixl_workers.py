@@ -20,13 +20,6 @@ BLOCKS_PER_REQUEST = 4
 
 
 @pytest.fixture
-def token_file(tmp_path: Path) -> Path:
-    f = tmp_path / "token"
-    f.write_text("integration-token\n")
-    return f
-
-
-@pytest.fixture
 def pair(token_file: Path, tmp_path: Path) -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
     opts = (
         "--num-blocks",
