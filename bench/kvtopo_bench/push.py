@@ -110,6 +110,13 @@ def _peer_main(
 
     from kvtopo_worker.emulated import KVContent
     from kvtopo_worker.metrics import WorkerMetrics
+    from kvtopo_worker.protocol import (
+        CompatInfo,
+        Role,
+        compat_hash,
+        decode_metadata,
+        encode_metadata,
+    )
     from kvtopo_worker.push import PushConfig, PushConnector
     from kvtopo_worker.registry import EngineRegistry
     from kvtopo_worker.transport import NixlTransport
@@ -121,9 +128,15 @@ def _peer_main(
         torch.cuda.set_device(0)
     kv = torch.zeros((num_blocks, block_len), dtype=torch.uint8, device=device)
     transport.register_kv_cache(kv)
-    conn.send((engine_id, transport.agent_metadata(), transport.serialized_block_descs()))
-    peer_id, peer_meta, peer_descs = conn.recv()
-    peer_agent = transport.add_remote(peer_meta, peer_descs, num_blocks, block_len)
+    # The peers meet as engines do: each decodes the other's versioned metadata.
+    compat = CompatInfo(block_len=block_len)
+    own_role: Role = "prefill" if role == "sender" else "decode"
+    conn.send_bytes(
+        encode_metadata(transport.describe(engine_id=engine_id, role=own_role, compat=compat))
+    )
+    peer = decode_metadata(conn.recv_bytes(), compat_hash(compat))
+    peer_id = peer.engine_id
+    peer_agent = transport.add_remote_peer(peer)
     content = KVContent(block_len, kv.device)
     try:
         while True:
@@ -296,9 +309,9 @@ class _Pair:
             self.conns[role] = parent
             self.procs.append(proc)
         s, r = self.conns["sender"], self.conns["receiver"]
-        s_info, r_info = s.recv(), r.recv()
-        s.send(r_info)
-        r.send(s_info)
+        s_info, r_info = s.recv_bytes(), r.recv_bytes()
+        s.send_bytes(r_info)
+        r.send_bytes(s_info)
 
     def run(
         self, mode: str, window: int, epoch_requests: int, epochs: int, per_req: int, merge: bool

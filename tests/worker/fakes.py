@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvtopo_worker.protocol import EngineMetadata
 from kvtopo_worker.transport import TransportError, XferState
 
 
@@ -54,10 +55,10 @@ class FakeTransport:
         self._lock = threading.Lock()
         self._handles = itertools.count(1)
 
-    def add_remote(
-        self, agent_metadata: bytes, kv_descs: bytes, num_blocks: int, block_len: int
-    ) -> str:
-        name = agent_metadata.decode()
+    def add_remote_peer(self, meta: EngineMetadata) -> str:
+        name = meta.agent_metadata.decode()  # a fake blob: the agent's name
+        if name != meta.agent_name:
+            raise TransportError(f"blob of {name}, engine says {meta.agent_name}", "identity")
         with self._lock:
             self.remotes.add(name)
         return name

@@ -52,7 +52,7 @@ def make_node(engine_id: str, role: str, model_id: str = "m", token: str = TOKEN
         role=role,
         agent_name=transport.agent_name,  # type: ignore[arg-type]
         agent_metadata=transport.agent_name.encode(),
-        kv_descs=b"d",
+        kv_addr=0,
         num_blocks=4,
         block_len=64,
         compat=compat,

@@ -178,11 +178,7 @@ def test_garbage_notifications_over_nixl_are_counted_and_survived(
             req = rq.Request(w.url + "/v1/metadata", headers={"Authorization": f"Bearer {w.token}"})
             raw = rq.urlopen(req, timeout=10).read()
             meta = decode_metadata(raw, w.state()["compat_hash"])
-            targets.append(
-                rogue.add_remote(
-                    meta.agent_metadata, meta.kv_descs, meta.num_blocks, meta.block_len
-                )
-            )
+            targets.append(rogue.add_remote_peer(meta))
         garbage = [
             b"",
             b"\x00" * 32,

@@ -18,7 +18,7 @@ def _meta(**compat: object) -> p.EngineMetadata:
         role="prefill",
         agent_name="kvtopo-e1",
         agent_metadata=b"\x01\x02",
-        kv_descs=b"descs",
+        kv_addr=1 << 40,
         num_blocks=8,
         block_len=4096,
         compat=info,

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import pytest
 
-from kvtopo_worker.transport import NixlTransport, block_runs
+from kvtopo_worker.protocol import CompatInfo
+from kvtopo_worker.transport import NixlTransport, TransportError, block_runs
 
 
 def test_block_runs_find_the_stretches_that_count_up_together() -> None:
@@ -49,9 +51,11 @@ def test_writes_land_every_byte_merged_or_not(merge: bool) -> None:
         kv_dst = torch.zeros((blocks, block_len), dtype=torch.uint8)
         src.register_kv_cache(kv_src)
         dst.register_kv_cache(kv_dst)
-        name = src.add_remote(dst.agent_metadata(), dst.serialized_block_descs(), blocks, block_len)
-        src.add_remote(dst.agent_metadata(), dst.serialized_block_descs(), blocks, block_len)
-        dst.add_remote(src.agent_metadata(), src.serialized_block_descs(), blocks, block_len)
+        compat = CompatInfo(block_len=block_len)
+        dst_meta = dst.describe(engine_id="dst", role="decode", compat=compat)
+        name = src.add_remote_peer(dst_meta)
+        assert src.add_remote_peer(dst_meta) == name  # idempotent
+        dst.add_remote_peer(src.describe(engine_id="src", role="prefill", compat=compat))
         # A run of four, a lone block, and a run of two that is misaligned on the far side.
         local = [0, 1, 2, 3, 7, 10, 11]
         remote = [4, 5, 6, 7, 0, 13, 14]
@@ -67,3 +71,32 @@ def test_writes_land_every_byte_merged_or_not(merge: bool) -> None:
     finally:
         src.close()
         dst.close()
+
+
+def test_a_peer_region_outside_its_registered_memory_or_another_agents_blob_is_refused() -> None:
+    torch = pytest.importorskip("torch")
+    blocks, block_len = 8, 256
+    local = NixlTransport("kvtopo-test-local", progress_thread=False)
+    peer = NixlTransport("kvtopo-test-peer", progress_thread=False)
+    try:
+        local.register_kv_cache(torch.zeros((blocks, block_len), dtype=torch.uint8))
+        peer.register_kv_cache(torch.zeros((blocks, block_len), dtype=torch.uint8))
+        compat = CompatInfo(block_len=block_len)
+        true_meta = peer.describe(engine_id="peer", role="decode", compat=compat)
+        # Claims: more blocks than registered, a region moved past the registration, and
+        # the right blob under another agent's name.
+        lies = [
+            (msgspec.structs.replace(true_meta, num_blocks=blocks + 1), "not_found"),
+            (msgspec.structs.replace(true_meta, kv_addr=true_meta.kv_addr + 4096), "not_found"),
+            (msgspec.structs.replace(true_meta, agent_name="kvtopo-someone"), "identity"),
+        ]
+        for meta, kind in lies:
+            with pytest.raises(TransportError) as err:
+                local.add_remote_peer(meta)
+            assert err.value.kind == kind, err.value
+            assert local.remote_names() == []
+        # The truth is still accepted afterwards (nothing half-added stayed behind).
+        assert local.add_remote_peer(true_meta) == "kvtopo-test-peer"
+    finally:
+        local.close()
+        peer.close()

@@ -59,7 +59,8 @@ from kvtopo_worker.protocol import (
     decode_metadata,
     encode_metadata,
 )
-from kvtopo_worker.registry import EngineRegistry
+from kvtopo_worker.registry import AgentConflict, EngineRegistry
+from kvtopo_worker.transport import TransportError
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +76,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 class PeerTransport(Protocol):
     """What the control API needs from the transport to add a peer."""
 
-    def add_remote(
-        self, agent_metadata: bytes, kv_descs: bytes, num_blocks: int, block_len: int
-    ) -> str: ...
+    def add_remote_peer(self, meta: EngineMetadata) -> str: ...
 
 
 @dataclass
@@ -316,7 +315,7 @@ class ControlServer:
             raise MalformedMessage("an engine cannot be its own peer")
         if role == self.engine.role:
             raise MalformedMessage(f"a {role} engine pairs with the other role, not itself")
-        present = self.registry.snapshot(engine_id)
+        present = self.registry.claim_present(engine_id)
         if present:
             self.metrics.handshakes_total.labels("present").inc()
             return 200, PeerResult(engine_id=engine_id, result="present", agents=present)
@@ -348,9 +347,13 @@ class ControlServer:
             return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 409)
 
         def add() -> dict[int, str]:
-            name = self.transport.add_remote(
-                meta.agent_metadata, meta.kv_descs, meta.num_blocks, meta.block_len
-            )
+            # On the NIXL thread, so checks and adds of all engines run one at a time.
+            owner = self.registry.agent_owner(meta.agent_name)
+            if owner is not None and owner != engine_id:
+                raise AgentConflict(f"agent {meta.agent_name} belongs to engine {owner}")
+            if not self.registry.wait_released(meta.agent_name, self.handshake_timeout_s):
+                raise TimeoutError(f"agent {meta.agent_name} is still being torn down")
+            name = self.transport.add_remote_peer(meta)
             agents = {meta.tp_rank: name}
             self.registry.add_engine(engine_id, agents)
             return agents
@@ -358,6 +361,12 @@ class ControlServer:
         fut = self.registry.handshake(engine_id, lambda: self.nixl_executor.submit(add))
         try:
             agents = await asyncio.wait_for(asyncio.wrap_future(fut), self.handshake_timeout_s)
+        except (AgentConflict, TransportError) as exc:
+            if isinstance(exc, TransportError) and exc.kind != "identity":
+                msg = f"adding the NIXL agent of {engine_id}: {exc}"
+                return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 502)
+            msg = f"{endpoint} claims another engine's identity: {exc}"
+            return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 409)
         except Exception as exc:
             msg = f"adding the NIXL agent of {engine_id}: {type(exc).__name__}: {exc}"
             return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 502)

@@ -182,17 +182,7 @@ class EmulatedEngine:
         )
         self.connector.register_kv_caches(self.kv)
         compat = CompatInfo(block_len=block_len, model_id=model_id, dtype="uint8")
-        meta = EngineMetadata(
-            engine_id=self.engine_id,
-            role=role,
-            agent_name=self.transport.agent_name,
-            agent_metadata=self.transport.agent_metadata(),
-            kv_descs=self.transport.serialized_block_descs(),
-            num_blocks=num_blocks,
-            block_len=block_len,
-            compat=compat,
-            compat_hash=compat_hash(compat),
-        )
+        meta = self.transport.describe(engine_id=self.engine_id, role=role, compat=compat)
         self.server = ControlServer(
             engine=LocalEngine(self.engine_id, role, meta, time.time()),
             registry=self.registry,

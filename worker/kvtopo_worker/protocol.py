@@ -19,7 +19,10 @@ import msgspec
 # misread; peers with different versions refuse to connect instead of corrupting KV):
 #   1: first release: EngineMetadata envelope, PUSH_REG / PUSH_DONE / PUSH_FAIL notifications.
 #   2: PUSH_DONE may complete several requests (`more_request_ids`: one WRITE carried them).
-PROTOCOL_VERSION = 2
+#   3: EngineMetadata describes its KV region in plain fields (`kv_addr`, `kv_device`,
+#      `kv_mem`) instead of NIXL's serialized descriptor list (a pickle: nothing a peer
+#      sends is unpickled); the receiver rebuilds the block descriptors itself.
+PROTOCOL_VERSION = 3
 
 REG_PREFIX = b"PUSH_REG:"
 DONE_PREFIX = b"PUSH_DONE:"
@@ -29,10 +32,13 @@ FAIL_PREFIX = b"PUSH_FAIL:"
 MAX_ID_LEN = 256
 MAX_BLOCKS_PER_REQUEST = 65536
 MAX_NOTIFICATION_BYTES = 1 << 20
+MAX_ENGINE_BLOCKS = 1 << 24  # blocks one engine rank may register
+MAX_DEVICE_ID = 1 << 16
 
 _T = TypeVar("_T")
 
 Role = Literal["prefill", "decode"]
+MemoryKind = Literal["DRAM", "VRAM"]
 TransferMode = Literal["push", "pull"]
 
 
@@ -102,13 +108,22 @@ def compat_hash(info: CompatInfo) -> str:
 
 
 class EngineMetadata(msgspec.Struct, frozen=True, kw_only=True):
-    """One engine rank as its peers see it: enough to add its NIXL agent and address its KV."""
+    """One engine rank as its peers see it: enough to add its NIXL agent and address its KV.
+
+    The KV cache is one region of `num_blocks` blocks of `block_len` bytes, block i at
+    `kv_addr + i * block_len` on device `kv_device` of memory kind `kv_mem`. A peer rebuilds
+    the block descriptors from these numbers (NIXL then checks them against the memory the
+    agent registered); `agent_metadata` is NIXL's own blob, parsed by NIXL, and the agent
+    name inside it must be `agent_name`.
+    """
 
     engine_id: str
     role: Role
     agent_name: str
     agent_metadata: bytes
-    kv_descs: bytes
+    kv_addr: int
+    kv_device: int = 0
+    kv_mem: MemoryKind = "DRAM"
     num_blocks: int
     block_len: int
     tp_rank: int = 0
@@ -163,8 +178,17 @@ def decode_metadata(data: bytes, expected_hash: str) -> EngineMetadata:
         raise MalformedMessage("metadata payload disagrees with its envelope's hash")
     _check_id("engine_id", meta.engine_id)
     _check_id("agent_name", meta.agent_name)
-    if meta.num_blocks <= 0 or meta.block_len <= 0:
-        raise MalformedMessage("metadata must name a positive num_blocks and block_len")
+    if not 0 < meta.num_blocks <= MAX_ENGINE_BLOCKS:
+        raise MalformedMessage(f"num_blocks must be 1..{MAX_ENGINE_BLOCKS}")
+    if meta.block_len != meta.compat.block_len or meta.block_len <= 0:
+        raise MalformedMessage(
+            f"block_len {meta.block_len} differs from the compatibility info's "
+            f"{meta.compat.block_len} (or is not positive)"
+        )
+    if not 0 <= meta.kv_addr or meta.kv_addr + meta.num_blocks * meta.block_len > 1 << 64:
+        raise MalformedMessage("the KV region does not fit in a 64-bit address space")
+    if not 0 <= meta.kv_device < MAX_DEVICE_ID:
+        raise MalformedMessage(f"kv_device must be 0..{MAX_DEVICE_ID - 1}")
     if not 0 <= meta.tp_rank < meta.tp_size:
         raise MalformedMessage(f"tp_rank {meta.tp_rank} outside tp_size {meta.tp_size}")
     return meta

@@ -1,14 +1,18 @@
 """The remote-engine registry: which NIXL agents this worker may talk to, right now.
 
-Owns `engine_id -> {rank: agent_name}`, the in-flight handshake futures (at most one per
-engine), the per-engine count of transfers in flight and the idle clock, all guarded by one
-RLock (`EngineRegistry.lock`). The rules that close vLLM's X1 race:
+Owns `engine_id -> {rank: agent_name}` and its reverse (which engine owns an agent), the
+in-flight handshake futures (at most one per engine), the per-engine count of transfers in
+flight, the idle clock, and the agents still being torn down, all guarded by one RLock
+(`EngineRegistry.lock`). The rules that close vLLM's X1 race:
 
 - readers take a snapshot under the lock and do their slow NIXL work outside it;
 - eviction pops under the lock and tears the agents down outside it, so a sender that
   already holds a snapshot either finished before the pop or fails cleanly afterwards;
 - an engine with a transfer in flight is never evicted: the eviction is deferred and runs
-  when the last transfer ends.
+  when the last transfer ends; asking for the engine again cancels the deferred eviction;
+- an agent belongs to one engine: its name stays reserved until its teardown has finished,
+  and a handshake that would load it again waits for that first (`wait_released`), so the
+  registry and NIXL never disagree about which agents exist.
 
 Called by `push` (senders, transfers), `agent` (handshakes, operator-driven eviction) and the
 idle-TTL backstop. NIXL teardown is injected (`remove_agent`), so this module needs no nixl.
@@ -40,6 +44,10 @@ class _Engine:
     eviction_reason: str = ""
 
 
+class AgentConflict(Exception):
+    """An agent that belongs to another engine (a peer carrying someone else's identity)."""
+
+
 class EngineRegistry:
     """Lock-guarded map of remote engines to their NIXL agents.
 
@@ -63,6 +71,8 @@ class EngineRegistry:
         self.lock = threading.RLock()
         self._engines: dict[str, _Engine] = {}
         self._handshakes: dict[str, Future[dict[int, str]]] = {}
+        self._owners: dict[str, str] = {}  # agent name -> engine id, until torn down
+        self._releasing: dict[str, threading.Event] = {}  # agents popped, not torn down yet
         self._remove_agent = remove_agent
         self._on_evicted = on_evicted
         self._clock = clock
@@ -81,6 +91,28 @@ class EngineRegistry:
     def engine_ids(self) -> list[str]:
         with self.lock:
             return sorted(self._engines)
+
+    def agent_owner(self, agent_name: str) -> str | None:
+        """The engine an agent belongs to (also while its teardown runs), or None."""
+        with self.lock:
+            return self._owners.get(agent_name)
+
+    def wait_released(self, agent_name: str, timeout: float) -> bool:
+        """Waits until a popped agent's teardown has finished; False on timeout."""
+        with self.lock:
+            event = self._releasing.get(agent_name)
+        return event is None or event.wait(timeout)
+
+    def claim_present(self, engine_id: str) -> dict[int, str]:
+        """The engine's agents when it is present (empty otherwise); being asked for, it is
+        in use: a deferred eviction is cancelled and its idle clock restarts."""
+        with self.lock:
+            eng = self._engines.get(engine_id)
+            if eng is None:
+                return {}
+            eng.eviction_pending = False
+            eng.last_used = self._clock()
+            return dict(eng.agents)
 
     def __contains__(self, engine_id: object) -> bool:
         with self.lock:
@@ -111,6 +143,12 @@ class EngineRegistry:
         if not agents:
             raise ValueError("an engine needs at least one agent")
         with self.lock:
+            for name in agents.values():
+                owner = self._owners.get(name, engine_id)
+                if owner != engine_id:
+                    raise AgentConflict(f"agent {name} belongs to engine {owner}")
+            for name in agents.values():
+                self._owners[name] = engine_id
             eng = self._engines.get(engine_id)
             if eng is None:
                 self._engines[engine_id] = _Engine(agents=dict(agents), last_used=self._clock())
@@ -169,7 +207,7 @@ class EngineRegistry:
             eng.transfers_in_flight = max(0, eng.transfers_in_flight - 1)
             eng.last_used = self._clock()
             if eng.eviction_pending and eng.transfers_in_flight == 0:
-                popped = self._engines.pop(engine_id).agents
+                popped = self._pop(engine_id)
         if popped is not None:
             self._teardown(engine_id, popped)
 
@@ -195,7 +233,7 @@ class EngineRegistry:
                 eng.eviction_pending = True
                 eng.eviction_reason = reason
                 return "deferred"
-            agents = self._engines.pop(engine_id).agents
+            agents = self._pop(engine_id)
         self._teardown(engine_id, agents)
         log.info("evicted engine %s (%s): agents %s", engine_id, reason, sorted(agents.values()))
         return "evicted"
@@ -213,6 +251,14 @@ class EngineRegistry:
             ]
         return [eid for eid in stale if self.evict(eid, reason="idle_ttl") == "evicted"]
 
+    def _pop(self, engine_id: str) -> dict[int, str]:
+        """Removes the engine (call with the lock held); its agents stay reserved until
+        `_teardown` has removed them from NIXL."""
+        agents = self._engines.pop(engine_id).agents
+        for name in agents.values():
+            self._releasing.setdefault(name, threading.Event())
+        return agents
+
     def _teardown(self, engine_id: str, agents: dict[int, str]) -> None:
         self.evictions += 1
         for agent_name in agents.values():
@@ -223,5 +269,12 @@ class EngineRegistry:
                 # at most the NIXL connection, which the peer's death closes anyway.
                 self.teardown_errors += 1
                 log.exception("removing agent %s of engine %s failed", agent_name, engine_id)
+            finally:
+                with self.lock:
+                    if self._owners.get(agent_name) == engine_id:
+                        del self._owners[agent_name]
+                    released = self._releasing.pop(agent_name, None)
+                if released is not None:
+                    released.set()
         if self._on_evicted is not None:
             self._on_evicted(engine_id, agents)

@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from kvtopo_worker.protocol import CompatInfo, EngineMetadata, MemoryKind, Role, compat_hash
+
 if TYPE_CHECKING:
     import torch
 
@@ -51,12 +53,15 @@ class TransportError(Exception):
 
 @dataclass(frozen=True)
 class RemoteKV:
-    """A remote agent as the transport addresses it."""
+    """A remote agent as the transport addresses it: its blocks lie back to back from
+    `base` on `device` (as its EngineMetadata says, and NIXL checked at prep time)."""
 
     agent_name: str
     num_blocks: int
     block_len: int
-    descs: Any = None  # its per-block descriptors as it sent them (for merged WRITEs)
+    base: int
+    device: int
+    mem_enum: Any = None  # NIXL's memory-kind value of the far blocks (for merged WRITEs)
 
 
 def block_runs(local_ids: Sequence[int], remote_ids: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -136,18 +141,6 @@ def _quiet_nixl_logging() -> None:
             handler.setStream(sys.stderr)
 
 
-def _back_to_back(descs: Any, num_blocks: int, block_len: int) -> tuple[int, int] | None:
-    """(base address, device) of a peer's block descriptors when block i lies at
-    base + i * block_len on one device, else None."""
-    if num_blocks == 0:
-        return None
-    base, _, device = descs[0]
-    for i in range(num_blocks):
-        if tuple(descs[i]) != (base + i * block_len, block_len, device):
-            return None
-    return int(base), int(device)
-
-
 def _classify(exc: BaseException) -> str:
     name = type(exc).__name__
     if "NotFound" in name:
@@ -195,9 +188,6 @@ class NixlTransport:
         self._device = 0
         self._mem_enum: Any = None
         self._dlist_type: Any = None
-        # (base, device) of each peer's blocks when they lie back to back, None when not;
-        # worked out at a peer's first merged WRITE, so handshakes do not pay for it.
-        self._layouts: dict[str, tuple[int, int] | None] = {}
 
     # --- local memory --------------------------------------------------------------------
 
@@ -214,7 +204,6 @@ class NixlTransport:
             blocks = [(base + i * block_len, block_len, dev) for i in range(num_blocks)]
             descs = self._agent.get_xfer_descs(blocks, self._mem_type)
             self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs)
-            self._local_descs = descs
             self._base, self._device = base, dev
             self._mem_enum, self._dlist_type = descs.getType(), type(descs)
         self._kv, self._num_blocks, self._block_len = kv, num_blocks, block_len
@@ -231,42 +220,89 @@ class NixlTransport:
         with self._lock:
             return bytes(self._agent.get_agent_metadata())
 
-    def serialized_block_descs(self) -> bytes:
-        """The per-block descriptors of our KV cache, for a peer that will WRITE into it."""
-        with self._lock:
-            return bytes(self._agent.get_serialized_descs(self._local_descs))
+    def kv_region(self) -> tuple[int, int, MemoryKind]:
+        """(address of block 0, device, memory kind) of our KV cache: what a peer needs, with
+        `num_blocks` and `block_len`, to rebuild our block descriptors (EngineMetadata)."""
+        return self._base, self._device, "VRAM" if self._mem_type == "VRAM" else "DRAM"
+
+    def describe(
+        self, *, engine_id: str, role: Role, compat: CompatInfo, tp_rank: int = 0, tp_size: int = 1
+    ) -> EngineMetadata:
+        """This rank's EngineMetadata (call after `register_kv_cache`)."""
+        kv_addr, kv_device, kv_mem = self.kv_region()
+        return EngineMetadata(
+            engine_id=engine_id,
+            role=role,
+            agent_name=self.agent_name,
+            agent_metadata=self.agent_metadata(),
+            kv_addr=kv_addr,
+            kv_device=kv_device,
+            kv_mem=kv_mem,
+            num_blocks=self._num_blocks,
+            block_len=self._block_len,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            compat=compat,
+            compat_hash=compat_hash(compat),
+        )
 
     # --- remote agents -------------------------------------------------------------------
 
-    def add_remote(
-        self, agent_metadata: bytes, kv_descs: bytes, num_blocks: int, block_len: int
-    ) -> str:
-        """Adds a peer's agent and preps its block descriptors; returns the agent name."""
+    def add_remote_peer(self, meta: EngineMetadata) -> str:
+        """Adds a peer rank's NIXL agent and preps descriptors over its KV blocks; returns
+        the agent name. Idempotent for an agent already added.
+
+        Nothing the peer sent is unpickled: the block descriptors are rebuilt here from the
+        plain numbers of `meta`, and NIXL refuses them (not_found) unless they lie within
+        memory the peer's agent registered. The agent name inside NIXL's blob must be the
+        one `meta` names; on a mismatch a newly loaded agent is unloaded again and the call
+        raises TransportError('identity').
+        """
         with self._lock:
+            known = set(self._remotes)
             try:
-                name = self._agent.add_remote_agent(agent_metadata)
-                name = name.decode() if isinstance(name, bytes) else str(name)
-                if name in self._remotes:
-                    return name
-                descs = self._agent.deserialize_descs(kv_descs)
-                if descs.descCount() != num_blocks:
-                    raise TransportError(
-                        f"peer {name} describes {descs.descCount()} blocks, says {num_blocks}"
-                    )
-                dlist = self._agent.prep_xfer_dlist(name, descs)
-                remote = RemoteKV(name, num_blocks, block_len, descs)
-            except TransportError:
-                raise
+                raw = self._agent.add_remote_agent(meta.agent_metadata)
             except Exception as exc:
                 raise TransportError(f"adding remote agent failed: {exc}", _classify(exc)) from exc
+            name = raw.decode() if isinstance(raw, bytes) else str(raw)
+            if name != meta.agent_name:
+                if name not in known:
+                    self._unload(name)
+                raise TransportError(
+                    f"the NIXL metadata is agent {name!r}'s, the engine says {meta.agent_name!r}",
+                    "identity",
+                )
+            if name in self._remotes:
+                return name
+            bl = meta.block_len
+            blocks = [(meta.kv_addr + i * bl, bl, meta.kv_device) for i in range(meta.num_blocks)]
+            try:
+                descs = self._agent.get_xfer_descs(blocks, meta.kv_mem)
+                dlist = self._agent.prep_xfer_dlist(name, descs)
+            except Exception as exc:
+                self._unload(name)
+                kind = _classify(exc)
+                why = " lies outside the memory its agent registered" if kind == "not_found" else ""
+                raise TransportError(
+                    f"the KV region of agent {name}{why}: {type(exc).__name__}: {exc}", kind
+                ) from exc
+            remote = RemoteKV(
+                name, meta.num_blocks, bl, meta.kv_addr, meta.kv_device, descs.getType()
+            )
             self._remotes[name] = (dlist, remote)
             return name
+
+    def _unload(self, agent_name: str) -> None:
+        """Removes an agent NIXL loaded that was never prepped (call with the lock held)."""
+        try:
+            self._agent.remove_remote_agent(agent_name)
+        except Exception as exc:
+            log.warning("unloading agent %s: %s", agent_name, exc)
 
     def remove_remote(self, agent_name: str) -> None:
         """Releases the peer's descriptor list and removes its agent (idempotent)."""
         with self._lock:
             entry = self._remotes.pop(agent_name, None)
-            self._layouts.pop(agent_name, None)
             if entry is None:
                 return
             try:
@@ -286,24 +322,17 @@ class NixlTransport:
         with self._lock:
             return self._local_dlist, self._remotes[agent_name][0]
 
-    def _layout(self, agent_name: str, remote: RemoteKV) -> tuple[int, int] | None:
-        """(base, device) of the peer's blocks if block i lies at base + i * block_len (our
-        block length); None otherwise. Call with the lock held."""
-        if agent_name not in self._layouts:
-            same_len = remote.block_len == self._block_len and remote.descs is not None
-            self._layouts[agent_name] = (
-                _back_to_back(remote.descs, remote.num_blocks, remote.block_len)
-                if same_len
-                else None
-            )
-        return self._layouts[agent_name]
+    def _layout(self, remote: RemoteKV) -> tuple[int, int] | None:
+        """(base, device) of the peer's blocks when they are as long as ours (runs of them
+        can then be merged into one descriptor), else None."""
+        return (remote.base, remote.device) if remote.block_len == self._block_len else None
 
     def raw_bases(self, agent_name: str) -> tuple[int, int, int, int, str, str]:
         """(local base, remote base, local device, remote device, local memory type,
         remote memory type) of the KV blocks, for raw benchmarks that merge descriptors."""
         with self._lock:
             remote = self._remotes[agent_name][1]
-            layout = self._layout(agent_name, remote)
+            layout = self._layout(remote)
         if layout is None:
             raise TransportError(f"the blocks of {agent_name} do not lie back to back")
 
@@ -316,7 +345,7 @@ class NixlTransport:
             self._device,
             layout[1],
             name(self._mem_enum),
-            name(remote.descs.getType()),
+            name(remote.mem_enum),
         )
 
     def remote_names(self) -> list[str]:
@@ -366,7 +395,7 @@ class NixlTransport:
                 raise TransportError(f"block id outside peer's {remote.num_blocks} blocks")
             if min(local_block_ids) < 0 or max(local_block_ids) >= self._num_blocks:
                 raise TransportError(f"block id outside our {self._num_blocks} blocks")
-            layout = self._layout(agent_name, remote) if self.merge_blocks else None
+            layout = self._layout(remote) if self.merge_blocks else None
             runs = block_runs(local_block_ids, remote_block_ids) if layout is not None else None
             handle: XferHandle = None
             try:
@@ -378,7 +407,7 @@ class NixlTransport:
                         [(self._base + ls * bl, n * bl, self._device) for ls, _, n in runs],
                     )
                     far = self._dlist_type(
-                        remote.descs.getType(),
+                        remote.mem_enum,
                         [(far_base + rs * bl, n * bl, far_device) for _, rs, n in runs],
                     )
                     handle = self._agent.initialize_xfer("WRITE", local, far, agent_name, notif)

@@ -1,0 +1,242 @@
+"""Peers that lie: real `kvtopo-worker` processes over real NIXL (UCX, CPU, loopback)
+against a fake peer's control API serving crafted metadata, and a rogue NIXL agent in the
+test process sending notifications under nobody's or somebody else's name."""
+
+from __future__ import annotations
+
+import collections
+import http.server
+import pickle
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from kvtopo_worker.protocol import (
+    PushDone,
+    PushFail,
+    decode_metadata,
+    encode_notification,
+)
+from tests.worker.workers import WorkerProcess, start_worker
+
+pytestmark = pytest.mark.nixl
+
+BLOCK = 64 * 1024
+OPTS = (
+    "--num-blocks",
+    "64",
+    "--block-bytes",
+    str(BLOCK),
+    "--registration-timeout",
+    "4",
+    "--kv-lease",
+    "10",
+    "--progress-thread",
+    "off",
+)
+
+
+class _CraftedPeer:
+    """A peer control API that serves whatever metadata bytes the test sets."""
+
+    def __init__(self) -> None:
+        self.payload = b""
+        peer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(peer.payload)))
+                self.end_headers()
+                self.wfile.write(peer.payload)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def crafted() -> Iterator[_CraftedPeer]:
+    peer = _CraftedPeer()
+    yield peer
+    peer.close()
+
+
+@pytest.fixture
+def workers(token_file: Path, tmp_path: Path) -> Iterator[dict[str, WorkerProcess]]:
+    started: dict[str, WorkerProcess] = {}
+    try:
+        for name, role in (("p", "prefill"), ("d", "decode"), ("d2", "decode")):
+            started[name] = start_worker(role, token_file, tmp_path, *OPTS)
+        yield started
+    finally:
+        for w in started.values():
+            w.stop()
+
+
+def raw_metadata(w: WorkerProcess) -> bytes:
+    req = urllib.request.Request(
+        w.url + "/v1/metadata", headers={"Authorization": f"Bearer {w.token}"}
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return bytes(resp.read())
+
+
+def recraft(raw: bytes, **changes: Any) -> bytes:
+    """`raw` metadata with payload fields changed (the envelope's hash kept valid)."""
+    envelope = msgspec.msgpack.decode(raw)
+    envelope["payload"].update(changes)
+    return msgspec.msgpack.encode(envelope)
+
+
+class _Bomb:
+    """Unpickling this creates a file: proof that a peer's bytes were unpickled."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str]]:
+        return (open, (str(self.path), "w"))
+
+
+def wait_for(predicate: Any, timeout: float = 15, step: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() >= deadline:
+            return value
+        time.sleep(step)
+
+
+def test_nothing_a_peer_sends_is_unpickled(
+    workers: dict[str, WorkerProcess], crafted: _CraftedPeer, tmp_path: Path
+) -> None:
+    p, d = workers["p"], workers["d"]
+    marker = tmp_path / "unpickled-by-the-worker"
+    bomb = pickle.dumps(_Bomb(marker))
+    # A real prefill's metadata (its NIXL blob is genuine) under a new engine id, every
+    # descriptor-ish field replaced by a pickle whose loading creates `marker`.
+    crafted.payload = recraft(
+        raw_metadata(p), engine_id="evil", agent_name="evil-agent", kv_descs=bomb
+    )
+    status, body = d.call(
+        "PUT", "/v1/peers/evil", {"endpoint": crafted.endpoint, "role": "prefill"}
+    )
+    assert not marker.exists(), "a peer's bytes were unpickled inside the worker"
+    assert status in (409, 502), body
+    assert d.proc.poll() is None and d.state()["peers"] == []
+
+
+def test_a_peer_carrying_another_engines_nixl_blob_is_refused(
+    workers: dict[str, WorkerProcess], crafted: _CraftedPeer
+) -> None:
+    p, d = workers["p"], workers["d"]
+    d.connect(p)
+    p.connect(d)
+    raw = raw_metadata(p)
+    # The same blob under another engine id: once with its true agent name, once with a
+    # made-up one. Neither may be registered (evicting it would tear down p's agent).
+    for agent_name in (None, "kvtopo-evil"):
+        changes: dict[str, Any] = {"engine_id": "evil"}
+        if agent_name is not None:
+            changes["agent_name"] = agent_name
+        crafted.payload = recraft(raw, **changes)
+        status, body = d.call(
+            "PUT", "/v1/peers/evil", {"endpoint": crafted.endpoint, "role": "prefill"}
+        )
+        assert status == 409, body
+        assert body["failure_type"] == "handshake_failed", body
+        d.call("DELETE", "/v1/peers/evil")
+    assert [peer["engine_id"] for peer in d.state()["peers"]] == [p.engine_id]
+    # p's agent is untouched: traffic still flows.
+    assert p.submit("after-evil", d, 2) == 202
+    assert d.submit("after-evil", p, 2) == 202
+    outcomes = wait_for(lambda: d.drain() or None)
+    assert outcomes and outcomes[0]["status"] == "done", outcomes
+
+
+def _rogue_agent(targets: list[WorkerProcess], name: str = "kvtopo-rogue") -> Any:
+    """A NIXL agent in the test process that has added each target's agent."""
+    import torch
+
+    from kvtopo_worker.transport import NixlTransport
+
+    rogue = NixlTransport(name, progress_thread=False)
+    rogue.register_kv_cache(torch.zeros((4, BLOCK), dtype=torch.uint8))
+    names = []
+    for w in targets:
+        meta = decode_metadata(raw_metadata(w), w.state()["compat_hash"])
+        names.append(rogue.add_remote_peer(meta))
+    return rogue, names
+
+
+def test_completions_and_failures_from_agents_not_paired_are_dropped(
+    workers: dict[str, WorkerProcess],
+) -> None:
+    p, d = workers["p"], workers["d"]
+    d.connect(p)
+    p.connect(d)
+    rogue, (d_agent,) = _rogue_agent([d])
+    try:
+        assert d.submit("r-done", p, 2) == 202
+        assert d.submit("r-fail", p, 2) == 202
+        for msg in (
+            PushDone(request_id="r-done", prefill_engine_id=p.engine_id, num_blocks=2),
+            PushFail(
+                request_id="r-fail",
+                prefill_engine_id=p.engine_id,
+                reason="transfer_failed",  # type: ignore[arg-type]
+                message="forged",
+            ),
+        ):
+            rogue.send_notif(d_agent, encode_notification(msg))
+
+        def rejected() -> int:
+            rogue.get_notifs()
+            return int(d.state()["failures"].get("malformed_message", 0)) >= 2 or bool(
+                d.drain()
+            )
+
+        wait_for(rejected, timeout=3)
+        assert d.outcomes == [], f"a forged notification ended a request: {d.outcomes}"
+        # The real prefill then serves both.
+        assert p.submit("r-done", d, 2) == 202
+        assert p.submit("r-fail", d, 2) == 202
+        wait_for(lambda: d.drain() and len(d.outcomes) >= 2)
+        assert sorted((o["request_id"], o["status"]) for o in d.outcomes) == [
+            ("r-done", "done"),
+            ("r-fail", "done"),
+        ]
+    finally:
+        rogue.close()
+
+
+def test_a_second_decode_registering_the_same_request_id_does_not_take_the_write(
+    workers: dict[str, WorkerProcess],
+) -> None:
+    p, d, d2 = workers["p"], workers["d"], workers["d2"]
+    for dec in (d, d2):
+        dec.connect(p)
+        p.connect(dec)
+    assert p.submit("shared", d, 3) == 202  # paired with d
+    assert d2.submit("shared", p, 3) == 202  # d2 claims it first
+    assert d.submit("shared", p, 3) == 202
+    wait_for(lambda: (d.drain(), d2.drain(), p.drain()) and d.outcomes and d2.outcomes)
+    assert [(o["status"], o["verified_bytes"]) for o in d.outcomes] == [("done", 3 * BLOCK)]
+    assert [o["status"] for o in d2.outcomes] == ["failed"], d2.outcomes
+    assert d2.outcomes[0]["reason"] == "remote_rejected", d2.outcomes
+    wait_for(lambda: p.drain() or p.outcomes)
+    assert collections.Counter(o["status"] for o in p.outcomes) == {"done": 1}
