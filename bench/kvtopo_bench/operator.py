@@ -385,9 +385,7 @@ class SizeRun:
                     max_unavailable="25%",
                     termination_grace_seconds=0,
                 )
-                await asyncio.to_thread(
-                    self.apps.create_namespaced_deployment, self.ns, deployment
-                )
+                await asyncio.to_thread(self.apps.create_namespaced_deployment, self.ns, deployment)
             limit = 120 + (self.prefill + self.decode) * 0.6
             await self.until("initial convergence", self.all_connected, limit)
             initial = [w.connected_at - w.serving_at for w in self.live() if w.connected_at]

@@ -273,7 +273,7 @@ def _push_epoch(
     while ended < len(ids):
         while submitted < len(ids) and submitted - ended < window:
             if role == "sender":
-                connector.request_send(ids[submitted], slots[submitted])
+                connector.request_send(ids[submitted], slots[submitted], peer_id)
             else:
                 connector.request_receive(ids[submitted], peer_id, slots[submitted])
             submitted += 1

@@ -44,8 +44,8 @@ class NullTransport:
     def poll(self, handle: object) -> str:
         return "DONE"
 
-    def release(self, handle: object) -> None:
-        return None
+    def release(self, handle: object) -> bool:
+        return True
 
     def remove_remote(self, agent_name: str) -> None:
         return None
@@ -56,13 +56,17 @@ def _percentiles(samples_ns: list[int]) -> tuple[float, float]:
     return s[len(s) // 2] / 1000, s[min(len(s) - 1, int(len(s) * 0.99))] / 1000
 
 
+def _agents(engine_id: str, ranks: int) -> dict[int, str]:
+    """Agent names of an engine's ranks (an agent belongs to one engine)."""
+    return {r: f"agent-{engine_id}-{r}" for r in range(ranks)}
+
+
 def critical_sections(ranks: int, calls: int) -> dict[str, float]:
     from kvtopo_worker.registry import EngineRegistry
 
     reg = EngineRegistry(remove_agent=lambda name: None)
-    agents = {r: f"agent-{r}" for r in range(ranks)}
     for e in range(ENGINES):
-        reg.add_engine(f"e{e}", agents)
+        reg.add_engine(f"e{e}", _agents(f"e{e}", ranks))
     clock = time.perf_counter_ns
     snaps: list[int] = []
     for i in range(calls):
@@ -76,7 +80,7 @@ def critical_sections(ranks: int, calls: int) -> dict[str, float]:
         t = clock()
         reg.evict(eid)
         evicts.append(clock() - t)
-        reg.add_engine(eid, agents)
+        reg.add_engine(eid, _agents(eid, ranks))
     s50, s99 = _percentiles(snaps)
     e50, e99 = _percentiles(evicts)
     return {
@@ -108,9 +112,8 @@ def writer_under_churn(seconds: float, churn_per_s: float, segment_s: float) -> 
     from kvtopo_worker.registry import EngineRegistry
 
     reg = EngineRegistry(remove_agent=lambda name: None)
-    agents = {r: f"agent-{r}" for r in range(8)}
     for e in range(ENGINES):
-        reg.add_engine(f"e{e}", agents)
+        reg.add_engine(f"e{e}", _agents(f"e{e}", 8))
     conn = PushConnector(
         engine_id="bench-decode",
         role="decode",
@@ -124,6 +127,8 @@ def writer_under_churn(seconds: float, churn_per_s: float, segment_s: float) -> 
             decode_engine_id="bench-decode",
             prefill_engine_id=f"e{i % 100}",
             block_ids=[1, 2, 3, 4],
+            expires_at=time.time() + 3600,
+            write_timeout_s=30.0,
         )
         for i in range(100)
     ]
@@ -142,7 +147,7 @@ def writer_under_churn(seconds: float, churn_per_s: float, segment_s: float) -> 
             while churning.is_set() and not stop.is_set():
                 eid = f"e{100 + i % (ENGINES - 100)}"
                 reg.evict(eid)
-                reg.add_engine(eid, agents)
+                reg.add_engine(eid, _agents(eid, 8))
                 churned[0] += 1
                 i += 1
                 next_t += period

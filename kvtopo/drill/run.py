@@ -130,6 +130,8 @@ class Drill:
             "5",
             "--kv-lease",
             "5",
+            "--transfer-timeout",
+            "5",
         ]
 
         def list_pods() -> list[dict[str, Any]]:

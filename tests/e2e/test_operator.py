@@ -47,6 +47,8 @@ class Env(OperatorHarness):
             "4096",
             "--registration-timeout",
             "3",
+            "--transfer-timeout",
+            "3",
             *extra,
         )
         return w

@@ -46,6 +46,7 @@ def make_connector(
         metrics=WorkerMetrics(),
         config=PushConfig(**config),
         clock=clock,
+        wall_clock=clock,
         block_len=transport.block_len,
     )
 

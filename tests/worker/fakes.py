@@ -42,6 +42,9 @@ class FakeTransport:
     post_state: XferState = "PROC"  # what the post says ("DONE": finished inside the post)
     on_send: Callable[[str, bytes], None] | None = None
     on_remove: Callable[[str], None] | None = None
+    on_release: Callable[[object], None] | None = None
+    on_poll: Callable[[object], None] | None = None
+    release_ok: bool = True  # False: NIXL refuses to release (a WRITE that cannot be aborted)
     # observations
     sent: list[tuple[str, bytes]] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
@@ -100,10 +103,15 @@ class FakeTransport:
             return next(self._handles), self.post_state
 
     def poll(self, handle: object) -> XferState:
+        if self.on_poll is not None:
+            self.on_poll(handle)
         return self.write_state
 
-    def release(self, handle: object) -> None:
+    def release(self, handle: object) -> bool:
+        if self.on_release is not None:
+            self.on_release(handle)
         self.released.append(handle)
+        return self.release_ok
 
     def remove_remote(self, agent_name: str) -> None:
         if self.on_remove is not None:

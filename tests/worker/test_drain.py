@@ -26,7 +26,7 @@ OPTS = ("--num-blocks", "64", "--block-bytes", "4096", "--progress-thread", "off
 
 @pytest.fixture
 def pair(token_file: Path, tmp_path: Path) -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
-    timeouts = ("--registration-timeout", "3", "--kv-lease", "3")
+    timeouts = ("--registration-timeout", "3", "--kv-lease", "3", "--transfer-timeout", "3")
     p = start_worker("prefill", token_file, tmp_path, *OPTS, *timeouts)
     d = start_worker("decode", token_file, tmp_path, *OPTS, *timeouts)
     try:

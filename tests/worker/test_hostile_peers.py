@@ -206,9 +206,7 @@ def test_completions_and_failures_from_agents_not_paired_are_dropped(
 
         def rejected() -> int:
             rogue.get_notifs()
-            return int(d.state()["failures"].get("malformed_message", 0)) >= 2 or bool(
-                d.drain()
-            )
+            return int(d.state()["failures"].get("malformed_message", 0)) >= 2 or bool(d.drain())
 
         wait_for(rejected, timeout=3)
         assert d.outcomes == [], f"a forged notification ended a request: {d.outcomes}"

@@ -30,6 +30,8 @@ def pair(token_file: Path, tmp_path: Path) -> Iterator[tuple[WorkerProcess, Work
         "3",
         "--kv-lease",
         "10",
+        "--transfer-timeout",
+        "3",
         "--progress-thread",
         "off",
     )

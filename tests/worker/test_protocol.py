@@ -136,7 +136,12 @@ def test_garbage_notifications_are_only_ever_malformed(prefix: bytes, body: byte
 
 def test_notification_round_trip_and_bounds() -> None:
     reg = p.PushRegistration(
-        request_id="r", decode_engine_id="d", prefill_engine_id="p", block_ids=[1, 2]
+        request_id="r",
+        decode_engine_id="d",
+        prefill_engine_id="p",
+        block_ids=[1, 2],
+        expires_at=1e12,
+        write_timeout_s=30.0,
     )
     assert p.decode_notification(p.encode_notification(reg)) == reg
     assert p.encode_notification(reg).startswith(b"PUSH_REG:")

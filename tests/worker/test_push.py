@@ -23,6 +23,9 @@ from tests.worker.conftest import DECODE, PREFILL, add_engine, make_connector
 from tests.worker.fakes import FakeClock, FakeTransport
 
 
+FAR = 1e12  # a registration valid for ever (wall clock)
+
+
 def _done(rid: str) -> bytes:
     return encode_notification(PushDone(request_id=rid, prefill_engine_id=PREFILL, num_blocks=2))
 
@@ -31,7 +34,12 @@ def _register(
     transport: FakeTransport, agent: str, rid: str, blocks: list[int], decode: str = DECODE
 ) -> None:
     reg = PushRegistration(
-        request_id=rid, decode_engine_id=decode, prefill_engine_id=PREFILL, block_ids=blocks
+        request_id=rid,
+        decode_engine_id=decode,
+        prefill_engine_id=PREFILL,
+        block_ids=blocks,
+        expires_at=FAR,
+        write_timeout_s=30.0,
     )
     transport.deliver(agent, encode_notification(reg))
 
@@ -49,13 +57,17 @@ def _send_waits_for_lock(
         assert not sent.wait(timeout=0.2), "registration sent while the registry lock was held"
         assert decode.failed_requests.empty(), "nothing may be failed while the lock is held"
     assert sent.wait(timeout=5), "registration never sent after the lock was released"
-    decode.stop()
-    assert len(transport.sent) == 1  # exactly once
-    agent, payload = transport.sent[0]
+    decode.stop()  # cancels the registration, which no prefill answered
+    regs = [sent for sent in transport.sent if sent[1].startswith(b"PUSH_REG:")]
+    assert len(regs) == 1  # exactly once
+    agent, payload = regs[0]
     reg = decode_notification(payload)
     assert agent == f"agent-{PREFILL}"
     assert isinstance(reg, PushRegistration) and reg.block_ids == [3, 4]
-    assert decode.failed_requests.empty()
+    # Only stop() ended it (nothing failed it before): once, as a shutdown.
+    assert [(f.request_id, f.reason) for f in decode.get_finished().failed] == [
+        ("r1", FailureType.SHUTDOWN)
+    ]
 
 
 def test_registration_send_is_serialised_by_the_registry_lock(
@@ -92,7 +104,12 @@ def test_no_agents_goes_to_the_failed_queue_once_and_sends_nothing(
     writer_thread = threading.current_thread()
     decode.request_receive("r1", PREFILL, [1])
     reg = PushRegistration(
-        request_id="r1", decode_engine_id=DECODE, prefill_engine_id=PREFILL, block_ids=[1]
+        request_id="r1",
+        decode_engine_id=DECODE,
+        prefill_engine_id=PREFILL,
+        block_ids=[1],
+        expires_at=FAR,
+        write_timeout_s=30.0,
     )
     decode.send_registration(reg)  # what the writer thread runs
     failed = decode.failed_requests.get_nowait()
@@ -135,7 +152,12 @@ def test_send_to_an_agent_evicted_after_the_snapshot_fails_cleanly(
     decode.request_receive("r1", PREFILL, [1])
     decode.send_registration(
         PushRegistration(
-            request_id="r1", decode_engine_id=DECODE, prefill_engine_id=PREFILL, block_ids=[1]
+            request_id="r1",
+            decode_engine_id=DECODE,
+            prefill_engine_id=PREFILL,
+            block_ids=[1],
+            expires_at=FAR,
+            write_timeout_s=30.0,
         )
     )
     fin = decode.get_finished()
@@ -171,7 +193,12 @@ def test_prefill_matches_registration_and_writes(
 ) -> None:
     agent = add_engine(transport, registry, DECODE)
     reg = PushRegistration(
-        request_id="r1", decode_engine_id=DECODE, prefill_engine_id=PREFILL, block_ids=[7, 8]
+        request_id="r1",
+        decode_engine_id=DECODE,
+        prefill_engine_id=PREFILL,
+        block_ids=[7, 8],
+        expires_at=FAR,
+        write_timeout_s=30.0,
     )
     transport.deliver(agent, encode_notification(reg))  # registration first
     prefill.progress_once()
@@ -372,7 +399,12 @@ def test_x1_stress_eviction_churn_never_fails_a_present_engine(
         for rid in ids:
             decode.request_receive(rid, PREFILL, [1])
             reg = PushRegistration(
-                request_id=rid, decode_engine_id=DECODE, prefill_engine_id=PREFILL, block_ids=[1]
+                request_id=rid,
+                decode_engine_id=DECODE,
+                prefill_engine_id=PREFILL,
+                block_ids=[1],
+                expires_at=FAR,
+                write_timeout_s=30.0,
             )
             before = epoch[0]
             decode.send_registration(reg)

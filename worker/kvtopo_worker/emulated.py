@@ -45,13 +45,11 @@ from kvtopo_worker.protocol import (
     CompatInfo,
     DrainRequest,
     DrainState,
-    EngineMetadata,
     FailureType,
     MalformedMessage,
     RequestOutcome,
     Role,
     SubmitRequest,
-    compat_hash,
     decode_json_body,
 )
 from kvtopo_worker.push import PushConfig, PushConnector
@@ -332,7 +330,7 @@ class EmulatedEngine:
         try:
             if self.role == "prefill":
                 self.content.fill(self.kv, blocks, req.request_id)
-                self.connector.request_send(req.request_id, blocks)
+                self.connector.request_send(req.request_id, blocks, req.peer_engine_id)
             else:
                 self.connector.request_receive(req.request_id, req.peer_engine_id, blocks)
         except Exception:
@@ -491,8 +489,22 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--block-bytes", type=int, default=64 * 1024)
     p.add_argument("--model-id", default="emulated", help="part of the compatibility hash")
     p.add_argument("--device", default="cpu", help="cpu, or cuda[:N] where a GPU is present")
-    p.add_argument("--registration-timeout", type=float, default=30.0, metavar="S")
+    p.add_argument(
+        "--registration-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="decode: give a request up (cancel it) when no completion came within S; it "
+        "ends once the prefill answers, or S + --transfer-timeout + 2 s after it was sent",
+    )
     p.add_argument("--kv-lease", type=float, default=30.0, metavar="S")
+    p.add_argument(
+        "--transfer-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="a WRITE not done within S is aborted (the smaller of both sides' values)",
+    )
     p.add_argument("--idle-ttl", type=float, default=0.0, metavar="S", help="0: off")
     p.add_argument(
         "--drain-timeout",
@@ -526,7 +538,9 @@ def main(argv: list[str] | None = None) -> int:
     progress = {"auto": None, "on": True, "off": False}[args.progress_thread]
     try:
         push_config = PushConfig(
-            registration_timeout_s=args.registration_timeout, kv_lease_s=args.kv_lease
+            registration_timeout_s=args.registration_timeout,
+            kv_lease_s=args.kv_lease,
+            transfer_timeout_s=args.transfer_timeout,
         )
     except ValueError as exc:
         print(f"kvtopo-worker: {exc}", file=sys.stderr)

@@ -21,12 +21,16 @@ import msgspec
 #   2: PUSH_DONE may complete several requests (`more_request_ids`: one WRITE carried them).
 #   3: EngineMetadata describes its KV region in plain fields (`kv_addr`, `kv_device`,
 #      `kv_mem`) instead of NIXL's serialized descriptor list (a pickle: nothing a peer
-#      sends is unpickled); the receiver rebuilds the block descriptors itself.
+#      sends is unpickled); the receiver rebuilds the block descriptors itself. A
+#      registration carries its validity (`expires_at`, `write_timeout_s`); a decode that
+#      gives a request up sends PUSH_CANCEL and the prefill answers it (PUSH_DONE or
+#      PUSH_FAIL), so both sides agree on every request's outcome.
 PROTOCOL_VERSION = 3
 
 REG_PREFIX = b"PUSH_REG:"
 DONE_PREFIX = b"PUSH_DONE:"
 FAIL_PREFIX = b"PUSH_FAIL:"
+CANCEL_PREFIX = b"PUSH_CANCEL:"
 
 # Bounds on what a peer may send; anything larger is refused before it is decoded further.
 MAX_ID_LEN = 256
@@ -185,7 +189,7 @@ def decode_metadata(data: bytes, expected_hash: str) -> EngineMetadata:
             f"block_len {meta.block_len} differs from the compatibility info's "
             f"{meta.compat.block_len} (or is not positive)"
         )
-    if not 0 <= meta.kv_addr or meta.kv_addr + meta.num_blocks * meta.block_len > 1 << 64:
+    if meta.kv_addr < 0 or meta.kv_addr + meta.num_blocks * meta.block_len > 1 << 64:
         raise MalformedMessage("the KV region does not fit in a 64-bit address space")
     if not 0 <= meta.kv_device < MAX_DEVICE_ID:
         raise MalformedMessage(f"kv_device must be 0..{MAX_DEVICE_ID - 1}")
@@ -203,13 +207,23 @@ def _check_id(field: str, value: str) -> None:
 
 
 class PushRegistration(msgspec.Struct, frozen=True, kw_only=True):
-    """Decode -> prefill: 'request R may be written into these blocks of my engine'."""
+    """Decode rank -> the prefill rank of the same TP rank: 'request R may be written into
+    these blocks of mine until `expires_at`'.
+
+    `expires_at` is the decode's wall clock (Unix seconds): the prefill starts no WRITE for
+    it later than that (node clocks are assumed to agree to well within `write_timeout_s`,
+    as NTP keeps them). A WRITE started is given up after `write_timeout_s`. The decode
+    reuses the blocks only once the prefill has answered for them, or once
+    `expires_at + write_timeout_s` and a margin have passed.
+    """
 
     request_id: str
     decode_engine_id: str
     prefill_engine_id: str
     block_ids: list[int]
     decode_tp_rank: int = 0
+    expires_at: float
+    write_timeout_s: float
 
 
 MAX_REQUESTS_PER_WRITE = 64
@@ -238,17 +252,30 @@ class PushFail(msgspec.Struct, frozen=True, kw_only=True):
     message: str = ""
 
 
-Notification = PushRegistration | PushDone | PushFail
+class PushCancel(msgspec.Struct, frozen=True, kw_only=True):
+    """Decode rank -> prefill rank: 'I give request R up; do not start its WRITE'. The
+    prefill always answers: PUSH_FAIL when no WRITE of R can land any more, PUSH_DONE when
+    R's WRITE has landed, nothing yet while it is in flight (its end answers)."""
 
-_decoders: dict[bytes, msgspec.msgpack.Decoder[PushRegistration | PushDone | PushFail]] = {
+    request_id: str
+    decode_engine_id: str
+    prefill_engine_id: str
+    decode_tp_rank: int = 0
+
+
+Notification = PushRegistration | PushDone | PushFail | PushCancel
+
+_decoders: dict[bytes, msgspec.msgpack.Decoder[Notification]] = {
     REG_PREFIX: msgspec.msgpack.Decoder(PushRegistration),
     DONE_PREFIX: msgspec.msgpack.Decoder(PushDone),
     FAIL_PREFIX: msgspec.msgpack.Decoder(PushFail),
+    CANCEL_PREFIX: msgspec.msgpack.Decoder(PushCancel),
 }
 _prefix_of: dict[type, bytes] = {
     PushRegistration: REG_PREFIX,
     PushDone: DONE_PREFIX,
     PushFail: FAIL_PREFIX,
+    PushCancel: CANCEL_PREFIX,
 }
 
 
@@ -282,6 +309,11 @@ def decode_notification(data: bytes) -> Notification:
                     raise MalformedMessage("a registration must name 1..65536 blocks")
                 if any(b < 0 for b in msg.block_ids):
                     raise MalformedMessage("block ids must be non-negative")
+                if not 0 < msg.write_timeout_s <= 3600 or msg.expires_at != msg.expires_at:
+                    raise MalformedMessage("write_timeout_s must be 0..3600 s, expires_at a time")
+            if isinstance(msg, PushCancel):
+                _check_id("decode_engine_id", msg.decode_engine_id)
+                _check_id("prefill_engine_id", msg.prefill_engine_id)
             return msg
     raise MalformedMessage(f"unknown notification prefix {data[:16]!r}")
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from kvtopo_worker.protocol import PeerState
 log = logging.getLogger(__name__)
 
 EvictResult = Literal["evicted", "deferred", "absent"]
+FORMER_AGENTS_KEPT = 4096  # torn-down agents whose notifications are still attributed
 
 
 @dataclass
@@ -71,8 +73,10 @@ class EngineRegistry:
         self.lock = threading.RLock()
         self._engines: dict[str, _Engine] = {}
         self._handshakes: dict[str, Future[dict[int, str]]] = {}
-        self._owners: dict[str, str] = {}  # agent name -> engine id, until torn down
+        # agent name -> (engine id, rank), from its add until its teardown has finished
+        self._owners: dict[str, tuple[str, int]] = {}
         self._releasing: dict[str, threading.Event] = {}  # agents popped, not torn down yet
+        self._former: OrderedDict[str, tuple[str, int]] = OrderedDict()  # torn down, recent
         self._remove_agent = remove_agent
         self._on_evicted = on_evicted
         self._clock = clock
@@ -95,7 +99,15 @@ class EngineRegistry:
     def agent_owner(self, agent_name: str) -> str | None:
         """The engine an agent belongs to (also while its teardown runs), or None."""
         with self.lock:
-            return self._owners.get(agent_name)
+            owner = self._owners.get(agent_name)
+        return owner[0] if owner is not None else None
+
+    def owner_of(self, agent_name: str) -> tuple[str, int] | None:
+        """(engine id, rank) an agent belongs to, or belonged to until a recent eviction:
+        who a notification from it comes from (a WRITE's completion may arrive after its
+        engine was evicted). None for an agent never added."""
+        with self.lock:
+            return self._owners.get(agent_name) or self._former.get(agent_name)
 
     def wait_released(self, agent_name: str, timeout: float) -> bool:
         """Waits until a popped agent's teardown has finished; False on timeout."""
@@ -144,11 +156,11 @@ class EngineRegistry:
             raise ValueError("an engine needs at least one agent")
         with self.lock:
             for name in agents.values():
-                owner = self._owners.get(name, engine_id)
+                owner = self._owners.get(name, (engine_id, 0))[0]
                 if owner != engine_id:
                     raise AgentConflict(f"agent {name} belongs to engine {owner}")
-            for name in agents.values():
-                self._owners[name] = engine_id
+            for rank, name in agents.items():
+                self._owners[name] = (engine_id, rank)
             eng = self._engines.get(engine_id)
             if eng is None:
                 self._engines[engine_id] = _Engine(agents=dict(agents), last_used=self._clock())
@@ -271,8 +283,13 @@ class EngineRegistry:
                 log.exception("removing agent %s of engine %s failed", agent_name, engine_id)
             finally:
                 with self.lock:
-                    if self._owners.get(agent_name) == engine_id:
+                    owner = self._owners.get(agent_name)
+                    if owner is not None and owner[0] == engine_id:
                         del self._owners[agent_name]
+                        self._former[agent_name] = owner
+                        self._former.move_to_end(agent_name)
+                        if len(self._former) > FORMER_AGENTS_KEPT:
+                            self._former.popitem(last=False)
                     released = self._releasing.pop(agent_name, None)
                 if released is not None:
                     released.set()

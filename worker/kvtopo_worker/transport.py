@@ -112,7 +112,7 @@ class KVTransport(Protocol):
 
     def poll(self, handle: XferHandle) -> XferState: ...
 
-    def release(self, handle: XferHandle) -> None: ...
+    def release(self, handle: XferHandle) -> bool: ...
 
     def remove_remote(self, agent_name: str) -> None: ...
 
@@ -439,13 +439,16 @@ class NixlTransport:
                 return "ERR"
             return state
 
-    def release(self, handle: XferHandle) -> None:
+    def release(self, handle: XferHandle) -> bool:
+        """Releases a transfer handle; for a WRITE still running, NIXL aborts it. False when
+        NIXL refused (the WRITE may still land; the caller keeps watching it)."""
         with self._lock:
             try:
                 self._agent.release_xfer_handle(handle)
+                return True
             except Exception as exc:
-                # A transfer still running cannot be released; NIXL aborts it with the agent.
                 log.warning("release_xfer_handle(%s) failed: %s", handle, exc)
+                return False
 
     def close(self) -> None:
         """Releases everything in reverse order of creation."""
