@@ -22,7 +22,6 @@ from kvtopo_worker.registry import EngineRegistry
 from tests.worker.conftest import DECODE, PREFILL, add_engine, make_connector
 from tests.worker.fakes import FakeClock, FakeTransport
 
-
 FAR = 1e12  # a registration valid for ever (wall clock)
 
 

@@ -431,16 +431,34 @@ class PushConnector:
             reg = self._reg_q.get()
             if reg is None:
                 return
-            with self._state_lock:
-                pending = self._pending_recv.get(reg.request_id)
-                if pending is None:
-                    continue  # ended before its turn (timed out, stopped)
-                pending.sent = True
+            self._write_registration(reg)
+
+    def flush_registrations(self) -> int:
+        """Sends the registrations queued so far on the calling thread (what the writer
+        thread does; for callers that run without it); returns how many were taken."""
+        n = 0
+        while True:
             try:
-                self.send_registration(reg)
-            except Exception as exc:  # never let one request kill the writer
-                log.exception("registration writer")
-                self._fail_recv(reg.request_id, FailureType.PUSH_REG_NOTIF_FAILED, repr(exc))
+                reg = self._reg_q.get_nowait()
+            except queue.Empty:
+                return n
+            if reg is None:
+                self._reg_q.put(None)  # the writer's stop sentinel: leave it
+                return n
+            self._write_registration(reg)
+            n += 1
+
+    def _write_registration(self, reg: PushRegistration) -> None:
+        with self._state_lock:
+            pending = self._pending_recv.get(reg.request_id)
+            if pending is None:
+                return  # ended before its turn (timed out, stopped)
+            pending.sent = True
+        try:
+            self.send_registration(reg)
+        except Exception as exc:  # never let one request kill the writer
+            log.exception("registration writer")
+            self._fail_recv(reg.request_id, FailureType.PUSH_REG_NOTIF_FAILED, repr(exc))
 
     def send_registration(self, reg: PushRegistration) -> None:
         """Sends `reg` to the prefill engine's rank of our TP rank (writer thread).
