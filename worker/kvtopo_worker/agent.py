@@ -2,9 +2,13 @@
 
 Owns the aiohttp server that runs inside the engine process on its own thread and loop:
 
-    GET    /v1/metadata            this rank's EngineMetadata (versioned msgpack envelope)
-    PUT    /v1/peers/{engine_id}   {endpoint, role}: fetch the peer's metadata, add its agent
-    DELETE /v1/peers/{engine_id}   evict the peer (deferred while transfers are in flight)
+    GET    /v1/metadata[?rank=R]   rank R's EngineMetadata (versioned msgpack envelope; R: 0)
+    PUT    /v1/peers/{engine_id}   {endpoint, role[, rank]}: fetch the peer's metadata and add
+                                   its agent of each TP rank (or only of `rank`) to our rank
+                                   of the same number (TP sizes must be equal)
+    DELETE /v1/peers/{engine_id}[?rank=R]
+                                   evict the peer (or its rank R; deferred while transfers
+                                   are in flight)
     PATCH  /v1/peers               {add: [{engine_id, endpoint, role}], evict: [engine_id]}:
                                    many of the above in one call, an outcome per item
     GET    /v1/state               WorkerState JSON: peers, failure counters, request counts
@@ -26,8 +30,8 @@ import concurrent.futures
 import hmac
 import logging
 import threading
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 import aiohttp
@@ -81,12 +85,20 @@ class PeerTransport(Protocol):
 
 @dataclass
 class LocalEngine:
-    """Everything the control API serves about the engine it lives in."""
+    """Everything the control API serves about the engine it lives in: `metadata` is rank
+    0's; `ranks`, when the engine runs several TP ranks, every rank's in rank order."""
 
     engine_id: str
     role: Role
     metadata: EngineMetadata
     started_at: float
+    ranks: list[EngineMetadata] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.ranks:
+            self.ranks = [self.metadata]
+        if [m.tp_rank for m in self.ranks] != list(range(len(self.ranks))):
+            raise ValueError("ranks must hold every TP rank's metadata in rank order")
 
     @property
     def compat_hash(self) -> str:
@@ -120,6 +132,16 @@ def _outcome(
     )
 
 
+def _query_rank(request: web.Request) -> int | None:
+    """The `rank` query parameter (None when absent); MalformedMessage when not a rank."""
+    text = request.query.get("rank")
+    if text is None:
+        return None
+    if not text.isdigit() or len(text) > 4:
+        raise MalformedMessage("rank must be a TP rank number")
+    return int(text)
+
+
 def _json(obj: object, status: int = 200) -> web.Response:
     return web.Response(
         status=status, body=msgspec.json.encode(obj), content_type="application/json"
@@ -127,14 +149,15 @@ def _json(obj: object, status: int = 200) -> web.Response:
 
 
 class ControlServer:
-    """The control API of one engine rank, on a background thread with its own loop."""
+    """The control API of one engine (all its TP ranks), on a background thread with its
+    own loop."""
 
     def __init__(
         self,
         *,
         engine: LocalEngine,
         registry: EngineRegistry,
-        transport: PeerTransport,
+        transport: PeerTransport | Sequence[PeerTransport],
         token: TokenSource,
         metrics: WorkerMetrics,
         host: str = "127.0.0.1",
@@ -144,14 +167,19 @@ class ControlServer:
     ) -> None:
         self.engine = engine
         self.registry = registry
-        self.transport = transport
+        # One transport per local TP rank; a peer's rank r is added to ours.
+        self.transports: list[PeerTransport] = (
+            list(transport) if isinstance(transport, Sequence) else [transport]
+        )
+        if len(self.transports) != len(engine.ranks):
+            raise ValueError("one transport per TP rank of the engine is needed")
         self.token = token
         self.metrics = metrics
         self.host = host
         self.port = port
         self.handshake_timeout_s = handshake_timeout_s
         self._request_counts = request_counts or (lambda: (0, 0, 0))
-        self._metadata_bytes = encode_metadata(engine.metadata)
+        self._metadata_bytes = [encode_metadata(m) for m in engine.ranks]
         # NIXL is not promised thread-safe: handshakes and teardown go through one thread.
         self.nixl_executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="kvtopo-nixl"
@@ -270,7 +298,12 @@ class ControlServer:
         )
 
     async def _get_metadata(self, request: web.Request) -> web.Response:
-        return web.Response(body=self._metadata_bytes, content_type="application/msgpack")
+        rank = _query_rank(request)
+        if rank is None:
+            rank = 0
+        if not 0 <= rank < len(self._metadata_bytes):
+            raise MalformedMessage(f"rank must be 0..{len(self._metadata_bytes) - 1}")
+        return web.Response(body=self._metadata_bytes[rank], content_type="application/msgpack")
 
     def state(self) -> WorkerState:
         done, failed, in_flight = self._request_counts()
@@ -286,6 +319,7 @@ class ControlServer:
             requests_in_flight=in_flight,
             started_at=self.engine.started_at,
             last_failure=self.metrics.last_failure,
+            tp_size=len(self.transports),
         )
 
     async def _get_state(self, request: web.Request) -> web.Response:
@@ -301,26 +335,75 @@ class ControlServer:
     async def _put_peer(self, request: web.Request) -> web.Response:
         engine_id = self._path_engine_id(request)
         body = decode_json_body(await request.read(), PeerAddRequest)
-        status, answer = await self._add_peer(engine_id, body.endpoint, body.role)
+        status, answer = await self._add_peer(engine_id, body.endpoint, body.role, body.rank)
         return _json(answer, status)
 
     async def _add_peer(
-        self, engine_id: str, endpoint: str, role: Role
+        self, engine_id: str, endpoint: str, role: Role, rank: int | None = None
     ) -> tuple[int, PeerResult | ErrorBody]:
-        """Adds one peer (fetching its metadata from `endpoint`); the HTTP status and body
-        of the answer. Raises MalformedMessage for a request that makes no sense."""
+        """Adds one peer: each of its TP ranks (or only `rank`) to our rank of the same
+        number, fetching each rank's metadata from `endpoint`; the HTTP status and body of
+        the answer. Raises MalformedMessage for a request that makes no sense."""
         if not 0 < len(engine_id) <= MAX_ID_LEN:
             raise MalformedMessage(f"engine_id must be 1..{MAX_ID_LEN} characters")
         if engine_id == self.engine.engine_id:
             raise MalformedMessage("an engine cannot be its own peer")
         if role == self.engine.role:
             raise MalformedMessage(f"a {role} engine pairs with the other role, not itself")
+        local_tp = len(self.transports)
+        if rank is not None and not 0 <= rank < local_tp:
+            raise MalformedMessage(f"rank must be 0..{local_tp - 1} (this engine's TP ranks)")
+        wanted = set(range(local_tp)) if rank is None else {rank}
         present = self.registry.claim_present(engine_id)
-        if present:
+        if wanted <= set(present):
             self.metrics.handshakes_total.labels("present").inc()
             return 200, PeerResult(engine_id=engine_id, result="present", agents=present)
+        metas: list[EngineMetadata] = []
+        for r in sorted(wanted - set(present)):
+            fetched = await self._fetch_rank(engine_id, endpoint, role, r, local_tp)
+            if isinstance(fetched, tuple):
+                return fetched
+            metas.append(fetched)
+
+        def add() -> dict[int, str]:
+            # On the NIXL thread, so checks and adds of all engines run one at a time.
+            added: dict[int, str] = {}
+            for meta in metas:
+                owner = self.registry.agent_owner(meta.agent_name)
+                if owner is not None and owner != engine_id:
+                    raise AgentConflict(f"agent {meta.agent_name} belongs to engine {owner}")
+                if not self.registry.wait_released(meta.agent_name, self.handshake_timeout_s):
+                    raise TimeoutError(f"agent {meta.agent_name} is still being torn down")
+                # Our rank r pairs with the peer's rank r (homogeneous TP).
+                added[meta.tp_rank] = self.transports[meta.tp_rank].add_remote_peer(meta)
+            self.registry.add_engine(engine_id, added)
+            return added
+
+        fut = self.registry.handshake(engine_id, lambda: self.nixl_executor.submit(add))
         try:
-            raw = await self._fetch_metadata(endpoint)
+            agents = await asyncio.wait_for(asyncio.wrap_future(fut), self.handshake_timeout_s)
+        except (AgentConflict, TransportError) as exc:
+            if isinstance(exc, TransportError) and exc.kind != "identity":
+                msg = f"adding the NIXL agent of {engine_id}: {exc}"
+                return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 502)
+            msg = f"{endpoint} claims another engine's identity: {exc}"
+            return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 409)
+        except Exception as exc:
+            msg = f"adding the NIXL agent of {engine_id}: {type(exc).__name__}: {exc}"
+            return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 502)
+        self.metrics.handshakes_total.labels("added").inc()
+        log.info("peer %s (%s) added: %s", engine_id, role, agents)
+        return 200, PeerResult(
+            engine_id=engine_id, result="added", agents=self.registry.snapshot(engine_id)
+        )
+
+    async def _fetch_rank(
+        self, engine_id: str, endpoint: str, role: Role, rank: int, local_tp: int
+    ) -> EngineMetadata | tuple[int, ErrorBody]:
+        """The peer's metadata for one rank, checked against what the caller says the peer
+        is; or the answer to give when it is not."""
+        try:
+            raw = await self._fetch_metadata(endpoint, rank)
             meta = decode_metadata(raw, self.engine.compat_hash)
         except IncompatibleEngine as exc:
             self.metrics.handshakes_total.labels("incompatible").inc()
@@ -345,34 +428,19 @@ class ControlServer:
         if meta.role != role:
             msg = f"{endpoint} is a {meta.role} engine, not {role}"
             return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 409)
-
-        def add() -> dict[int, str]:
-            # On the NIXL thread, so checks and adds of all engines run one at a time.
-            owner = self.registry.agent_owner(meta.agent_name)
-            if owner is not None and owner != engine_id:
-                raise AgentConflict(f"agent {meta.agent_name} belongs to engine {owner}")
-            if not self.registry.wait_released(meta.agent_name, self.handshake_timeout_s):
-                raise TimeoutError(f"agent {meta.agent_name} is still being torn down")
-            name = self.transport.add_remote_peer(meta)
-            agents = {meta.tp_rank: name}
-            self.registry.add_engine(engine_id, agents)
-            return agents
-
-        fut = self.registry.handshake(engine_id, lambda: self.nixl_executor.submit(add))
-        try:
-            agents = await asyncio.wait_for(asyncio.wrap_future(fut), self.handshake_timeout_s)
-        except (AgentConflict, TransportError) as exc:
-            if isinstance(exc, TransportError) and exc.kind != "identity":
-                msg = f"adding the NIXL agent of {engine_id}: {exc}"
-                return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 502)
-            msg = f"{endpoint} claims another engine's identity: {exc}"
-            return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 409)
-        except Exception as exc:
-            msg = f"adding the NIXL agent of {engine_id}: {type(exc).__name__}: {exc}"
+        if meta.tp_size != local_tp:
+            msg = f"{engine_id} runs {meta.tp_size} TP ranks, this engine {local_tp}"
+            self.metrics.handshakes_total.labels("incompatible").inc()
+            self.metrics.record_failure(
+                FailureType.INCOMPATIBLE, {"engine_id": engine_id, "msg": msg}
+            )
+            return 409, ErrorBody(
+                error="incompatible", message=msg, failure_type=FailureType.INCOMPATIBLE
+            )
+        if meta.tp_rank != rank:
+            msg = f"{endpoint} answered rank {meta.tp_rank} for rank {rank}"
             return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 502)
-        self.metrics.handshakes_total.labels("added").inc()
-        log.info("peer %s (%s) added: %s", engine_id, meta.role, agents)
-        return 200, PeerResult(engine_id=engine_id, result="added", agents=agents)
+        return meta
 
     async def _patch_peers(self, request: web.Request) -> web.Response:
         """`PATCH /v1/peers`: a batch of adds and evictions, each handled as its own route
@@ -385,7 +453,9 @@ class ControlServer:
         async def add(item: PeerAddItem) -> PeerOutcome:
             async with sem:
                 try:
-                    status, answer = await self._add_peer(item.engine_id, item.endpoint, item.role)
+                    status, answer = await self._add_peer(
+                        item.engine_id, item.endpoint, item.role, item.rank
+                    )
                 except ProtocolError as exc:
                     self.metrics.reject("control")
                     status, answer = 400, ErrorBody(error="bad_request", message=exc.message)
@@ -410,10 +480,10 @@ class ControlServer:
         self.metrics.record_failure(failure, {"engine_id": engine_id, "msg": message})
         return status, ErrorBody(error="handshake_failed", message=message, failure_type=failure)
 
-    async def _fetch_metadata(self, endpoint: str) -> bytes:
+    async def _fetch_metadata(self, endpoint: str, rank: int = 0) -> bytes:
         if self._session is None:
             self._session = aiohttp.ClientSession()
-        url = f"http://{endpoint}/v1/metadata"
+        url = f"http://{endpoint}/v1/metadata?rank={rank}"
         headers = {"Authorization": f"Bearer {self.token.current()}"}
         timeout = aiohttp.ClientTimeout(total=self.handshake_timeout_s)
         async with self._session.get(url, headers=headers, timeout=timeout) as resp:
@@ -427,10 +497,13 @@ class ControlServer:
             return data
 
     async def _delete_peer(self, request: web.Request) -> web.Response:
-        return _json(await self._evict_peer(self._path_engine_id(request)))
+        engine_id = self._path_engine_id(request)
+        return _json(await self._evict_peer(engine_id, _query_rank(request)))
 
-    async def _evict_peer(self, engine_id: str) -> PeerResult:
+    async def _evict_peer(self, engine_id: str, rank: int | None = None) -> PeerResult:
         loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(self.nixl_executor, self.registry.evict, engine_id)
+        result = await loop.run_in_executor(
+            self.nixl_executor, lambda: self.registry.evict(engine_id, "operator", rank)
+        )
         self.metrics.evictions_total.labels(result).inc()
         return PeerResult(engine_id=engine_id, result=result)

@@ -52,7 +52,7 @@ from kvtopo_worker.protocol import (
     SubmitRequest,
     decode_json_body,
 )
-from kvtopo_worker.push import PushConfig, PushConnector
+from kvtopo_worker.push import FailedRequest, PushConfig, PushConnector
 from kvtopo_worker.registry import EngineRegistry
 from kvtopo_worker.transport import NixlTransport
 
@@ -159,32 +159,57 @@ class EmulatedEngine:
         idle_ttl_s: float = 0.0,
         progress_thread: bool | None = None,
         handshake_timeout_s: float = 5.0,
+        tp_size: int = 1,
     ) -> None:
+        if not 1 <= tp_size <= 64:
+            raise ValueError(f"tp_size must be 1..64, not {tp_size}")
         self.role: Role = role
         self.engine_id = engine_id or uuid.uuid4().hex
+        self.tp_size = tp_size
         self.device = torch.device(device)
         self.metrics = WorkerMetrics()
-        self.transport = NixlTransport(f"kvtopo-{self.engine_id}", progress_thread=progress_thread)
-        self.kv = torch.zeros((num_blocks, block_len), dtype=torch.uint8, device=self.device)
+        self.registry = EngineRegistry(remove_agent=self._remove_agent, idle_ttl_s=idle_ttl_s)
         self.content = KVContent(block_len, self.device)
-        self.registry = EngineRegistry(
-            remove_agent=self.transport.remove_remote, idle_ttl_s=idle_ttl_s
-        )
-        self.connector = PushConnector(
-            engine_id=self.engine_id,
-            role=role,
-            transport=self.transport,
-            registry=self.registry,
-            metrics=self.metrics,
-            config=push_config,
-        )
-        self.connector.register_kv_caches(self.kv)
+        self._outcome_ready = threading.Event()  # set by every rank's connector
         compat = CompatInfo(block_len=block_len, model_id=model_id, dtype="uint8")
-        meta = self.transport.describe(engine_id=self.engine_id, role=role, compat=compat)
+        # One NIXL agent, KV cache and connector per TP rank, as vLLM's TP workers have;
+        # the ranks share the block ids of a request (and the registry of peers).
+        self.transports: list[NixlTransport] = []
+        self.kvs: list[torch.Tensor] = []
+        self.connectors: list[PushConnector] = []
+        metas = []
+        for rank in range(tp_size):
+            transport = NixlTransport(
+                f"kvtopo-{self.engine_id}-r{rank}", progress_thread=progress_thread
+            )
+            kv = torch.zeros((num_blocks, block_len), dtype=torch.uint8, device=self.device)
+            connector = PushConnector(
+                engine_id=self.engine_id,
+                role=role,
+                transport=transport,
+                registry=self.registry,
+                metrics=self.metrics,
+                config=push_config,
+                tp_rank=rank,
+                outcome_ready=self._outcome_ready,
+            )
+            connector.register_kv_caches(kv)
+            metas.append(
+                transport.describe(
+                    engine_id=self.engine_id,
+                    role=role,
+                    compat=compat,
+                    tp_rank=rank,
+                    tp_size=tp_size,
+                )
+            )
+            self.transports.append(transport)
+            self.kvs.append(kv)
+            self.connectors.append(connector)
         self.server = ControlServer(
-            engine=LocalEngine(self.engine_id, role, meta, time.time()),
+            engine=LocalEngine(self.engine_id, role, metas[0], time.time(), ranks=metas),
             registry=self.registry,
-            transport=self.transport,
+            transport=self.transports,
             token=token,
             metrics=self.metrics,
             host=host,
@@ -199,6 +224,9 @@ class EmulatedEngine:
         self._alloc_lock = threading.Lock()
         self._free = deque(range(num_blocks))
         self._requests: dict[str, _Request] = {}
+        # Per request, the ranks that ended it so far (None: done; else the failure).
+        self._rank_ends: dict[str, dict[int, FailedRequest | None]] = {}
+        self._ends_lock = threading.Lock()
         self._outcomes: deque[RequestOutcome] = deque()
         self._outcomes_lock = threading.Lock()
         self._stop = threading.Event()
@@ -206,17 +234,31 @@ class EmulatedEngine:
             target=self._engine_loop, name="kvtopo-engine", daemon=True
         )
         self.verified_bytes = 0
+        self.requests_done = 0
+        self.requests_failed = 0
         self._accepted = 0
         self._handed_out = 0
         self._draining = False  # set under _alloc_lock: no request is accepted after it
         self._drain_deadline: threading.Timer | None = None
+
+    def _remove_agent(self, agent_name: str) -> None:
+        """Registry teardown: the agent lives in the transport of the rank it pairs with
+        (removing it from the others is a no-op)."""
+        for transport in self.transports:
+            transport.remove_remote(agent_name)
+
+    def _rank_request_id(self, request_id: str, rank: int) -> str:
+        """What rank `rank`'s KV content of a request derives from (each rank holds other
+        bytes, so a WRITE into the wrong rank fails verification)."""
+        return request_id if rank == 0 else f"{request_id}#tp{rank}"
 
     @property
     def endpoint(self) -> str:
         return self.server.endpoint
 
     def start(self) -> None:
-        self.connector.start()
+        for connector in self.connectors:
+            connector.start()
         self._engine_thread.start()
         self.server.start()
 
@@ -229,8 +271,10 @@ class EmulatedEngine:
         self._engine_thread.join(5)
         self.fail_held("the engine stopped before the request ended")
         self.server.stop()
-        self.connector.stop()
-        self.transport.close()
+        for connector in self.connectors:
+            connector.stop()
+        for transport in self.transports:
+            transport.close()
 
     # --- draining --------------------------------------------------------------------------
 
@@ -310,14 +354,14 @@ class EmulatedEngine:
         # that waits for 0 and drains once more has every outcome.
         with self._outcomes_lock:
             unreported = self._accepted - self._handed_out
-        return self.connector.requests_done, self.connector.requests_failed, unreported
+            return self.requests_done, self.requests_failed, unreported
 
     # --- requests ------------------------------------------------------------------------
 
     def submit(self, req: SubmitRequest) -> None:
         """Starts a request; raises ValueError when it cannot be taken (nothing is lost)."""
-        if not 0 < req.num_blocks <= self.kv.shape[0]:
-            raise ValueError(f"num_blocks must be 1..{self.kv.shape[0]}")
+        if not 0 < req.num_blocks <= self.kvs[0].shape[0]:
+            raise ValueError(f"num_blocks must be 1..{self.kvs[0].shape[0]}")
         with self._alloc_lock:
             if self._draining:
                 raise EngineDraining("the engine is draining: it takes no new requests")
@@ -327,15 +371,30 @@ class EmulatedEngine:
                 raise BlockingIOError(f"only {len(self._free)} free KV blocks")
             blocks = [self._free.popleft() for _ in range(req.num_blocks)]
             self._requests[req.request_id] = _Request(req.request_id, req.peer_engine_id, blocks)
+        # Every rank takes its part, or (nothing taken yet) none does.
+        if self.role == "prefill":
+            for rank, kv in enumerate(self.kvs):
+                self.content.fill(kv, blocks, self._rank_request_id(req.request_id, rank))
+        taken = 0  # ranks that hold the request
         try:
-            if self.role == "prefill":
-                self.content.fill(self.kv, blocks, req.request_id)
-                self.connector.request_send(req.request_id, blocks, req.peer_engine_id)
-            else:
-                self.connector.request_receive(req.request_id, req.peer_engine_id, blocks)
+            for connector in self.connectors:
+                if self.role == "prefill":
+                    connector.request_send(req.request_id, blocks, req.peer_engine_id)
+                else:
+                    connector.request_receive(req.request_id, req.peer_engine_id, blocks)
+                taken += 1
         except Exception:
-            self._release(req.request_id)
-            raise
+            if taken == 0:
+                self._release(req.request_id)
+                raise
+            # Ranks below `taken` hold it: end it through them, failed (not lost).
+            log.exception("rank %d refused request %s", taken, req.request_id)
+            for r in range(taken, self.tp_size):
+                failure = FailedRequest(
+                    req.request_id, FailureType.TRANSFER_SETUP_FAILED, f"rank {r} refused it"
+                )
+                with self._ends_lock:
+                    self._rank_ends.setdefault(req.request_id, {})[r] = failure
         with self._outcomes_lock:
             self._accepted += 1
 
@@ -348,69 +407,88 @@ class EmulatedEngine:
 
     def _engine_loop(self) -> None:
         while not self._stop.is_set():
-            fin = self.connector.get_finished()
+            ended: list[tuple[str, int, FailedRequest | None]] = []
+            for rank, connector in enumerate(self.connectors):
+                fin = connector.get_finished()
+                ended += [(rid, rank, None) for rid in fin.done_sending]
+                ended += [(rid, rank, None) for rid in fin.done_receiving]
+                ended += [(f.request_id, rank, f) for f in fin.failed]
             now = time.time()
-            outcomes: list[RequestOutcome] = []
-            for rid in fin.done_sending:
-                req = self._release(rid)
-                if req is None:  # already ended (failed at shutdown)
-                    continue
-                outcomes.append(
-                    RequestOutcome(
-                        request_id=rid,
-                        status="done",
-                        peer_engine_id=req.peer_engine_id,
-                        ended_at=now,
-                    )
-                )
-            for rid in fin.done_receiving:
-                verified = self._verify(rid, now)
-                if verified is not None:
-                    outcomes.append(verified)
-            for f in fin.failed:
-                req = self._release(f.request_id)
-                if req is None:  # already ended (failed at shutdown)
-                    continue
-                outcomes.append(
-                    RequestOutcome(
-                        request_id=f.request_id,
-                        status="failed",
-                        reason=f.reason,
-                        message=f.message,
-                        peer_engine_id=req.peer_engine_id,
-                        ended_at=now,
-                    )
-                )
+            outcomes = [o for rid, rank, f in ended if (o := self._rank_ended(rid, rank, f, now))]
             if outcomes:
                 with self._outcomes_lock:
                     self._outcomes.extend(outcomes)
-            else:
-                self.connector.wait_finished(0.05)
+                    for o in outcomes:
+                        if o.status == "done":
+                            self.requests_done += 1
+                        else:
+                            self.requests_failed += 1
+            elif not ended:
+                self.connectors[0].wait_finished(0.05)  # the ranks share the event
+
+    def _rank_ended(
+        self, request_id: str, rank: int, failure: FailedRequest | None, now: float
+    ) -> RequestOutcome | None:
+        """Records that one rank ended a request; once every rank has, the request's
+        outcome (done only when every rank's part is done, and on a decode every rank's
+        bytes verified), its blocks handed back. None while ranks are still running it, or
+        when it ended already (failed at shutdown)."""
+        with self._ends_lock:
+            ends = self._rank_ends.setdefault(request_id, {})
+            ends[rank] = failure
+            if len(ends) < self.tp_size:
+                return None
+            del self._rank_ends[request_id]
+        failures = [f for _, f in sorted(ends.items()) if f is not None]
+        if not failures and self.role == "decode":
+            return self._verify(request_id, now)
+        req = self._release(request_id)
+        if req is None:  # already ended (failed at shutdown)
+            return None
+        if not failures:
+            return RequestOutcome(
+                request_id=request_id,
+                status="done",
+                peer_engine_id=req.peer_engine_id,
+                ended_at=now,
+            )
+        first = failures[0]
+        return RequestOutcome(
+            request_id=request_id,
+            status="failed",
+            reason=first.reason,
+            message=first.message,
+            peer_engine_id=req.peer_engine_id,
+            ended_at=now,
+        )
 
     def _verify(self, request_id: str, now: float) -> RequestOutcome | None:
-        """The outcome of a pushed request, every byte checked; None when the request has
-        ended already (failed at shutdown)."""
+        """The outcome of a pushed request, every byte of every rank checked; None when the
+        request has ended already (failed at shutdown)."""
         with self._alloc_lock:
             req = self._requests.get(request_id)
         if req is None:
             return None
-        bad = self.content.mismatched_blocks(self.kv, req.block_ids, request_id)
+        bad = 0
+        for rank, kv in enumerate(self.kvs):
+            content_id = self._rank_request_id(request_id, rank)
+            bad += len(self.content.mismatched_blocks(kv, req.block_ids, content_id))
         if self._release(request_id) is None:  # failed at shutdown meanwhile
             return None
         if bad:
             self.metrics.record_failure(
                 FailureType.TRANSFER_FAILED,
-                {"request_id": request_id, "msg": f"blocks {bad[:8]} hold the wrong bytes"},
+                {"request_id": request_id, "msg": f"{bad} blocks hold the wrong bytes"},
             )
             return RequestOutcome(
                 request_id=request_id,
                 status="failed",
                 reason=FailureType.TRANSFER_FAILED,
-                message=f"{len(bad)} blocks failed verification",
+                message=f"{bad} blocks failed verification",
                 peer_engine_id=req.peer_engine_id,
                 ended_at=now,
             )
-        nbytes = len(req.block_ids) * int(self.kv.shape[1])
+        nbytes = len(req.block_ids) * int(self.kvs[0].shape[1]) * self.tp_size
         self.verified_bytes += nbytes
         return RequestOutcome(
             request_id=request_id,
@@ -488,6 +566,14 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-blocks", type=int, default=256)
     p.add_argument("--block-bytes", type=int, default=64 * 1024)
     p.add_argument("--model-id", default="emulated", help="part of the compatibility hash")
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tensor-parallel ranks, each with its own NIXL agent and KV cache (as vLLM's TP "
+        "workers); a request ends when every rank has; peers must run as many",
+    )
     p.add_argument("--device", default="cpu", help="cpu, or cuda[:N] where a GPU is present")
     p.add_argument(
         "--registration-timeout",
@@ -545,6 +631,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"kvtopo-worker: {exc}", file=sys.stderr)
         return 2
+    if not 1 <= args.tp <= 64:
+        print(f"kvtopo-worker: --tp must be 1..64, not {args.tp}", file=sys.stderr)
+        return 2
     if not 0 <= args.drain_timeout <= 3600:
         print(
             f"kvtopo-worker: --drain-timeout must be 0..3600 s, not {args.drain_timeout}",
@@ -564,6 +653,7 @@ def main(argv: list[str] | None = None) -> int:
         push_config=push_config,
         idle_ttl_s=args.idle_ttl,
         progress_thread=progress,
+        tp_size=args.tp,
     )
     try:
         engine.start()

@@ -326,6 +326,7 @@ class PeerAddRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     endpoint: str
     role: Role
+    rank: int | None = None  # only this TP rank of the peer (default: every rank)
 
 
 MAX_PEER_CHANGES = 1024  # adds plus evictions in one `PATCH /v1/peers`
@@ -340,6 +341,7 @@ class PeerAddItem(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     engine_id: str
     endpoint: str
     role: Role
+    rank: int | None = None
 
 
 class PeerChanges(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -423,6 +425,7 @@ class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
     requests_in_flight: int
     started_at: float
     last_failure: FailureRecord | None = None
+    tp_size: int = 1
 
 
 class SubmitRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -197,7 +197,10 @@ class PushConnector:
         wall_clock: Callable[[], float] = time.time,
         tp_rank: int = 0,
         block_len: int = 0,
+        outcome_ready: threading.Event | None = None,
     ) -> None:
+        """`outcome_ready` is set whenever an outcome is queued; ranks of one engine may
+        share one, so that one engine thread waits on all of them."""
         self.engine_id = engine_id
         self.role = role
         self.tp_rank = tp_rank
@@ -223,7 +226,7 @@ class PushConnector:
         self._ended_cap = 200_000
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self._outcome_ready = threading.Event()
+        self._outcome_ready = outcome_ready or threading.Event()
         self._threads: list[threading.Thread] = []
         self._stopped = False
         self.requests_done = 0

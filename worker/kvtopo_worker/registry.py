@@ -26,7 +26,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from kvtopo_worker.protocol import PeerState
@@ -44,6 +44,7 @@ class _Engine:
     transfers_in_flight: int = 0
     eviction_pending: bool = False
     eviction_reason: str = ""
+    ranks_pending: set[int] = field(default_factory=set)  # ranks whose eviction is deferred
 
 
 class AgentConflict(Exception):
@@ -123,6 +124,7 @@ class EngineRegistry:
             if eng is None:
                 return {}
             eng.eviction_pending = False
+            eng.ranks_pending.clear()
             eng.last_used = self._clock()
             return dict(eng.agents)
 
@@ -167,6 +169,7 @@ class EngineRegistry:
                 return True
             eng.agents.update(agents)
             eng.eviction_pending = False
+            eng.ranks_pending.difference_update(agents)
             eng.last_used = self._clock()
             return False
 
@@ -207,7 +210,7 @@ class EngineRegistry:
                 return None
             eng.transfers_in_flight += 1
             eng.last_used = self._clock()
-            return dict(eng.agents)
+            return {r: a for r, a in eng.agents.items() if r not in eng.ranks_pending}
 
     def end_transfer(self, engine_id: str) -> None:
         """Unpins; runs a deferred eviction when this was the last transfer in flight."""
@@ -218,9 +221,12 @@ class EngineRegistry:
                 return
             eng.transfers_in_flight = max(0, eng.transfers_in_flight - 1)
             eng.last_used = self._clock()
-            if eng.eviction_pending and eng.transfers_in_flight == 0:
-                popped = self._pop(engine_id)
-        if popped is not None:
+            if eng.transfers_in_flight == 0:
+                if eng.eviction_pending or eng.ranks_pending >= set(eng.agents):
+                    popped = self._pop(engine_id)
+                elif eng.ranks_pending:
+                    popped = self._pop_ranks(eng, eng.ranks_pending)
+        if popped:
             self._teardown(engine_id, popped)
 
     def touch(self, engine_id: str) -> None:
@@ -231,21 +237,30 @@ class EngineRegistry:
 
     # --- eviction ------------------------------------------------------------------------
 
-    def evict(self, engine_id: str, reason: str = "operator") -> EvictResult:
-        """Removes the engine: popped under the lock, NIXL teardown outside it.
+    def evict(
+        self, engine_id: str, reason: str = "operator", rank: int | None = None
+    ) -> EvictResult:
+        """Removes the engine (or only its agent of `rank`): popped under the lock, NIXL
+        teardown outside it.
 
         With a transfer in flight the eviction is only marked and runs when the last
-        transfer ends ("deferred"); new transfers to the engine are refused meanwhile.
+        transfer ends ("deferred"); new transfers to the engine (to that rank) are refused
+        meanwhile. Evicting an engine's last rank evicts the engine.
         """
         with self.lock:
             eng = self._engines.get(engine_id)
-            if eng is None:
+            if eng is None or (rank is not None and rank not in eng.agents):
                 return "absent"
+            ranks = set(eng.agents) if rank is None else {rank}
+            whole = set(eng.agents) <= eng.ranks_pending | ranks
             if eng.transfers_in_flight > 0:
-                eng.eviction_pending = True
-                eng.eviction_reason = reason
+                if whole:
+                    eng.eviction_pending = True
+                    eng.eviction_reason = reason
+                else:
+                    eng.ranks_pending |= ranks
                 return "deferred"
-            agents = self._pop(engine_id)
+            agents = self._pop(engine_id) if whole else self._pop_ranks(eng, ranks)
         self._teardown(engine_id, agents)
         log.info("evicted engine %s (%s): agents %s", engine_id, reason, sorted(agents.values()))
         return "evicted"
@@ -270,6 +285,14 @@ class EngineRegistry:
         for name in agents.values():
             self._releasing.setdefault(name, threading.Event())
         return agents
+
+    def _pop_ranks(self, eng: _Engine, ranks: set[int]) -> dict[int, str]:
+        """Removes some ranks' agents of an engine that keeps others (lock held)."""
+        popped = {r: eng.agents.pop(r) for r in sorted(ranks) if r in eng.agents}
+        eng.ranks_pending.difference_update(ranks)
+        for name in popped.values():
+            self._releasing.setdefault(name, threading.Event())
+        return popped
 
     def _teardown(self, engine_id: str, agents: dict[int, str]) -> None:
         self.evictions += 1
