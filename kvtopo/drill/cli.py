@@ -26,7 +26,8 @@ def add_drill_parser(verbs: Any) -> None:
         "given, installs the CRD, runs the operator, creates prefill and decode Deployments, "
         "runs one real kvtopo-worker per Ready pod, streams verified KV transfers through "
         "connected pairs, and rolls and scales the decode Deployment. Exits non-zero when a "
-        "request is lost, fails falsely or is reported twice.",
+        "request is lost, fails falsely, is reported twice, arrives corrupted, or ends "
+        "differently on its prefill and decode engines.",
     )
     p.add_argument("--prefill", type=int, default=2, help="prefill replicas")
     p.add_argument("--decode", type=int, default=4, help="decode replicas")
@@ -42,7 +43,20 @@ def add_drill_parser(verbs: Any) -> None:
         "--settle", type=float, default=4.0, help="seconds of steady traffic between steps"
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--chaos", choices=["operator-kill", "apiserver-restart"])
+    p.add_argument(
+        "--chaos",
+        choices=["operator-kill", "apiserver-restart", "freeze-decode", "kill-prefill"],
+        help="a fault during the run: operator-kill and apiserver-restart strike during the "
+        "second decode rollout; freeze-decode SIGSTOPs a decode engine for twice the "
+        "registration timeout while traffic flows, then SIGCONTs it; kill-prefill SIGKILLs a "
+        "prefill engine with requests in flight (its pod is then replaced)",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks of every engine (kvtopo-worker --tp)",
+    )
     p.add_argument(
         "--fault",
         choices=["crash-decode"],
@@ -80,6 +94,7 @@ def run_drill(args: argparse.Namespace) -> int:
         seed=args.seed,
         chaos=args.chaos,
         fault=args.fault,
+        tp=args.tp,
         kubeconfig=args.kubeconfig,
         workdir=args.workdir,
         json_path=args.json_path,
@@ -114,6 +129,7 @@ def run_drill(args: argparse.Namespace) -> int:
         return 2
     report["grace"] = opts.grace
     report["chaos"] = opts.chaos
+    report["tp"] = opts.tp
     console.print(render_table(report))
     if opts.json_path is not None:
         opts.json_path.parent.mkdir(parents=True, exist_ok=True)

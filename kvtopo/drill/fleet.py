@@ -45,6 +45,7 @@ class Engine:
     peers: frozenset[str] = frozenset()
     in_flight: int = 0
     stopped: bool = False
+    frozen: bool = False  # SIGSTOPped by the drill's fault (no traffic is sent to it)
 
 
 @dataclass
@@ -164,7 +165,8 @@ class Fleet:
             self.trace(
                 "drained" if drained else "drain_deadline", pod=eng.pod, engine=eng.engine_id
             )
-            eng.process.terminate()
+            if eng.process.returncode is None:  # not killed by a fault meanwhile
+                eng.process.terminate()
             # Past the deadline the engine still hands out what it ended while it exits.
             exit_by = time.monotonic() + 2 * self.engine_drain_s + 5
             while (

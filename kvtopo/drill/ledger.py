@@ -4,8 +4,12 @@ Owns the record of each request (pair, submit time, outcomes seen on each side),
 timeline of connected pairs sampled from the workers, rollout/chaos marks, and the report:
 `lost` (submitted, never ended), `false_failures` (failed although its prefill and decode
 engines were connected, and neither was going away, for the request's whole life),
-`duplicate_failure_reports` (a second outcome for one request on one side), verified bytes,
-convergence and eviction times. Pure bookkeeping: no I/O, times are given by the caller.
+`duplicate_failure_reports` (a second outcome for one request on one side), `corrupted`
+(the decode received bytes that failed verification), `outcome_mismatch` (the prefill and
+the decode report different outcomes for one request), verified bytes, convergence and
+eviction times. A failure is explained, not false, when one of its engines was going away
+or impaired (frozen, killed) during the request's life. Pure bookkeeping: no I/O, times
+are given by the caller.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ class Ledger:
     samples_t: list[float] = field(default_factory=list)
     samples_pairs: list[frozenset[tuple[str, str]]] = field(default_factory=list)
     going: dict[str, float] = field(default_factory=dict)  # engine -> when it began to go
+    # engine -> (from, to) windows in which it was impaired by a fault (frozen, killed)
+    impaired: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     marks: list[Mark] = field(default_factory=list)
     convergence: list[tuple[str, float]] = field(default_factory=list)  # (engine, seconds)
     rollout_convergence: list[float] = field(default_factory=list)
@@ -79,6 +85,10 @@ class Ledger:
     def going_away(self, engine_id: str, t: float) -> None:
         self.going.setdefault(engine_id, t)
 
+    def impair(self, engine_id: str, start: float, end: float) -> None:
+        """A fault impaired the engine from `start` to `end` (its requests may fail)."""
+        self.impaired.setdefault(engine_id, []).append((start, end))
+
     def mark(self, t: float, kind: str, label: str) -> None:
         self.marks.append(Mark(t, kind, label))
 
@@ -95,6 +105,9 @@ class Ledger:
             gone_at = self.going.get(eid)
             if gone_at is not None and gone_at <= end:
                 return False
+            for start, stop in self.impaired.get(eid, ()):
+                if start <= end and rec.submitted_at <= stop:
+                    return False
         lo = bisect.bisect_right(self.samples_t, rec.submitted_at) - 1
         hi = bisect.bisect_left(self.samples_t, end)
         if lo < 0 or hi >= len(self.samples_t):
@@ -112,6 +125,14 @@ class Ledger:
             if len(r.decode_outcomes) > 1 or len(r.prefill_outcomes) > 1
         ]
         false_failures = [r.request_id for r in failed if self.connected_throughout(r)]
+        corrupted = [r.request_id for r in failed if _corrupted(r)]
+        mismatched = [
+            r.request_id
+            for r in self.requests.values()
+            if r.decode_outcomes
+            and r.prefill_outcomes
+            and r.decode_outcomes[0]["status"] != r.prefill_outcomes[0]["status"]
+        ]
         by_reason = Counter(str(r.decode_outcomes[0].get("reason") or "unknown") for r in failed)
         conv = sorted(s for _, s in self.convergence)
         evict = sorted(s for _, s in self.eviction)
@@ -123,6 +144,8 @@ class Ledger:
             "lost": len(lost),
             "false_failures": len(false_failures),
             "duplicate_failure_reports": len(duplicates),
+            "corrupted": len(corrupted),
+            "outcome_mismatch": len(mismatched),
             "verified_bytes": sum(int(r.decode_outcomes[0].get("verified_bytes", 0)) for r in done),
             "unverified_completions": sum(
                 1 for r in done if not r.decode_outcomes[0].get("verified_bytes")
@@ -139,6 +162,8 @@ class Ledger:
                 "lost": lost[:50],
                 "false_failures": false_failures[:50],
                 "duplicate_failure_reports": duplicates[:50],
+                "corrupted": corrupted[:50],
+                "outcome_mismatch": mismatched[:50],
             },
             "marks": [
                 {"t": round(m.t - self.t0, 3), "kind": m.kind, "label": m.label} for m in self.marks
@@ -150,6 +175,14 @@ def _status(rec: RequestRecord) -> str:
     if not rec.decode_outcomes:
         return "lost"
     return str(rec.decode_outcomes[0]["status"])
+
+
+def _corrupted(rec: RequestRecord) -> bool:
+    """The decode said its bytes failed verification (a WRITE landed wrong or late)."""
+    first = rec.decode_outcomes[0]
+    return first.get("reason") == "transfer_failed" and "verification" in str(
+        first.get("message", "")
+    )
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -164,6 +197,8 @@ def invariants_hold(report: dict[str, Any]) -> bool:
         "lost",
         "false_failures",
         "duplicate_failure_reports",
+        "corrupted",
+        "outcome_mismatch",
         "unverified_completions",
         "stale_peers_at_end",
     )

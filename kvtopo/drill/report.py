@@ -34,6 +34,8 @@ def render_table(report: dict[str, Any]) -> Any:
         ("lost", str(report["lost"]), "0"),
         ("false failures", str(report["false_failures"]), "0"),
         ("duplicate failure reports", str(report["duplicate_failure_reports"]), "0"),
+        ("corrupted (failed verification)", str(report["corrupted"]), "0"),
+        ("outcome mismatch (prefill vs decode)", str(report["outcome_mismatch"]), "0"),
         ("verified bytes", f"{report['verified_bytes']:,}", ""),
         ("convergence per rollout (s)", ", ".join(f"{c:.2f}" for c in conv) or "-", "p99 <= 5"),
         ("convergence p99, all new engines (s)", str(report["convergence_p99_s"]), "<= 5"),

@@ -33,6 +33,10 @@ from kvtopo_operator.kube import ClusterApi
 
 log = logging.getLogger(__name__)
 
+ENGINE_FAULTS = ("freeze-decode", "kill-prefill")
+REGISTRATION_TIMEOUT_S = 5.0  # the workers' --registration-timeout, --transfer-timeout
+GIVE_UP_S = 2 * REGISTRATION_TIMEOUT_S + 2 + 1  # + the cancel margin, + slack
+
 APP = "drill"
 """The `app` label of the drill's engine pods and the name of its KVTopology."""
 CRD_NAME = f"{PLURAL}.{GROUP}"
@@ -54,6 +58,7 @@ class DrillOptions:
     seed: int = 0
     chaos: str | None = None
     fault: str | None = None
+    tp: int = 1
     kubeconfig: Path | None = None
     workdir: Path = field(default_factory=lambda: Path("out") / "drill")
     json_path: Path | None = None
@@ -127,11 +132,13 @@ class Drill:
             "--block-bytes",
             str(self.opts.block_bytes),
             "--registration-timeout",
-            "5",
+            str(REGISTRATION_TIMEOUT_S),
             "--kv-lease",
-            "5",
+            str(REGISTRATION_TIMEOUT_S),
             "--transfer-timeout",
-            "5",
+            str(REGISTRATION_TIMEOUT_S),
+            "--tp",
+            str(self.opts.tp),
         ]
 
         def list_pods() -> list[dict[str, Any]]:
@@ -273,7 +280,7 @@ class Drill:
                 continue
             if not self.ledger.samples_pairs:
                 continue
-            serving = {e.engine_id: e for e in fleet.serving()}
+            serving = {e.engine_id: e for e in fleet.serving() if not e.frozen}
             pairs = sorted(
                 p for p in self.ledger.samples_pairs[-1] if p[0] in serving and p[1] in serving
             )
@@ -398,6 +405,54 @@ class Drill:
             took = await asyncio.to_thread(self.cluster.restart_apiserver)
             self.ledger.mark(time.monotonic(), "chaos", f"kube-apiserver back ({took:.1f}s)")
 
+    async def _engine_fault(self) -> None:
+        """freeze-decode or kill-prefill, struck while traffic flows."""
+        assert self.fleet is not None and self.kube is not None
+        fleet = self.fleet
+        role = "decode" if self.opts.chaos == "freeze-decode" else "prefill"
+        self.phase = f"chaos: {self.opts.chaos}"
+        # An engine of the role with requests in flight (a fault on an idle engine tests
+        # nothing); the traffic keeps them coming.
+        victim = None
+        deadline = time.monotonic() + 10
+        while victim is None and time.monotonic() < deadline:
+            busy = [e for e in fleet.serving() if e.role == role and e.in_flight > 0]
+            victim = self.rng.choice(busy) if busy else None
+            if victim is None:
+                await asyncio.sleep(0.05)  # polling the workers' own in-flight counts
+        if victim is None:
+            raise RuntimeError(f"no {role} engine had requests in flight to strike")
+        t = time.monotonic()
+        if self.opts.chaos == "freeze-decode":
+            freeze_s = 2 * REGISTRATION_TIMEOUT_S
+            self.ledger.mark(t, "chaos", f"SIGSTOP decode {victim.pod} for {freeze_s:g} s")
+            victim.frozen = True
+            victim.process.send_signal(signal.SIGSTOP)
+            try:
+                await asyncio.sleep(freeze_s)  # the fault's length
+            finally:
+                victim.process.send_signal(signal.SIGCONT)
+                victim.frozen = False
+            resumed = time.monotonic()
+            self.ledger.mark(resumed, "chaos", f"SIGCONT decode {victim.pod}")
+            # Its requests may fail until the last of them has been given up.
+            self.ledger.impair(victim.engine_id, t, resumed + GIVE_UP_S)
+        else:
+            self.ledger.mark(t, "chaos", f"SIGKILL prefill {victim.pod} ({victim.in_flight} held)")
+            self.ledger.going_away(victim.engine_id, t)
+            self.ledger.impair(victim.engine_id, t, t + GIVE_UP_S)
+            victim.process.send_signal(signal.SIGKILL)
+            # The kubelet would report the container dead; the drill replaces the pod.
+            await asyncio.to_thread(
+                self.kube.core.delete_namespaced_pod,
+                victim.pod,
+                self.namespace,
+                grace_period_seconds=0,
+            )
+        fault_over = time.monotonic()
+        await self.converged()
+        self.ledger.chaos_recovery_s.append(time.monotonic() - fault_over)
+
     async def _rollout(self, name: str, label: str, chaos: bool) -> None:
         self.rollout_label = label
         self.phase = f"rolling {name}"
@@ -429,11 +484,19 @@ class Drill:
         self.traffic_on = True
         self.phase = "steady traffic"
         await asyncio.sleep(opts.settle_s)
+        engine_fault = opts.chaos in ENGINE_FAULTS
         for i in range(opts.rollouts):
             chaos = opts.chaos is not None and i == min(1, opts.rollouts - 1)
-            await self._rollout("decode", f"decode rollout {i + 1}/{opts.rollouts}", chaos)
+            await self._rollout(
+                "decode", f"decode rollout {i + 1}/{opts.rollouts}", chaos and not engine_fault
+            )
             self.phase = "steady traffic"
             await asyncio.sleep(opts.settle_s)
+            if chaos and engine_fault:
+                await self._engine_fault()
+                await self.converged()
+                self.phase = "steady traffic"
+                await asyncio.sleep(opts.settle_s)
         for i in range(opts.prefill_rollouts):
             await self._rollout(
                 "prefill", f"prefill rollout {i + 1}/{opts.prefill_rollouts}", False

@@ -10,7 +10,8 @@ receiver verifies every byte it was pushed), the engine thread that drains
                         503 `draining` once the engine drains
     GET  /v1/finished   drain ended requests as a list of RequestOutcome (each exactly once)
     POST /v1/drain      DrainRequest: stop taking requests; those still held after its
-                        timeout fail with reason `shutdown`; answers DrainState
+                        timeout are given up with reason `shutdown` (ended once no WRITE
+                        of theirs can land); answers DrainState
     GET  /v1/drain      DrainState (draining, requests held, outcomes not yet collected)
 
 Draining is an engine state, as in a real engine told to stop (a pod's preStop hook, or
@@ -279,15 +280,15 @@ class EmulatedEngine:
     # --- draining --------------------------------------------------------------------------
 
     def begin_drain(self, timeout_s: float) -> None:
-        """Refuses new requests from now on; after `timeout_s`, fails those still held with
-        reason `shutdown`. A second call changes nothing."""
+        """Refuses new requests from now on; after `timeout_s`, gives those still held up
+        with reason `shutdown` (`abandon_held`). A second call changes nothing."""
         with self._alloc_lock:
             if self._draining:
                 return
             self._draining = True
         log.info("draining: %d requests held, %.1f s to end them", self.held(), timeout_s)
         timer = threading.Timer(
-            timeout_s, self.fail_held, args=("the engine drained past its deadline",)
+            timeout_s, self.abandon_held, args=("the engine drained past its deadline",)
         )
         timer.daemon = True
         self._drain_deadline = timer
@@ -298,9 +299,22 @@ class EmulatedEngine:
         with self._alloc_lock:
             return len(self._requests)
 
+    def abandon_held(self, message: str) -> int:
+        """Gives every request still held up with reason `shutdown` (the drain deadline):
+        each rank ends its part as soon as no WRITE of it can land any more (a decode
+        cancels its registrations and waits for the prefill's answer), so the peer engine
+        reports the same outcome. Returns how many requests were held."""
+        with self._alloc_lock:
+            held = [req.request_id for req in self._requests.values()]
+        for rid in held:
+            for connector in self.connectors:
+                connector.abandon(rid, FailureType.SHUTDOWN, message)
+        return len(held)
+
     def fail_held(self, message: str) -> int:
-        """Ends every request still held as failed with reason `shutdown`; returns how many.
-        Meant for an engine that takes no more requests: their blocks are never reused."""
+        """Ends every request still held as failed with reason `shutdown` at once; returns
+        how many. For an engine that stops for good (its memory is about to be released, so
+        no WRITE can land in it any more)."""
         with self._alloc_lock:
             held = list(self._requests.values())
             self._requests.clear()
@@ -326,6 +340,7 @@ class EmulatedEngine:
             )
         with self._outcomes_lock:
             self._outcomes.extend(outcomes)
+            self.requests_failed += len(outcomes)
         return len(held)
 
     def drain_state(self) -> DrainState:
@@ -597,9 +612,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=float,
         default=10.0,
         metavar="S",
-        help="on SIGTERM/SIGINT: requests still held this long after it fail with reason "
-        "shutdown; the process then waits as long again for their outcomes to be collected "
-        "(GET /v1/finished) before it exits",
+        help="on SIGTERM/SIGINT: requests still held this long after it are given up with "
+        "reason shutdown (each ends once no WRITE of it can land); those still held at twice "
+        "that fail outright; the process then waits as long again for their outcomes to be "
+        "collected (GET /v1/finished) before it exits",
     )
     p.add_argument(
         "--progress-thread",
@@ -668,6 +684,10 @@ def main(argv: list[str] | None = None) -> int:
     done.wait()
     engine.begin_drain(args.drain_timeout)
     if not engine.wait_drained(2 * args.drain_timeout + 1):
+        # Given up, and still unanswered by a peer: the engine is leaving (its memory goes
+        # with it), so what it holds fails now, and is handed out before it exits.
+        engine.fail_held("the engine stopped before its peer answered for the request")
+    if not engine.wait_drained(args.drain_timeout + 1):
         st = engine.drain_state()
         log.warning(
             "exiting with %d outcomes not collected (GET /v1/finished)", st.requests_in_flight

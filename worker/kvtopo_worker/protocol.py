@@ -463,8 +463,10 @@ class DrainRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """`POST /v1/drain` of the emulated engine: stop taking requests, end the ones held.
 
     From the first call on, `POST /v1/requests` answers 503 `draining`. Requests already
-    accepted run on; those still held `timeout_s` after the first call fail with reason
-    `shutdown`. Repeating the call changes nothing and answers the current `DrainState`.
+    accepted run on; those still held `timeout_s` after the first call are given up with
+    reason `shutdown` (each ends once no WRITE of it can land: a decode cancels and waits
+    for the prefill's answer, so both sides report the same outcome). Repeating the call
+    changes nothing and answers the current `DrainState`.
     """
 
     timeout_s: float = 10.0

@@ -135,6 +135,8 @@ class _PendingRecv:
     sent: bool = False  # the writer has sent (or is sending) the registration
     cancelling: bool = False
     overdue_since: float | None = None  # give_up_at seen passed (decided at a later look)
+    cancel_reason: FailureType = FailureType.REGISTRATION_TIMEOUT  # why it was given up
+    cancel_message: str = ""
 
 
 @dataclass
@@ -345,6 +347,48 @@ class PushConnector:
                 list(block_ids), self._clock() + self.config.kv_lease_s, decode_engine_id
             )
         _signal(self._wake)
+
+    def abandon(self, request_id: str, reason: FailureType, message: str) -> None:
+        """The engine gives a request up (e.g. at its drain deadline): it ends with `reason`
+        as soon as safety allows, through `get_finished()` like any other outcome.
+
+        Decode side: a registration not yet sent ends at once; one sent is cancelled and
+        ends when the prefill answers (or past the last moment a WRITE could land). Prefill
+        side: a request not being written ends at once, and a decode engine that registered
+        it is told; one being written ends with its WRITE.
+        """
+        now = self._clock()
+        cancel: str | None = None
+        with self._state_lock:
+            pending = self._pending_recv.get(request_id)
+            if pending is not None and not pending.sent:
+                del self._pending_recv[request_id]
+            elif pending is not None:
+                pending.cancel_reason, pending.cancel_message = reason, message
+                pending.deadline = min(pending.deadline, now)
+                if not pending.cancelling:
+                    pending.cancelling = True
+                    cancel = pending.prefill_engine_id
+                pending = None
+            send = None
+            if request_id not in self._writing:
+                send = self._pending_send.pop(request_id, None)
+            regs = [k for k in self._pending_reg if k[1] == request_id] if send else []
+            answers = [self._pending_reg.pop(k) for k in regs]
+        if pending is not None:
+            self._report_recv_failure(request_id, pending, reason, message)
+        if cancel is not None:
+            self._send_cancel(request_id, cancel)
+        if send is not None:
+            self._fail_send(request_id, reason, message, None)
+            for pr in answers:
+                self._answer(pr.sender, request_id, reason, message)
+        _signal(self._wake)
+
+    def _why_given_up(self, pending: _PendingRecv) -> str:
+        if pending.cancel_message:
+            return pending.cancel_message
+        return f"no completion within {self.config.registration_timeout_s:g} s"
 
     def wait_finished(self, timeout: float) -> bool:
         """Blocks the engine thread until an outcome may be ready (or `timeout` passes)."""
@@ -670,11 +714,8 @@ class PushConnector:
         # A PUSH_FAIL promises that no WRITE of the request can land any more.
         for rid, pending in self._claim_recv(agent_name, msg.prefill_engine_id, [msg.request_id]):
             if pending.cancelling:
-                reason = FailureType.REGISTRATION_TIMEOUT
-                message = (
-                    f"no completion within {self.config.registration_timeout_s:g} s; "
-                    f"the prefill answered the cancel: {msg.message}"
-                )
+                reason = pending.cancel_reason
+                message = f"{self._why_given_up(pending)}; the prefill answered the cancel"
             else:
                 reason, message = msg.reason, f"prefill refused: {msg.message}"
             self._report_recv_failure(rid, pending, reason, message)
@@ -1089,8 +1130,8 @@ class PushConnector:
             self._report_recv_failure(
                 rid,
                 p,
-                FailureType.REGISTRATION_TIMEOUT,
-                f"{timeout}; the prefill engine did not answer the cancel",
+                p.cancel_reason,
+                f"{self._why_given_up(p)}; the prefill engine did not answer the cancel",
             )
         for rid in sends:
             msg = f"no registration within the {self.config.kv_lease_s:g} s KV lease"

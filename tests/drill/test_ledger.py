@@ -1,0 +1,55 @@
+"""The drill's books: which requests count as lost, falsely failed, corrupted or mismatched,
+and which failures a fault explains. Pure bookkeeping, given times."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtopo.drill.ledger import Ledger, invariants_hold
+
+PAIR = frozenset({("p1", "d1")})
+
+
+def outcome(rid: str, status: str, reason: str | None = None, message: str = "") -> dict[str, Any]:
+    return {"request_id": rid, "status": status, "reason": reason, "message": message}
+
+
+def ledger_with_samples() -> Ledger:
+    ledger = Ledger(t0=0.0)
+    for t in range(0, 101, 1):
+        ledger.sample(float(t), PAIR)
+    return ledger
+
+
+def test_corrupted_and_mismatched_requests_are_counted_and_break_the_invariants() -> None:
+    ledger = ledger_with_samples()
+    for rid in ("ok", "corrupt", "mismatch", "both-failed", "prefill-unknown"):
+        ledger.submitted(rid, "p1", "d1", 10.0)
+    ledger.outcome("decode", {**outcome("ok", "done"), "verified_bytes": 8}, 11.0)
+    ledger.outcome("prefill", outcome("ok", "done"), 11.0)
+    bad = outcome("corrupt", "failed", "transfer_failed", "2 blocks failed verification")
+    ledger.outcome("decode", bad, 11.0)
+    ledger.outcome("prefill", outcome("corrupt", "done"), 11.0)
+    ledger.outcome("decode", outcome("mismatch", "failed", "registration_timeout"), 12.0)
+    ledger.outcome("prefill", outcome("mismatch", "done"), 12.0)
+    ledger.outcome("decode", outcome("both-failed", "failed", "registration_timeout"), 12.0)
+    ledger.outcome("prefill", outcome("both-failed", "failed", "registration_timeout"), 12.0)
+    ledger.outcome("decode", {**outcome("prefill-unknown", "done"), "verified_bytes": 8}, 12.0)
+    report = ledger.report()
+    assert report["corrupted"] == 1
+    assert report["offending_requests"]["corrupted"] == ["corrupt"]
+    # "corrupt" disagrees too (the prefill wrote it, the decode refused its bytes).
+    assert sorted(report["offending_requests"]["outcome_mismatch"]) == ["corrupt", "mismatch"]
+    assert report["outcome_mismatch"] == 2
+    assert not invariants_hold(report)
+
+
+def test_a_failure_during_a_fault_on_its_engine_is_explained_not_false() -> None:
+    ledger = ledger_with_samples()
+    ledger.submitted("frozen", "p1", "d1", 20.0)
+    ledger.submitted("before", "p1", "d1", 5.0)
+    ledger.impair("d1", 19.0, 40.0)
+    ledger.outcome("decode", outcome("frozen", "failed", "registration_timeout"), 30.0)
+    ledger.outcome("decode", outcome("before", "failed", "registration_timeout"), 8.0)
+    report = ledger.report()
+    assert report["offending_requests"]["false_failures"] == ["before"]
