@@ -25,6 +25,7 @@ def _bench_push(args: argparse.Namespace) -> int:
             quick=args.quick,
             log=lambda line: print(line, flush=True),
             device=args.device,
+            tp=args.tp,
         )
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -111,6 +112,15 @@ def add_bench_parser(
                 default="auto",
                 help="auto (default): the CPU cases, plus the GPU variant (KV caches in GPU "
                 "memory) where torch sees a CUDA device; cpu: CPU only; cuda: GPU only",
+            )
+            kind.add_argument(
+                "--tp",
+                type=int,
+                choices=range(1, 9),
+                default=1,
+                metavar="N",
+                help="tensor-parallel ranks: N prefill/decode rank pairs, each in processes "
+                "of its own, move each request's share at once (default 1)",
             )
 
     summary = bench_kinds.add_parser(

@@ -59,6 +59,7 @@ class CaseResult:
     ratio_push_per_block_vs_raw: float
     raw_all: dict[str, float]
     push_all: dict[str, float]
+    tp: int = 1  # rank pairs moving at once (each request's bytes split over them)
 
 
 def memcpy_gbps(request_bytes: int, slots: int, repeats: int, device: str = "cpu") -> float:
@@ -313,27 +314,6 @@ class _Pair:
         s.send_bytes(r_info)
         r.send_bytes(s_info)
 
-    def run(
-        self, mode: str, window: int, epoch_requests: int, epochs: int, per_req: int, merge: bool
-    ) -> dict[str, Any]:
-        """Runs all epochs; returns the summed clock time, failures and verified count."""
-        s, r = self.conns["sender"], self.conns["receiver"]
-        for c in (r, s):
-            c.send((mode, window, epoch_requests, epochs, per_req, merge))
-        seconds = 0.0
-        failed = verified = 0
-        for _ in range(epochs):
-            for c in (r, s):
-                if c.recv() != "ready":
-                    raise RuntimeError("benchmark peer out of step")
-            for c in (r, s):
-                c.send("go")
-            st, rt = s.recv(), r.recv()
-            seconds += rt["t_end"] - st["t_start"]
-            failed += st.get("failed", 0) + rt.get("failed", 0)
-            verified += rt.get("verified", 0)
-        return {"seconds": seconds, "failed": failed, "verified": verified}
-
     def close(self) -> None:
         for c in self.conns.values():
             c.send(("stop",))
@@ -343,20 +323,72 @@ class _Pair:
                 p.kill()
 
 
+class _Ranks:
+    """`tp` rank pairs (a prefill rank and a decode rank each, in processes of their own, as
+    vLLM's TP workers) moving their requests at the same time, in lockstep epochs."""
+
+    def __init__(
+        self, tp: int, block_len: int, num_blocks: int, progress: bool, device: str
+    ) -> None:
+        self.pairs: list[_Pair] = []
+        try:
+            for _ in range(tp):
+                self.pairs.append(_Pair(block_len, num_blocks, progress, device))
+        except BaseException:
+            self.close()
+            raise
+
+    def run(
+        self, mode: str, window: int, epoch_requests: int, epochs: int, per_req: int, merge: bool
+    ) -> dict[str, Any]:
+        """Runs all epochs on every rank pair at once; returns the summed clock time (first
+        start of any rank to the last end of any), failures and verified count."""
+        conns = [(p.conns["sender"], p.conns["receiver"]) for p in self.pairs]
+        for s, r in conns:
+            for c in (r, s):
+                c.send((mode, window, epoch_requests, epochs, per_req, merge))
+        seconds = 0.0
+        failed = verified = 0
+        for _ in range(epochs):
+            for s, r in conns:
+                for c in (r, s):
+                    if c.recv() != "ready":
+                        raise RuntimeError("benchmark peer out of step")
+            for s, r in conns:
+                for c in (r, s):
+                    c.send("go")
+            times = [(s.recv(), r.recv()) for s, r in conns]
+            seconds += max(rt["t_end"] for _, rt in times) - min(st["t_start"] for st, _ in times)
+            for st, rt in times:
+                failed += st.get("failed", 0) + rt.get("failed", 0)
+                verified += rt.get("verified", 0)
+        return {"seconds": seconds, "failed": failed, "verified": verified}
+
+    def close(self) -> None:
+        for pair in self.pairs:
+            pair.close()
+
+
 def run_case(
-    block_len: int, per_req: int, requests: int, repeats: int, log: Any, device: str = "cpu"
+    block_len: int,
+    per_req: int,
+    requests: int,
+    repeats: int,
+    log: Any,
+    device: str = "cpu",
+    tp: int = 1,
 ) -> CaseResult:
     request_bytes = block_len * per_req
     epoch_requests = max(2 * max(PUSH_WINDOWS), min(requests, EPOCH_BYTES // request_bytes))
     epochs = max(1, round(requests / epoch_requests))
-    total = epoch_requests * epochs
+    total = epoch_requests * epochs * tp  # every rank moves its own share of each request
     nbytes = request_bytes * total
     raw: dict[str, float] = {}
     raw_engine: dict[str, float] = {}
     push: dict[str, float] = {}
     verified = True
     for progress in (False, True):
-        pair = _Pair(block_len, per_req * epoch_requests, progress, device)
+        pair = _Ranks(tp, block_len, per_req * epoch_requests, progress, device)
         try:
             tag = f"progress_thread={'on' if progress else 'off'}"
             # Raw and push alternate, and each configuration runs `repeats` times (best kept),
@@ -381,7 +413,7 @@ def run_case(
             for key in sorted(raw.keys() | push.keys()):
                 if key.startswith(tag):
                     log(
-                        f"  {device}: {block_len // 1024} KiB x {per_req}, {key}: "
+                        f"  {device} TP {tp}: {block_len // 1024} KiB x {per_req}, {key}: "
                         f"raw {raw.get(key, float('nan')):.2f} GB/s, "
                         f"push {push.get(key, float('nan')):.2f} GB/s"
                     )
@@ -418,11 +450,12 @@ def run_case(
         ratio_push_per_block_vs_raw=round(push_per_block / raw_gbps, 3),
         raw_all={k: round(v, 3) for k, v in raw.items()},
         push_all={k: round(v, 3) for k, v in push.items()},
+        tp=tp,
     )
 
 
 def run(
-    json_path: Path | None, quick: bool, log: Any = print, device: str = "auto"
+    json_path: Path | None, quick: bool, log: Any = print, device: str = "auto", tp: int = 1
 ) -> dict[str, Any]:
     """Runs every case on the CPU (unless `device` is "cuda") and, where torch sees a CUDA
     device (`device` "auto" or "cuda"), the GPU variant with the KV caches in GPU memory;
@@ -440,7 +473,7 @@ def run(
     bytes_per_config = (1 << 30) if quick else (3 << 30)
     log(
         f"kvtopo bench push: about {bytes_per_config / 2**30:.1f} GiB per configuration, "
-        f"best of {repeats}, 2 processes, NIXL UCX"
+        f"best of {repeats}, {2 * tp} processes (TP {tp}), NIXL UCX"
     )
 
     def variant(dev: str, per_config: int) -> tuple[float, list[CaseResult]]:
@@ -449,7 +482,8 @@ def run(
         )
         log(f"  {dev}: torch copy (the machine's limit): {memcpy:.2f} GB/s")
         cases = [
-            run_case(bl, n, max(32, per_config // (bl * n)), repeats, log, dev) for bl, n in CASES
+            run_case(bl, n, max(32, per_config // (bl * n * tp)), repeats, log, dev, tp)
+            for bl, n in CASES
         ]
         return memcpy, cases
 
@@ -457,6 +491,7 @@ def run(
     report: dict[str, Any] = {
         "benchmark": "push",
         "quick": quick,
+        "tp": tp,
         "cpu_count": os.cpu_count(),
         "memcpy_gbps": round(memcpy, 3),
         "cases": [asdict(c) for c in cases],
@@ -486,8 +521,9 @@ def _table(cases: list[dict[str, Any]], memcpy: float) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cases:
+        tp = f" (TP {c['tp']})" if c.get("tp", 1) > 1 else ""
         rows.append(
-            f"| {c['block_bytes'] // 1024} KiB x {c['blocks_per_request']} | {c['requests']} "
+            f"| {c['block_bytes'] // 1024} KiB x {c['blocks_per_request']}{tp} | {c['requests']} "
             f"| {c['raw_nixl_gbps']:.2f} ({c['raw_config']}) "
             f"| {c['push_gbps']:.2f} ({c['push_config']}) | {c['ratio_push_vs_raw']:.2f} "
             f"| {c['push_gbps'] / memcpy:.2f} | {c['raw_merged_gbps']:.2f} "

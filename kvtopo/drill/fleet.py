@@ -46,6 +46,7 @@ class Engine:
     in_flight: int = 0
     stopped: bool = False
     frozen: bool = False  # SIGSTOPped by the drill's fault (no traffic is sent to it)
+    acked: int = 0  # the highest outcome number recorded (acknowledged on the next collect)
 
 
 @dataclass
@@ -223,14 +224,20 @@ class Fleet:
         eng.in_flight = int(st["requests_in_flight"])
 
     async def collect(self, eng: Engine) -> None:
+        """Records the engine's new outcomes, acknowledging those recorded before: an
+        answer lost to a timeout (a frozen engine answers late, to nobody) loses nothing,
+        its outcomes come again."""
+        url = f"http://{eng.endpoint}/v1/finished?ack={eng.acked}"
         try:
-            async with self.http().get(f"http://{eng.endpoint}/v1/finished") as resp:
+            async with self.http().get(url) as resp:
                 outcomes = await resp.json()
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
             return
         await self.refresh(eng)
-        if outcomes:
-            self.on_outcomes(eng.role, outcomes, time.monotonic())
+        fresh = [o for o in outcomes if int(o.get("seq", 0)) > eng.acked]
+        if fresh:
+            eng.acked = max(int(o["seq"]) for o in fresh)
+            self.on_outcomes(eng.role, fresh, time.monotonic())
 
     async def drain(self, eng: Engine) -> dict[str, Any] | None:
         """Tells the engine to drain (idempotent); its drain state, or None unreachable."""

@@ -115,3 +115,28 @@ def test_a_stopped_engine_fails_what_it_holds_and_hands_it_out_before_exiting(
     finally:
         for w in (p, d):
             w.stop()
+
+
+def test_outcomes_collected_with_ack_stay_until_acknowledged(
+    pair: tuple[WorkerProcess, WorkerProcess],
+) -> None:
+    # A client whose answer is lost (a timeout: the engine was frozen and answered late, to
+    # nobody) asks again with the same ack and gets the same outcomes: nothing is lost.
+    p, d = pair
+    for rid in ("a1", "a2"):
+        assert p.submit(rid, d, 1) == 202 and d.submit(rid, p, 1) == 202
+
+    def both() -> list[dict[str, Any]] | None:
+        status, body = d.call("GET", "/v1/finished?ack=0")
+        assert status == 200
+        return body if len(body) == 2 else None
+
+    first = wait_until(both, 20, "both outcomes")
+    again = d.call("GET", "/v1/finished?ack=0")[1]
+    assert again == first  # the first answer "lost": still there
+    assert sorted(o["seq"] for o in first) == [1, 2]
+    assert d.call("GET", "/v1/drain")[1]["requests_in_flight"] == 2
+    assert d.call("GET", "/v1/finished?ack=2")[1] == []
+    assert d.call("GET", "/v1/drain")[1]["requests_in_flight"] == 0
+    status, body = d.call("GET", "/v1/finished?ack=x")
+    assert status == 400, body

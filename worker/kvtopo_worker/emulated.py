@@ -8,7 +8,9 @@ receiver verifies every byte it was pushed), the engine thread that drains
     POST /v1/requests   SubmitRequest: start a request (prefill: fill and offer its blocks;
                         decode: allocate blocks and register them with the prefill engine);
                         503 `draining` once the engine drains
-    GET  /v1/finished   drain ended requests as a list of RequestOutcome (each exactly once)
+    GET  /v1/finished   ended requests as a list of RequestOutcome, each numbered (`seq`);
+                        handed out on return, or with `?ack=N` once a later call
+                        acknowledges them (N: the highest `seq` the client has recorded)
     POST /v1/drain      DrainRequest: stop taking requests; those still held after its
                         timeout are given up with reason `shutdown` (ended once no WRITE
                         of theirs can land); answers DrainState
@@ -239,6 +241,7 @@ class EmulatedEngine:
         self.requests_failed = 0
         self._accepted = 0
         self._handed_out = 0
+        self._last_seq = 0
         self._draining = False  # set under _alloc_lock: no request is accepted after it
         self._drain_deadline: threading.Timer | None = None
 
@@ -339,9 +342,16 @@ class EmulatedEngine:
                 FailureType.SHUTDOWN, {"request_id": req.request_id, "msg": message}
             )
         with self._outcomes_lock:
-            self._outcomes.extend(outcomes)
+            self._queue_outcomes(outcomes)
             self.requests_failed += len(outcomes)
         return len(held)
+
+    def _queue_outcomes(self, outcomes: list[RequestOutcome]) -> None:
+        """Numbers outcomes (1, 2, ...) and queues them for `GET /v1/finished` (call with
+        `_outcomes_lock` held)."""
+        for o in outcomes:
+            self._last_seq += 1
+            self._outcomes.append(msgspec.structs.replace(o, seq=self._last_seq))
 
     def drain_state(self) -> DrainState:
         held = self.held()
@@ -432,7 +442,7 @@ class EmulatedEngine:
             outcomes = [o for rid, rank, f in ended if (o := self._rank_ended(rid, rank, f, now))]
             if outcomes:
                 with self._outcomes_lock:
-                    self._outcomes.extend(outcomes)
+                    self._queue_outcomes(outcomes)
                     for o in outcomes:
                         if o.status == "done":
                             self.requests_done += 1
@@ -513,11 +523,20 @@ class EmulatedEngine:
             ended_at=now,
         )
 
-    def drain_outcomes(self, limit: int = 10_000) -> list[RequestOutcome]:
+    def drain_outcomes(self, limit: int = 10_000, ack: int | None = None) -> list[RequestOutcome]:
+        """Outcomes not yet handed out, oldest first. Without `ack`, those returned are
+        handed out (gone from the engine). With `ack`, the outcomes numbered up to `ack`
+        are handed out and the rest returned but kept until a later call acknowledges
+        them: a client whose answer was lost (a timeout) gets them again."""
         with self._outcomes_lock:
-            n = min(limit, len(self._outcomes))
-            self._handed_out += n
-            return [self._outcomes.popleft() for _ in range(n)]
+            if ack is None:
+                n = min(limit, len(self._outcomes))
+                self._handed_out += n
+                return [self._outcomes.popleft() for _ in range(n)]
+            while self._outcomes and self._outcomes[0].seq <= ack:
+                self._outcomes.popleft()
+                self._handed_out += 1
+            return [self._outcomes[i] for i in range(min(limit, len(self._outcomes)))]
 
     # --- control routes ------------------------------------------------------------------
 
@@ -550,10 +569,11 @@ class EmulatedEngine:
     async def _get_finished(self, request: web.Request) -> web.Response:
         try:
             limit = int(request.query.get("max", "10000"))
+            ack = int(request.query["ack"]) if "ack" in request.query else None
         except ValueError:
-            raise MalformedMessage("max must be an integer") from None
+            raise MalformedMessage("max and ack must be integers") from None
         return web.Response(
-            body=msgspec.json.encode(self.drain_outcomes(max(1, min(limit, 100_000)))),
+            body=msgspec.json.encode(self.drain_outcomes(max(1, min(limit, 100_000)), ack)),
             content_type="application/json",
         )
 

@@ -457,6 +457,7 @@ class RequestOutcome(msgspec.Struct, frozen=True, kw_only=True):
     verified_bytes: int = 0
     peer_engine_id: str = ""
     ended_at: float = 0.0
+    seq: int = 0  # its number among the engine's outcomes (1, 2, ...; `GET /v1/finished`)
 
 
 class DrainRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
