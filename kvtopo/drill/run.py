@@ -422,13 +422,26 @@ class Drill:
                 await asyncio.sleep(0.05)  # polling the workers' own in-flight counts
         if victim is None:
             raise RuntimeError(f"no {role} engine had requests in flight to strike")
+        # Requests that are surely held when the fault strikes: their decode side has
+        # registered them, their prefill side has no KV for them yet (still computing).
+        others = [e for e in fleet.serving() if e.role != role and not e.frozen]
+        parked = await self._park(victim, others)
         t = time.monotonic()
         if self.opts.chaos == "freeze-decode":
             freeze_s = 2 * REGISTRATION_TIMEOUT_S
-            self.ledger.mark(t, "chaos", f"SIGSTOP decode {victim.pod} for {freeze_s:g} s")
+            self.ledger.mark(
+                t, "chaos", f"SIGSTOP decode {victim.pod} for {freeze_s:g} s ({len(parked)} parked)"
+            )
             victim.frozen = True
             victim.process.send_signal(signal.SIGSTOP)
             try:
+                # Half the parked requests get their KV while the decode is frozen: their
+                # WRITEs land in a stopped process, their completions wait for it.
+                for rid, prefill in parked[::2]:
+                    status = await fleet.submit(prefill, rid, victim.engine_id, self.opts.blocks)
+                    self.trace(
+                        "submit", rid=rid, side="prefill", engine=prefill.engine_id, answer=status
+                    )
                 await asyncio.sleep(freeze_s)  # the fault's length
             finally:
                 victim.process.send_signal(signal.SIGCONT)
@@ -438,7 +451,8 @@ class Drill:
             # Its requests may fail until the last of them has been given up.
             self.ledger.impair(victim.engine_id, t, resumed + GIVE_UP_S)
         else:
-            self.ledger.mark(t, "chaos", f"SIGKILL prefill {victim.pod} ({victim.in_flight} held)")
+            held = victim.in_flight + len(parked)
+            self.ledger.mark(t, "chaos", f"SIGKILL prefill {victim.pod} ({held} held)")
             self.ledger.going_away(victim.engine_id, t)
             self.ledger.impair(victim.engine_id, t, t + GIVE_UP_S)
             victim.process.send_signal(signal.SIGKILL)
@@ -452,6 +466,27 @@ class Drill:
         fault_over = time.monotonic()
         await self.converged()
         self.ledger.chaos_recovery_s.append(time.monotonic() - fault_over)
+
+    async def _park(self, victim: Any, others: list[Any]) -> list[tuple[str, Any]]:
+        """Books two requests per engine of the other role paired with `victim` and submits
+        them to the decode side only (registrations out, no KV on the prefill yet); returns
+        (request id, its prefill engine) of those the decode took."""
+        assert self.fleet is not None
+        parked: list[tuple[str, Any]] = []
+        for other in others:
+            prefill, decode = (victim, other) if victim.role == "prefill" else (other, victim)
+            for _ in range(2):
+                self.seq += 1
+                rid = f"drill-{self.opts.seed}-{self.seq}-parked"
+                self.ledger.submitted(rid, prefill.engine_id, decode.engine_id, time.monotonic())
+                self.trace("booked", rid=rid, prefill=prefill.engine_id, decode=decode.engine_id)
+                status = await self.fleet.submit(decode, rid, prefill.engine_id, self.opts.blocks)
+                self.trace("submit", rid=rid, side="decode", engine=decode.engine_id, answer=status)
+                if status == 202:
+                    parked.append((rid, prefill))
+                else:
+                    self.ledger.withdraw(rid)
+        return parked
 
     async def _rollout(self, name: str, label: str, chaos: bool) -> None:
         self.rollout_label = label
