@@ -67,3 +67,20 @@ def test_drill_fails_and_lists_requests_when_an_invariant_breaks(tmp_path: Path)
     assert report["lost"] > 0
     assert "an invariant broke" in out.stdout
     assert report["offending_requests"]["lost"][0] in out.stdout
+
+
+@pytest.mark.parametrize("chaos", ["freeze-decode", "kill-prefill"])
+def test_a_frozen_decode_or_a_killed_prefill_at_tp2_breaks_no_invariant(
+    tmp_path: Path, chaos: str
+) -> None:
+    # The fault strikes requests surely in flight (parked: registered, KV not ready); those
+    # of the struck engine may fail, explained, but both sides agree and no byte is wrong.
+    out, report = drill(tmp_path, "--chaos", chaos, "--tp", "2")
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert report["tp"] == 2
+    struck = [m["label"] for m in report["marks"] if m["kind"] == "chaos"]
+    assert any("parked" in label or "held" in label for label in struck), struck
+    for key in ("lost", "false_failures", "duplicate_failure_reports", "corrupted"):
+        assert report[key] == 0, (key, report["offending_requests"])
+    assert report["outcome_mismatch"] == 0, report["offending_requests"]["outcome_mismatch"]
+    assert report["verified_bytes"] == report["completed"] * 4 * 64 * 1024 * 2

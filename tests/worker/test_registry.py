@@ -8,7 +8,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from kvtopo_worker.registry import EngineRegistry
+from kvtopo_worker.registry import AgentConflict, EngineRegistry
 from tests.worker.conftest import add_engine
 from tests.worker.fakes import FakeClock, FakeTransport
 
@@ -184,3 +184,32 @@ def test_failed_teardown_is_counted_not_raised(registry: EngineRegistry) -> None
     reg.add_engine("e1", {0: "a", 1: "b"})
     assert reg.evict("e1") == "evicted"
     assert reg.teardown_errors == 2 and "e1" not in reg
+
+
+def test_a_rank_evicts_alone_deferred_while_a_transfer_is_in_flight() -> None:
+    removed: list[str] = []
+    reg = EngineRegistry(remove_agent=removed.append)
+    reg.add_engine("e", {0: "e-r0", 1: "e-r1"})
+    assert reg.begin_transfer("e") == {0: "e-r0", 1: "e-r1"}
+    assert reg.evict("e", rank=1) == "deferred"
+    assert reg.begin_transfer("e") == {0: "e-r0"}  # no new WRITE to the rank on its way out
+    reg.end_transfer("e")
+    assert removed == []
+    reg.end_transfer("e")  # the last transfer ends: rank 1 goes, rank 0 stays
+    assert removed == ["e-r1"] and reg.snapshot("e") == {0: "e-r0"}
+    assert reg.evict("e", rank=1) == "absent"
+    assert reg.evict("e", rank=0) == "evicted"  # its last rank: the engine goes
+    assert "e" not in reg and removed == ["e-r1", "e-r0"]
+
+
+def test_an_agent_belongs_to_one_engine_until_its_teardown_ends() -> None:
+    reg = EngineRegistry(remove_agent=lambda name: None)
+    reg.add_engine("e1", {0: "shared"})
+    with pytest.raises(AgentConflict):
+        reg.add_engine("e2", {0: "shared"})
+    assert reg.owner_of("shared") == ("e1", 0)
+    reg.evict("e1")
+    assert reg.owner_of("shared") == ("e1", 0)  # still attributed (late completions)
+    assert reg.agent_owner("shared") is None
+    reg.add_engine("e2", {0: "shared"})  # torn down: free to be another engine's
+    assert reg.owner_of("shared") == ("e2", 0)

@@ -1,9 +1,11 @@
 """`kvtopo-worker`: an emulated prefill or decode engine that moves real KV bytes over NIXL.
 
-Owns the stand-in for an LLM engine: a torch KV cache of equal blocks (CPU, or CUDA where
-present), a block allocator, deterministic KV content derived from the request id (so the
-receiver verifies every byte it was pushed), the engine thread that drains
-`PushConnector.get_finished()`, and two extra control routes for traffic generators:
+Owns the stand-in for an LLM engine: per TP rank (`--tp N`) a NIXL agent, a torch KV cache
+of equal blocks (CPU, or CUDA where present) and a `PushConnector`; a block allocator shared
+by the ranks; deterministic KV content derived from the request id and the rank (so the
+receiver verifies every byte it was pushed, and a WRITE into the wrong rank fails); the
+engine thread that drains every rank's `get_finished()` and ends a request once every rank
+has (done only when all are); and extra control routes for traffic generators:
 
     POST /v1/requests   SubmitRequest: start a request (prefill: fill and offer its blocks;
                         decode: allocate blocks and register them with the prefill engine);

@@ -25,8 +25,9 @@ Owns the request life cycle on both sides and the engine-thread API:
 - `get_finished()` (engine thread) drains done sending, done receiving and failed requests.
   Every request ends exactly once: each producer claims the request by removing it from its
   pending table under `_state_lock` before reporting, whatever raises on the way, and the
-  engine thread drops (and counts) any second outcome. `stop()` fails everything still
-  pending with reason `shutdown` and tells the peers.
+  engine thread drops (and counts) any second outcome. `abandon()` gives one request up
+  (it ends as soon as no WRITE of it can land); `stop()` fails everything still pending
+  with reason `shutdown` and tells the peers.
 
 Called by the emulated engine (`emulated`) and the benchmarks; uses `registry`, a
 `KVTransport` and `WorkerMetrics`.
