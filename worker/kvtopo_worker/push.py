@@ -835,7 +835,14 @@ class PushConnector:
             ]
         if not candidates:
             return
-        verdicts = {key: self._sender_is(sender, key[0]) for key, sender in candidates}
+        # One registry lookup per (sender, engine) of the pass, not per request.
+        seen: dict[tuple[str, str], bool | None] = {}
+        verdicts: dict[tuple[str, str], bool | None] = {}
+        for key, sender in candidates:
+            who = (sender, key[0])
+            if who not in seen:
+                seen[who] = self._sender_is(sender, key[0])
+            verdicts[key] = seen[who]
         work: list[tuple[PushRegistration, _PendingSend]] = []
         refused: list[tuple[_PendingReg, str]] = []
         with self._state_lock:
