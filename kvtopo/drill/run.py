@@ -22,6 +22,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+
 from kvtopo import launch
 from kvtopo.drill import manifests
 from kvtopo.drill.fleet import Fleet
@@ -437,7 +439,7 @@ class Drill:
             try:
                 # Half the parked requests get their KV while the decode is frozen: their
                 # WRITEs land in a stopped process, their completions wait for it.
-                for rid, prefill in parked[::2]:
+                for rid, prefill, _ in parked[::2]:
                     status = await fleet.submit(prefill, rid, victim.engine_id, self.opts.blocks)
                     self.trace(
                         "submit", rid=rid, side="prefill", engine=prefill.engine_id, answer=status
@@ -451,11 +453,33 @@ class Drill:
             # Its requests may fail until the last of them has been given up.
             self.ledger.impair(victim.engine_id, t, resumed + GIVE_UP_S)
         else:
+            # WRITEs surely in flight: one decode stops for a moment, and the prefill gets
+            # the KV of that decode's parked requests; their WRITEs cannot finish into a
+            # stopped process (UCX needs the receiver's progress), so the kill meets them.
+            hold = parked[0][2] if parked else None
+            writing = 0
+            if hold is not None:
+                hold.frozen = True
+                hold.process.send_signal(signal.SIGSTOP)
+                self.ledger.mark(t, "chaos", f"SIGSTOP decode {hold.pod} (WRITEs stall)")
+                for rid, _, decode in parked:
+                    if decode is hold:
+                        await fleet.submit(victim, rid, hold.engine_id, self.opts.blocks)
+                writing = await self._writes_in_flight(victim, hold.engine_id)
             held = victim.in_flight + len(parked)
-            self.ledger.mark(t, "chaos", f"SIGKILL prefill {victim.pod} ({held} held)")
+            t = time.monotonic()
+            self.ledger.mark(
+                t, "chaos", f"SIGKILL prefill {victim.pod} ({held} held, {writing} WRITEs)"
+            )
             self.ledger.going_away(victim.engine_id, t)
             self.ledger.impair(victim.engine_id, t, t + GIVE_UP_S)
             victim.process.send_signal(signal.SIGKILL)
+            if hold is not None:
+                hold.process.send_signal(signal.SIGCONT)
+                hold.frozen = False
+                resumed = time.monotonic()
+                self.ledger.mark(resumed, "chaos", f"SIGCONT decode {hold.pod}")
+                self.ledger.impair(hold.engine_id, t, resumed + GIVE_UP_S)
             # The kubelet would report the container dead; the drill replaces the pod.
             await asyncio.to_thread(
                 self.kube.core.delete_namespaced_pod,
@@ -467,12 +491,29 @@ class Drill:
         await self.converged()
         self.ledger.chaos_recovery_s.append(time.monotonic() - fault_over)
 
-    async def _park(self, victim: Any, others: list[Any]) -> list[tuple[str, Any]]:
+    async def _writes_in_flight(self, prefill: Any, decode_id: str) -> int:
+        """Waits (polling the prefill's own registry state, 5 s at most) until it has WRITEs
+        in flight to `decode_id`; returns how many (0 when none came)."""
+        assert self.fleet is not None
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                async with self.fleet.http().get(f"http://{prefill.endpoint}/v1/state") as resp:
+                    state = await resp.json()
+            except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+                state = {"peers": []}
+            for peer in state["peers"]:
+                if peer["engine_id"] == decode_id and peer["transfers_in_flight"] > 0:
+                    return int(peer["transfers_in_flight"])
+            await asyncio.sleep(0.02)
+        return 0
+
+    async def _park(self, victim: Any, others: list[Any]) -> list[tuple[str, Any, Any]]:
         """Books two requests per engine of the other role paired with `victim` and submits
         them to the decode side only (registrations out, no KV on the prefill yet); returns
-        (request id, its prefill engine) of those the decode took."""
+        (request id, its prefill engine, its decode engine) of those the decode took."""
         assert self.fleet is not None
-        parked: list[tuple[str, Any]] = []
+        parked: list[tuple[str, Any, Any]] = []
         for other in others:
             prefill, decode = (victim, other) if victim.role == "prefill" else (other, victim)
             for _ in range(2):
@@ -483,7 +524,7 @@ class Drill:
                 status = await self.fleet.submit(decode, rid, prefill.engine_id, self.opts.blocks)
                 self.trace("submit", rid=rid, side="decode", engine=decode.engine_id, answer=status)
                 if status == 202:
-                    parked.append((rid, prefill))
+                    parked.append((rid, prefill, decode))
                 else:
                     self.ledger.withdraw(rid)
         return parked
