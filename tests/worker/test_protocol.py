@@ -179,3 +179,15 @@ def test_protocol_imports_neither_torch_nor_nixl() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_a_peer_add_without_a_rank_encodes_as_older_workers_expect() -> None:
+    # Workers before TP support refuse unknown fields: an unset rank must not appear.
+    item = p.PeerAddItem(engine_id="e", endpoint="h:1", role="prefill")
+    assert msgspec.json.decode(msgspec.json.encode(item)) == {
+        "engine_id": "e",
+        "endpoint": "h:1",
+        "role": "prefill",
+    }
+    body = p.PeerAddRequest(endpoint="h:1", role="prefill", rank=1)
+    assert msgspec.json.decode(msgspec.json.encode(body))["rank"] == 1

@@ -321,12 +321,16 @@ def decode_notification(data: bytes) -> Notification:
 # --- Control API bodies (JSON over the worker's aiohttp server) ----------------------------
 
 
-class PeerAddRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class PeerAddRequest(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True
+):
     """`PUT /v1/peers/{engine_id}`: add this peer, fetching its metadata from `endpoint`."""
 
     endpoint: str
     role: Role
-    rank: int | None = None  # only this TP rank of the peer (default: every rank)
+    # Only this TP rank of the peer (default: every rank). Left out of the JSON when unset,
+    # so an operator talks to workers that predate it.
+    rank: int | None = None
 
 
 MAX_PEER_CHANGES = 1024  # adds plus evictions in one `PATCH /v1/peers`
@@ -335,7 +339,9 @@ MAX_PEER_CHANGES = 1024  # adds plus evictions in one `PATCH /v1/peers`
 PEER_BATCH_CONCURRENCY = 16
 
 
-class PeerAddItem(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class PeerAddItem(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True
+):
     """One peer to add in a `PATCH /v1/peers` batch."""
 
     engine_id: str
