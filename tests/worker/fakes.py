@@ -7,6 +7,7 @@ raises TransportError('not_found'); each failure mode has its own switch.
 
 from __future__ import annotations
 
+import http.server
 import itertools
 import threading
 from collections.abc import Callable, Sequence
@@ -119,3 +120,30 @@ class FakeTransport:
         with self._lock:
             self.remotes.discard(agent_name)
             self.removed.append(agent_name)
+
+
+class MetadataPeer:
+    """A peer's control API on loopback that answers every GET with the bytes the test
+    sets (`payload`): garbage, or metadata crafted to lie."""
+
+    def __init__(self) -> None:
+        self.payload = b""
+        peer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(peer.payload)))
+                self.end_headers()
+                self.wfile.write(peer.payload)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

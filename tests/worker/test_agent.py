@@ -27,7 +27,7 @@ from kvtopo_worker.credentials import TokenSource
 from kvtopo_worker.metrics import WorkerMetrics
 from kvtopo_worker.protocol import CompatInfo, EngineMetadata, Envelope, compat_hash
 from kvtopo_worker.registry import EngineRegistry
-from tests.worker.fakes import FakeTransport
+from tests.worker.fakes import FakeTransport, MetadataPeer
 
 TOKEN = "t0ken-for-tests"
 
@@ -286,38 +286,9 @@ def test_token_file_is_reread_when_it_changes(tmp_path: Path) -> None:
         TokenSource(path=tmp_path / "missing")
 
 
-class _GarbagePeer:
-    """A peer whose control API serves whatever bytes the test sets as its metadata."""
-
-    def __init__(self) -> None:
-        import http.server
-        import threading
-
-        self.payload = b""
-        peer = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(peer.payload)))
-                self.end_headers()
-                self.wfile.write(peer.payload)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.endpoint = f"127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture(scope="module")
-def garbage_peer() -> Iterator[_GarbagePeer]:
-    peer = _GarbagePeer()
+def garbage_peer() -> Iterator[MetadataPeer]:
+    peer = MetadataPeer()
     yield peer
     peer.close()
 
@@ -339,7 +310,7 @@ def garbage_peer() -> Iterator[_GarbagePeer]:
     )
 )
 def test_garbage_and_mismatched_metadata_is_refused_and_counted(
-    pair: tuple[Node, Node], garbage_peer: _GarbagePeer, payload: bytes
+    pair: tuple[Node, Node], garbage_peer: MetadataPeer, payload: bytes
 ) -> None:
     _, d = pair
     garbage_peer.payload = payload

@@ -5,9 +5,7 @@ test process sending notifications under nobody's or somebody else's name."""
 from __future__ import annotations
 
 import collections
-import http.server
 import pickle
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -23,6 +21,7 @@ from kvtopo_worker.protocol import (
     decode_metadata,
     encode_notification,
 )
+from tests.worker.fakes import MetadataPeer
 from tests.worker.workers import WorkerProcess, start_worker
 
 pytestmark = pytest.mark.nixl
@@ -42,35 +41,9 @@ OPTS = (
 )
 
 
-class _CraftedPeer:
-    """A peer control API that serves whatever metadata bytes the test sets."""
-
-    def __init__(self) -> None:
-        self.payload = b""
-        peer = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(peer.payload)))
-                self.end_headers()
-                self.wfile.write(peer.payload)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.endpoint = f"127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture
-def crafted() -> Iterator[_CraftedPeer]:
-    peer = _CraftedPeer()
+def crafted() -> Iterator[MetadataPeer]:
+    peer = MetadataPeer()
     yield peer
     peer.close()
 
@@ -122,7 +95,7 @@ def wait_for(predicate: Any, timeout: float = 15, step: float = 0.05) -> Any:
 
 
 def test_nothing_a_peer_sends_is_unpickled(
-    workers: dict[str, WorkerProcess], crafted: _CraftedPeer, tmp_path: Path
+    workers: dict[str, WorkerProcess], crafted: MetadataPeer, tmp_path: Path
 ) -> None:
     p, d = workers["p"], workers["d"]
     marker = tmp_path / "unpickled-by-the-worker"
@@ -141,7 +114,7 @@ def test_nothing_a_peer_sends_is_unpickled(
 
 
 def test_a_peer_carrying_another_engines_nixl_blob_is_refused(
-    workers: dict[str, WorkerProcess], crafted: _CraftedPeer
+    workers: dict[str, WorkerProcess], crafted: MetadataPeer
 ) -> None:
     p, d = workers["p"], workers["d"]
     d.connect(p)
