@@ -83,7 +83,10 @@ def test_a_registration_given_up_is_never_written_later(
     assert d.submit("r1", p, 8) == 202
     collect_until([d], lambda: bool(d.outcomes), 30, "the decode to give r1 up")
     (r1,) = d.outcomes
-    assert (r1["status"], r1["reason"]) == ("failed", "registration_timeout"), r1
+    # Given up by the decode (its cancel answered) or dropped by the prefill when the
+    # registration's validity ran out (answered "unknown request"): whichever came first.
+    assert r1["status"] == "failed", r1
+    assert r1["reason"] in ("registration_timeout", "remote_rejected"), r1
     # Its blocks are free again: the decode takes r2 into the very same blocks.
     assert d.submit("r2", p, 8) == 202
     assert p.submit("r1", d, 8) == 202  # r1's KV, too late
