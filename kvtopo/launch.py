@@ -7,7 +7,8 @@ pipe, with a deadline, and raises :class:`LaunchError` carrying the worker's log
 does not come; :func:`parse_ready_line` reads that line (also for the drill's asyncio fleet,
 which spawns workers with :func:`worker_command`). The operator (:data:`OPERATOR_MODULE`) runs
 with :func:`operator_args` (or a caller's own arguments, such as the Helm chart's) through
-:func:`start_operator`, its stdout and stderr in one log file. :func:`stop_process` stops a
+:func:`start_operator`, its stdout and stderr in one log file; several replicas of which one
+acts add :func:`leader_election_args`. :func:`stop_process` stops a
 child for good: a signal (SIGTERM), a grace period, then SIGKILL.
 
 Launches the programs by module name and imports neither of them (nor the drill or the
@@ -141,6 +142,27 @@ def operator_args(
         "--resync-seconds",
         str(resync_s),
         *extra,
+    ]
+
+
+def leader_election_args(
+    identity: str,
+    *,
+    lease_s: int = 15,
+    renew_s: float = 10.0,
+    retry_s: float = 2.0,
+    lease_name: str = "kvtopo-operator",
+) -> list[str]:
+    """The operator's flags to run as replica `identity` of several, only the holder of the
+    Lease `lease_name` (in the operator's first namespace) acting; `extra` of
+    :func:`operator_args`. Needs renew_s < lease_s and retry_s < renew_s."""
+    return [
+        "--leader-elect",
+        f"--leader-elect-identity={identity}",
+        f"--leader-elect-lease-name={lease_name}",
+        f"--leader-elect-lease-seconds={lease_s}",
+        f"--leader-elect-renew-seconds={renew_s:g}",
+        f"--leader-elect-retry-seconds={retry_s:g}",
     ]
 
 

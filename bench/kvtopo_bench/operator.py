@@ -3,8 +3,10 @@
 Owns the fleet benchmark: a tier b control plane with enough kwok nodes, the CRD and a
 KVTopology, the operator as its own process, prefill and decode Deployments, and one
 lightweight fake worker control server per Ready pod, all served by one asyncio loop in this
-process (a thousand real workers would not fit on the machine). The fake servers speak the
-worker control API (`/v1/state`, `PUT|DELETE /v1/peers/{id}`) without NIXL.
+process (a thousand real workers would not fit on the machine). Each listens at its pod's IP
+(kwok gives every pod a loopback address of its own) on the control port, and reports its
+pod's identity, so the operator reaches it exactly as a real worker. The fake servers speak
+the worker control API (`/v1/state`, `PUT|DELETE /v1/peers/{id}`) without NIXL.
 
 Measured per size: pod serving (its endpoint annotated) -> all of its pairs Connected both
 ways (p50/p99), pod deleted -> evicted from every peer (p50/p99), a full decode rollout ->
@@ -40,10 +42,13 @@ from kvtopo_worker.protocol import (
     PeerChangesResult,
     PeerOutcome,
     PeerState,
+    PodIdentity,
     WorkerState,
 )
 
 SIZES = ((16, 64), (32, 1000))
+CONTROL_PORT = 8975
+"""The KVTopology's default controlPort, where every fake worker listens at its pod IP."""
 GRACE = 1
 APP = "bench"
 """The `app` label of the benchmark's engine pods and the name of its KVTopology."""
@@ -54,19 +59,23 @@ class FakeWorker:
     engine_id: str
     role: str
     pod: str
-    port: int
+    uid: str
+    ip: str
     serving_at: float
+    site: web.TCPSite | None = None
     peers: set[str] = field(default_factory=set)
+    peer_incarnations: dict[str, str] = field(default_factory=dict)
     gone_at: float | None = None
     connected_at: float | None = None
     evicted_at: float | None = None
 
 
 class FakeFleet:
-    """Many fake worker control servers, one per port, on one aiohttp runner."""
+    """Many fake worker control servers, one per pod IP, on one aiohttp runner."""
 
-    def __init__(self) -> None:
-        self.by_port: dict[int, FakeWorker] = {}
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        self.by_ip: dict[str, FakeWorker] = {}
         self.by_engine: dict[str, FakeWorker] = {}
         app = web.Application()
         app.router.add_get("/v1/state", self._state)
@@ -79,20 +88,31 @@ class FakeFleet:
     async def start(self) -> None:
         await self.runner.setup()
 
-    async def add(self, pod: str, role: str) -> FakeWorker:
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+    def holds(self, ip: str) -> bool:
+        """Whether a worker still listens at `ip` (kwok hands freed pod IPs out again)."""
+        return ip in self.by_ip
+
+    async def add(self, pod: str, role: str, uid: str, ip: str) -> FakeWorker:
+        site = web.TCPSite(self.runner, ip, CONTROL_PORT)
         await site.start()
-        port = int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
-        w = FakeWorker(f"fake-{pod}-{port}", role, pod, port, 0.0)  # serving once annotated
-        self.by_port[port] = w
+        w = FakeWorker(f"fake-{pod}", role, pod, uid, ip, 0.0, site)  # serving once annotated
+        self.by_ip[ip] = w
         self.by_engine[w.engine_id] = w
         return w
+
+    async def remove(self, w: FakeWorker) -> None:
+        """The pod is gone: its worker stops listening (its pod IP may be reused)."""
+        if w.site is not None:
+            await w.site.stop()
+            w.site = None
+        if self.by_ip.get(w.ip) is w:
+            del self.by_ip[w.ip]
 
     def _worker(self, request: web.Request) -> FakeWorker:
         transport = request.transport
         if transport is None:
             raise web.HTTPServiceUnavailable(text="connection closed")
-        return self.by_port[int(transport.get_extra_info("sockname")[1])]
+        return self.by_ip[str(transport.get_extra_info("sockname")[0])]
 
     async def _state(self, request: web.Request) -> web.Response:
         self.requests += 1
@@ -109,6 +129,7 @@ class FakeFleet:
                     transfers_in_flight=0,
                     eviction_pending=False,
                     idle_s=0.0,
+                    incarnation=w.peer_incarnations.get(p, ""),
                 )
                 for p in sorted(w.peers)
             ],
@@ -117,16 +138,19 @@ class FakeFleet:
             requests_failed=0,
             requests_in_flight=0,
             started_at=0.0,
+            incarnation=w.engine_id,
+            pod=PodIdentity(namespace=self.namespace, name=w.pod, uid=w.uid),
         )
         return web.Response(body=msgspec.json.encode(state), content_type="application/json")
 
     async def _put(self, request: web.Request) -> web.Response:
         self.requests += 1
         w = self._worker(request)
-        msgspec.json.decode(await request.read(), type=PeerAddRequest)
+        body = msgspec.json.decode(await request.read(), type=PeerAddRequest)
         eid = request.match_info["engine_id"]
         result = "present" if eid in w.peers else "added"
         w.peers.add(eid)
+        w.peer_incarnations[eid] = body.incarnation
         return web.json_response({"engine_id": eid, "result": result, "agents": {"0": eid}})
 
     async def _delete(self, request: web.Request) -> web.Response:
@@ -145,6 +169,7 @@ class FakeFleet:
         for item in changes.add:
             result = "present" if item.engine_id in w.peers else "added"
             w.peers.add(item.engine_id)
+            w.peer_incarnations[item.engine_id] = item.incarnation
             results.append(
                 PeerOutcome(
                     engine_id=item.engine_id,
@@ -188,7 +213,7 @@ class SizeRun:
         self.prefill, self.decode = prefill, decode
         self.ns = f"bench-{prefill}x{decode}"
         self.log = log
-        self.fleet = FakeFleet()
+        self.fleet = FakeFleet(self.ns)
         self.by_uid: dict[str, FakeWorker] = {}
         self.events = 0
         self.starting: set[str] = set()
@@ -198,15 +223,12 @@ class SizeRun:
         """Gives each Ready pod a fake worker and notices pods going (the kubelet's part)."""
         sem = asyncio.Semaphore(16)
 
-        async def serve(name: str, role: str, uid: str) -> None:
-            w = await self.fleet.add(name, role)
+        async def serve(name: str, role: str, uid: str, ip: str) -> None:
+            w = await self.fleet.add(name, role, uid, ip)
             self.by_uid[uid] = w
             async with sem:
                 await asyncio.to_thread(
-                    self.api.annotate_pod,
-                    self.ns,
-                    name,
-                    {ENDPOINT_ANNOTATION: f"127.0.0.1:{w.port}"},
+                    self.api.annotate_pod, self.ns, name, {ENDPOINT_ANNOTATION: str(CONTROL_PORT)}
                 )
             w.serving_at = time.monotonic()
 
@@ -220,6 +242,8 @@ class SizeRun:
             self.events += 1
             seen = set()
             starting = []
+            starts: list[tuple[str, str, str, str]] = []
+            claimed: set[str] = set()
             for p in pods:
                 meta = p["metadata"]
                 uid = meta["uid"]
@@ -230,14 +254,23 @@ class SizeRun:
                 )
                 usable = ready and meta.get("deletionTimestamp") is None
                 w = self.by_uid.get(uid)
-                if w is None and usable and uid not in self.starting:
-                    self.starting.add(uid)
-                    starting.append(serve(meta["name"], meta["labels"][ROLE_LABEL], uid))
+                ip = (p.get("status") or {}).get("podIP") or ""
+                if w is None and usable and ip and uid not in self.starting:
+                    if ip not in claimed:  # else its IP's old worker is still going
+                        claimed.add(ip)
+                        starts.append((meta["name"], meta["labels"][ROLE_LABEL], uid, ip))
                 elif w is not None and not usable and w.gone_at is None:
                     w.gone_at = time.monotonic()
             for uid, w in self.by_uid.items():
                 if uid not in seen and w.gone_at is None:
                     w.gone_at = time.monotonic()
+            for w in self.by_uid.values():
+                if w.gone_at is not None and w.site is not None:
+                    await self.fleet.remove(w)
+            for name, role, uid, ip in starts:
+                if not self.fleet.holds(ip):
+                    self.starting.add(uid)
+                    starting.append(serve(name, role, uid, ip))
             if starting:
                 await asyncio.gather(*starting)
             await asyncio.sleep(0.2)

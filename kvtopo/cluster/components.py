@@ -15,9 +15,12 @@ from kvtopo.cluster.pki import ClusterPki
 
 LOOPBACK = "127.0.0.1"
 SERVICE_CLUSTER_IP_RANGE = "10.0.0.0/24"
-# kwok's fake pod and node addresses; nothing listens there, never connect to them.
-# The pod range must not overlap the service range (kwok's default 10.0.0.0/24 does).
-FAKE_POD_CIDR = "10.244.0.0/16"
+# kwok's pod addresses: a loopback range (all of 127.0.0.0/8 is loopback on Linux), so each
+# pod has an address of its own that a local process serving the pod can bind, and the
+# operator reaches a worker at its pod IP exactly as in a real cluster. Nothing else ever
+# listens there. The range must not overlap the service range (kwok's default does).
+FAKE_POD_CIDR = "127.244.0.0/16"
+# kwok's fake node address: nothing listens there, never connect to it.
 FAKE_NODE_IP = "192.0.2.1"  # TEST-NET-1 (RFC 5737): unroutable by design
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
 KWOK_MANAGED_NODES = "kwok.x-k8s.io/node=fake"

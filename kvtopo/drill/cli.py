@@ -45,9 +45,16 @@ def add_drill_parser(verbs: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--chaos",
-        choices=["operator-kill", "apiserver-restart", "freeze-decode", "kill-prefill"],
-        help="a fault during the run: operator-kill and apiserver-restart strike during the "
-        "second decode rollout; freeze-decode SIGSTOPs a decode engine for twice the "
+        choices=[
+            "operator-kill",
+            "apiserver-restart",
+            "rotate-credentials",
+            "freeze-decode",
+            "kill-prefill",
+        ],
+        help="a fault during the run: operator-kill, apiserver-restart and rotate-credentials "
+        "(both credentials replaced, pod by pod, under traffic) strike during the second "
+        "decode rollout; freeze-decode SIGSTOPs a decode engine for twice the "
         "registration timeout while traffic flows, then SIGCONTs it; kill-prefill SIGKILLs a "
         "prefill engine with requests in flight (its pod is then replaced)",
     )

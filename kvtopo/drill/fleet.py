@@ -1,16 +1,21 @@
 """The drill's stand-in for the kubelet: one real `kvtopo-worker` process per Ready pod.
 
-Owns the engine processes of the drill. It lists the drill's pods (kwok makes them Ready),
-starts a `kvtopo-worker` for each Ready pod (command line and ready line from
-:mod:`kvtopo.launch`), and writes the worker's loopback endpoint into the pod's
-`kvtopo.dev/control-endpoint` annotation (the pod template carries "pending" until then, so
-nothing ever dials kwok's fake pod IPs). When a pod is deleted or stops being
-Ready, its engine drains like a real one: the fleet tells the engine to drain (`POST
-/v1/drain`; from then on the engine itself refuses new requests with 503 `draining`), collects
-outcomes until the engine says it is drained (every request it accepted has ended and its
-outcome has been collected; requests still held at the engine's drain deadline fail with
-reason `shutdown`), and only then stops the process. Also owns the control-API calls the
-drill makes to workers.
+Owns the engine processes of the drill. It lists the drill's pods (kwok makes them Ready
+and gives each a loopback pod IP of its own), starts a `kvtopo-worker` for each Ready pod
+(command line and ready line from :mod:`kvtopo.launch`) bound to the pod's IP at the control
+port and told its pod's identity (namespace, name, uid), as the downward API tells a real
+one, and then writes the port into the pod's `kvtopo.dev/control-endpoint` annotation (the
+pod template carries "pending" until then: the engine is not serving yet). The operator
+reaches each worker at its pod IP, as in a real cluster. kwok hands a freed pod IP out again
+at once, where a real cluster waits for the old pod's sandbox to go: a pod whose IP an
+engine still draining holds gets its engine once that one has exited.
+
+When a pod is deleted or stops being Ready, its engine drains like a real one: the fleet
+tells the engine to drain (`POST /v1/drain`; from then on the engine itself refuses new
+requests with 503 `draining`), collects outcomes until the engine says it is drained (every
+request it accepted has ended and its outcome has been collected; requests still held at the
+engine's drain deadline fail with reason `shutdown`), and only then stops the process. Also
+owns the control-API calls the drill makes to workers.
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ from typing import Any
 
 import aiohttp
 
+from kvtopo.drill.secrets import DrillSecrets
 from kvtopo.launch import parse_ready_line, worker_command
 from kvtopo_operator.api import ENDPOINT_ANNOTATION, ROLE_LABEL
+from kvtopo_worker.credentials import TokenSource
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +44,7 @@ class Engine:
     uid: str
     role: str
     process: asyncio.subprocess.Process
+    pod_ip: str = ""
     engine_id: str = ""
     endpoint: str = ""
     started_at: float = 0.0
@@ -54,8 +62,7 @@ class Fleet:
     """Engines by pod uid, and the HTTP session used to talk to them."""
 
     namespace: str
-    token: str
-    token_file: Path
+    secrets: DrillSecrets
     log_dir: Path
     worker_args: list[str]
     list_pods: Callable[[], list[dict[str, Any]]]
@@ -68,8 +75,11 @@ class Fleet:
     engines: dict[str, Engine] = field(default_factory=dict)
     session: aiohttp.ClientSession | None = None
     kill_without_drain: bool = False  # fault injection: a crashing decode engine
+    control_port: int = 8975  # the KVTopology's controlPort: where each worker listens
 
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    auth_fallbacks: int = 0  # calls refused with the current token, let in with the previous
+    _auth: TokenSource | None = None
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.create_task(coro, name=name)
@@ -78,11 +88,29 @@ class Fleet:
 
     def http(self) -> aiohttp.ClientSession:
         if self.session is None:
-            self.session = aiohttp.ClientSession(
-                headers={"Authorization": f"Bearer {self.token}"},
-                timeout=aiohttp.ClientTimeout(total=5),
-            )
+            self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
         return self.session
+
+    async def call(self, method: str, url: str, body: object = None) -> tuple[int, Any]:
+        """One call to an engine as the drill's router (it holds the operator credential,
+        mounted like any pod's): (status, JSON answer or None). A 401 to the current token
+        is tried again with the previous one, as every caller does during a rotation.
+        Raises what aiohttp raises when the engine cannot be reached."""
+        if self._auth is None:
+            self._auth = TokenSource(path=self.secrets.mount("router").operator)
+        tokens = self._auth.candidates()
+        for i, token in enumerate(tokens):
+            headers = {"Authorization": f"Bearer {token}"}
+            async with self.http().request(method, url, json=body, headers=headers) as resp:
+                if resp.status == 401 and i + 1 < len(tokens):
+                    self.auth_fallbacks += 1
+                    continue
+                try:
+                    answer = await resp.json(content_type=None)
+                except ValueError:
+                    answer = None
+                return resp.status, answer
+        raise AssertionError("unreachable: the last token returns")
 
     # --- engine life cycle ---------------------------------------------------------------
 
@@ -99,27 +127,58 @@ class Fleet:
             )
             usable = ready and meta.get("deletionTimestamp") is None
             eng = self.engines.get(uid)
-            if eng is None and usable:
-                await self._start(meta["name"], uid, meta["labels"][ROLE_LABEL])
+            ip = status.get("podIP") or ""
+            if eng is None and usable and ip and not self._ip_held(ip):
+                await self._start(meta["name"], uid, meta["labels"][ROLE_LABEL], ip)
             elif eng is not None and not usable:
                 self._begin_drain(eng)
             elif eng is not None and eng.serving_at and eng.draining_since is None:
                 annotated = (meta.get("annotations") or {}).get(ENDPOINT_ANNOTATION)
-                if annotated != eng.endpoint:  # an earlier patch was lost (API server down)
-                    await asyncio.to_thread(self.annotate, eng.pod, eng.endpoint)
+                if annotated != str(self.control_port):  # a patch was lost (API server down)
+                    await asyncio.to_thread(self.annotate, eng.pod, str(self.control_port))
         for uid, eng in list(self.engines.items()):
             if uid not in seen:
                 self._begin_drain(eng)
 
-    async def _start(self, pod: str, uid: str, role: str) -> None:
+    def _ip_held(self, ip: str) -> bool:
+        """Whether an engine of an earlier pod still runs at `ip` (kwok reused its IP)."""
+        return any(e.pod_ip == ip and not e.stopped for e in self.engines.values())
+
+    def identity_args(self, pod: str, uid: str, ip: str) -> list[str]:
+        """What the downward API gives a real engine: its pod IP to bind, its pod's
+        identity."""
+        return [
+            "--host",
+            ip,
+            "--port",
+            str(self.control_port),
+            "--pod-namespace",
+            self.namespace,
+            "--pod-name",
+            pod,
+            "--pod-uid",
+            uid,
+        ]
+
+    async def _start(self, pod: str, uid: str, role: str, ip: str) -> None:
         log_path = self.log_dir / f"worker-{pod}.log"
+        mount = self.secrets.mount(pod)  # its pod's Secret volumes
         with log_path.open("ab") as log:  # the child keeps its own descriptor
             proc = await asyncio.create_subprocess_exec(
-                *worker_command(role, self.token_file, *self.worker_args),
+                *worker_command(
+                    role,
+                    mount.operator,
+                    "--peer-token-file",
+                    str(mount.peer),
+                    *self.worker_args,
+                    *self.identity_args(pod, uid, ip),
+                ),
                 stdout=asyncio.subprocess.PIPE,
                 stderr=log,
             )
-        eng = Engine(pod=pod, uid=uid, role=role, process=proc, started_at=time.monotonic())
+        eng = Engine(
+            pod=pod, uid=uid, role=role, process=proc, pod_ip=ip, started_at=time.monotonic()
+        )
         self.engines[uid] = eng
         self._spawn(self._await_serving(eng), f"serve-{pod}")
 
@@ -135,7 +194,7 @@ class Fleet:
             return
         eng.engine_id, eng.endpoint = ready.engine_id, ready.endpoint
         try:
-            await asyncio.to_thread(self.annotate, eng.pod, eng.endpoint)
+            await asyncio.to_thread(self.annotate, eng.pod, str(self.control_port))
         except Exception as exc:  # the pod went away meanwhile
             log.info("could not annotate %s: %s", eng.pod, exc)
         eng.serving_at = time.monotonic()
@@ -192,6 +251,7 @@ class Fleet:
             eng.process.kill()
             await eng.process.wait()
         eng.stopped = True
+        self.secrets.unmount(eng.pod)
         self.trace("exited", pod=eng.pod, engine=eng.engine_id, code=eng.process.returncode)
         self.engines.pop(eng.uid, None)
 
@@ -216,9 +276,10 @@ class Fleet:
 
     async def refresh(self, eng: Engine) -> None:
         try:
-            async with self.http().get(f"http://{eng.endpoint}/v1/state") as resp:
-                st = await resp.json()
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+            status, st = await self.call("GET", f"http://{eng.endpoint}/v1/state")
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return
+        if status != 200 or not isinstance(st, dict):
             return
         eng.peers = frozenset(p["engine_id"] for p in st["peers"] if not p.get("eviction_pending"))
         eng.in_flight = int(st["requests_in_flight"])
@@ -229,9 +290,10 @@ class Fleet:
         its outcomes come again."""
         url = f"http://{eng.endpoint}/v1/finished?ack={eng.acked}"
         try:
-            async with self.http().get(url) as resp:
-                outcomes = await resp.json()
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+            status, outcomes = await self.call("GET", url)
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return
+        if status != 200 or not isinstance(outcomes, list):
             return
         await self.refresh(eng)
         fresh = [o for o in outcomes if int(o.get("seq", 0)) > eng.acked]
@@ -243,18 +305,15 @@ class Fleet:
         """Tells the engine to drain (idempotent); its drain state, or None unreachable."""
         body = {"timeout_s": self.engine_drain_s}
         try:
-            async with self.http().post(f"http://{eng.endpoint}/v1/drain", json=body) as resp:
-                if resp.status != 200:
-                    return None
-                state: dict[str, Any] = await resp.json()
-                return state
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+            status, state = await self.call("POST", f"http://{eng.endpoint}/v1/drain", body)
+        except (aiohttp.ClientError, TimeoutError, OSError):
             return None
+        return state if status == 200 and isinstance(state, dict) else None
 
     async def submit(self, eng: Engine, request_id: str, peer: str, num_blocks: int) -> int:
         body = {"request_id": request_id, "peer_engine_id": peer, "num_blocks": num_blocks}
         try:
-            async with self.http().post(f"http://{eng.endpoint}/v1/requests", json=body) as resp:
-                return resp.status
+            status, _ = await self.call("POST", f"http://{eng.endpoint}/v1/requests", body)
         except (aiohttp.ClientError, TimeoutError, OSError):
             return 0
+        return status

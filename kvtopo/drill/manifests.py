@@ -31,7 +31,7 @@ ENGINE_IMAGE = "ghcr.io/kvtopo/worker:0.1.0"
 
 ENDPOINT_PENDING = "pending"
 """The endpoint annotation's value until a worker serves the pod; the drill and the bench then
-write the worker's address into it."""
+write the worker's port into it (the worker listens at the pod IP)."""
 
 
 def engine_labels(app: str, role: Role) -> dict[str, str]:
@@ -89,16 +89,18 @@ def engine_pod(
     *,
     app: str,
     role: Role,
-    endpoint: str,
+    endpoint: str | None = None,
     namespace: str | None = None,
     labels: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """A bare engine Pod whose control endpoint annotation names its worker."""
+    """A bare engine Pod; `endpoint` is its control-endpoint annotation (None: none, its
+    worker is reached at the pod IP on the control port)."""
     metadata: dict[str, Any] = {
         "name": name,
         "labels": {**engine_labels(app, role), **(labels or {})},
-        "annotations": {ENDPOINT_ANNOTATION: endpoint},
     }
+    if endpoint is not None:
+        metadata["annotations"] = {ENDPOINT_ANNOTATION: endpoint}
     if namespace is not None:
         metadata["namespace"] = namespace
     return {

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import random
 import signal
 import subprocess
@@ -28,6 +27,7 @@ from kvtopo import launch
 from kvtopo.drill import manifests
 from kvtopo.drill.fleet import Fleet
 from kvtopo.drill.ledger import Ledger
+from kvtopo.drill.secrets import DrillSecrets
 from kvtopo.drill.trace import Trace
 from kvtopo_operator.api import ENDPOINT_ANNOTATION, GROUP, PLURAL
 from kvtopo_operator.crd import crd_manifest
@@ -39,6 +39,7 @@ ENGINE_FAULTS = ("freeze-decode", "kill-prefill")
 REGISTRATION_TIMEOUT_S = 5.0  # the workers' --registration-timeout, --transfer-timeout
 GIVE_UP_S = 2 * REGISTRATION_TIMEOUT_S + 2 + 1  # + the cancel margin, + slack
 
+ROTATION_SPREAD_S = 4.0  # each phase of a credential rotation reaches every pod over ~this
 APP = "drill"
 """The `app` label of the drill's engine pods and the name of its KVTopology."""
 CRD_NAME = f"{PLURAL}.{GROUP}"
@@ -82,6 +83,7 @@ class Drill:
         self.cluster: Any = None
         self.kube: ClusterApi | None = None
         self.fleet: Fleet | None = None
+        self.secrets = DrillSecrets(opts.workdir / "secrets")
         self.namespace = "kvtopo-drill"
         self.seq = 0
         self.converged_at: dict[str, float] = {}
@@ -113,10 +115,8 @@ class Drill:
         self.opts.workdir.mkdir(parents=True, exist_ok=True)
         kubeconfig = await asyncio.to_thread(self._kubeconfig)
         kube = self.kube = await asyncio.to_thread(ClusterApi, kubeconfig)
-        token = f"drill-{os.getpid()}-{time.time_ns()}"
-        token_file = self.opts.workdir / "worker-token"
-        token_file.write_text(token + "\n")
-        token_file.chmod(0o600)
+        self.secrets = DrillSecrets(self.opts.workdir / "secrets")
+        token_file = self.secrets.mount("operator").operator
         self.say("installing the KVTopology CRD")
         await asyncio.to_thread(kube.apply_crd, crd_manifest())
         await self._until("CRD established", lambda: kube.crd_established(CRD_NAME), 30)
@@ -151,8 +151,7 @@ class Drill:
 
         self.fleet = Fleet(
             namespace=self.namespace,
-            token=token,
-            token_file=token_file,
+            secrets=self.secrets,
             log_dir=self.opts.workdir,
             worker_args=worker_args,
             list_pods=list_pods,
@@ -400,8 +399,17 @@ class Drill:
             await asyncio.sleep(2.0)  # the operator stays down a while: that is the fault
             assert self.kube is not None
             kubeconfig = self.opts.kubeconfig or Path(self.cluster.kubeconfig)
-            self._start_operator(kubeconfig, self.opts.workdir / "worker-token")
+            self._start_operator(kubeconfig, self.secrets.mount("operator").operator)
             self.ledger.mark(time.monotonic(), "chaos", "operator restarted")
+        elif self.opts.chaos == "rotate-credentials":
+            assert self.fleet is not None
+
+            def mark(what: str) -> None:
+                self.ledger.mark(time.monotonic(), "chaos", what)
+
+            await self.secrets.rotate(ROTATION_SPREAD_S, self.rng, mark)
+            fallbacks = self.fleet.auth_fallbacks
+            mark(f"rotation done; the router retried {fallbacks} calls with the previous token")
         elif self.opts.chaos == "apiserver-restart" and self.cluster is not None:
             self.ledger.mark(t, "chaos", "kube-apiserver restart")
             took = await asyncio.to_thread(self.cluster.restart_apiserver)

@@ -275,6 +275,8 @@ class Reason(enum.StrEnum):
     HANDSHAKE_FAILED = "HandshakeFailed"
     INCOMPATIBLE = "Incompatible"
     WORKER_UNREACHABLE = "WorkerUnreachable"
+    ENDPOINT_REFUSED = "EndpointRefused"
+    IDENTITY_MISMATCH = "IdentityMismatch"
     HEALTHY = "Healthy"
     FIRST_RECONCILE = "FirstReconcile"
 

@@ -81,9 +81,17 @@ class WorkerViews:
         if entry is not None and isinstance(entry.view, WorkerView):
             entry.view = change(entry.view)
 
-    def peer_added(self, pod: str, engine_id: str) -> None:
-        """The worker of `pod` answered that it holds `engine_id` (added or present)."""
-        self._update(pod, lambda v: dataclasses.replace(v, peers=v.peers | {engine_id}))
+    def peer_added(self, pod: str, engine_id: str, incarnation: str = "") -> None:
+        """The worker of `pod` answered that it holds `engine_id` (added or present), of
+        its process `incarnation`."""
+        self._update(
+            pod,
+            lambda v: dataclasses.replace(
+                v,
+                peers=v.peers | {engine_id},
+                peer_incarnations={**v.peer_incarnations, engine_id: incarnation},
+            ),
+        )
 
     def peer_evicted(self, pod: str, engine_id: str, result: str) -> None:
         """The worker of `pod` answered an eviction of `engine_id` with `result`."""

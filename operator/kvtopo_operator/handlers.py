@@ -5,6 +5,11 @@ Owns the kopf registrations: the engine-pod index (pods filtered server-side on 
 poke the per-topology loops of `reconcile.Reconciler`, and start-up/clean-up. The operator's
 configuration arrives in kopf's `memo` (see `main`). Handlers never return values (kopf
 would store them in `status.<handler>`) and add no finalizers.
+
+With leader election (`memo.election`, see `leader`) kopf runs on every replica, so each one's
+pod index and its set of known KVTopology keys (with generations) stay current, but loops run
+only while this replica holds the Lease: gaining it starts a loop for every known topology at
+once, losing it cancels every loop at once. Without it this replica always acts.
 """
 
 from __future__ import annotations
@@ -17,10 +22,12 @@ from typing import Any
 import kopf
 
 from kvtopo_operator.api import ENDPOINT_ANNOTATION, GROUP, PLURAL, ROLE_LABEL, VERSION
-from kvtopo_operator.kube import KubeClient
+from kvtopo_operator.kube import ClusterApi, KubeClient, LeaseClient
+from kvtopo_operator.leader import LeaderElector
 from kvtopo_operator.logic import PodView
 from kvtopo_operator.reconcile import Reconciler, Settings
 from kvtopo_operator.workers import WorkerClient
+from kvtopo_worker.endpoints import pod_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -53,28 +60,32 @@ def engine_pods(**kwargs: Any) -> dict[str, dict[str, Any]]:
             "ready": ready,
             "ready_since": since,
             "deleting": meta.get("deletionTimestamp") is not None,
-            "pod_ip": status.get("podIP") or "",
-            "endpoint": annotations.get(ENDPOINT_ANNOTATION, ""),
+            "uid": meta.get("uid") or "",
+            "pod_ips": _pod_ips(status),
+            "endpoint": str(annotations.get(ENDPOINT_ANNOTATION, ""))[:256],
         }
     }
 
 
-def _endpoint(annotation: str, pod_ip: str, control_port: int) -> str:
-    """host:port of the pod's worker, or "" while it has none (an annotation that is not
-    host:port, e.g. "pending", means the engine is not serving yet)."""
-    if annotation:
-        host, sep, port = annotation.rpartition(":")
-        return annotation if sep and host and port.isdigit() else ""
-    return f"{pod_ip}:{control_port}" if pod_ip else ""
+def _pod_ips(status: dict[str, Any]) -> list[str]:
+    """The pod's IPs, primary first (`status.podIPs`, else `status.podIP`)."""
+    ips = [str(x.get("ip", "")) for x in status.get("podIPs") or [] if isinstance(x, dict)]
+    ips = [ip for ip in ips if ip]
+    if not ips and status.get("podIP"):
+        ips = [str(status["podIP"])]
+    return ips
 
 
 def _pod_source(namespace: str, control_port: int) -> Iterable[PodView]:
     index = _state.get("engine_pods")
     if index is None or namespace not in index:
         return []
+    allow_host = bool(_state.get("allow_endpoint_host"))
     out = []
     for rec in index[namespace]:
-        endpoint = _endpoint(rec["endpoint"], rec["pod_ip"], control_port)
+        endpoint, refused = pod_endpoint(
+            rec["pod_ips"], rec["endpoint"], control_port, allow_host=allow_host
+        )
         out.append(
             PodView(
                 name=rec["name"],
@@ -82,8 +93,10 @@ def _pod_source(namespace: str, control_port: int) -> Iterable[PodView]:
                 labels=rec["labels"],
                 ready=rec["ready"],
                 deleting=rec["deleting"],
-                endpoint=endpoint,
+                endpoint=str(endpoint) if endpoint is not None else "",
                 ready_since=rec["ready_since"],
+                uid=rec["uid"],
+                endpoint_error=refused,
             )
         )
     return out
@@ -97,6 +110,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     # The namespaces are fixed on the command line and the CRD exists before we start: no
     # cluster-wide discovery of namespaces and CRDs, which least-privilege RBAC refuses.
     settings.scanning.disabled = True
+    _state["allow_endpoint_host"] = bool(memo.get("allow_endpoint_host"))
     _state["reconciler"] = Reconciler(
         kube=KubeClient(memo.get("kubeconfig")),
         workers=WorkerClient(memo.get("token_file"), memo.get("token")),
@@ -104,10 +118,61 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
         metrics=memo["metrics"],
         settings=Settings(resync_s=memo.get("resync_s", 2.0)),
     )
+    _state["metrics"] = memo["metrics"]
+    _state.setdefault("known", {})
+    election = memo.get("election")
+    if election is None:  # standalone: this replica always acts
+        _set_leading(True)
+        return
+    _set_leading(False)
+    namespace, name = memo["lease_namespace"], memo["lease_name"]
+    elector = LeaderElector(
+        LeaseClient(
+            ClusterApi(memo.get("kubeconfig")),
+            namespace,
+            name,
+            timeout_s=max(1.0, election.retry_period_s),
+        ),
+        on_started_leading=_start_leading,
+        on_stopped_leading=_stop_leading,
+        identity=memo.get("lease_identity"),
+        config=election,
+        name=f"{namespace}/{name}",
+    )
+    _state["elector"] = elector
+    elector.start()
+
+
+def _set_leading(leading: bool) -> None:
+    _state["leading"] = leading
+    _state["metrics"].leader.set(1 if leading else 0)
+
+
+def _start_leading() -> None:
+    """This replica holds the Lease now: a loop for every topology known so far."""
+    _set_leading(True)
+    reconciler: Reconciler | None = _state.get("reconciler")
+    known: dict[tuple[str, str], int] = _state["known"]
+    log.info("leading: starting the loops of %d known topologies", len(known))
+    if reconciler is not None:
+        for key, generation in list(known.items()):
+            reconciler.ensure(key, generation)
+
+
+def _stop_leading() -> None:
+    """The Lease is lost (or being released): every loop stops at once."""
+    _set_leading(False)
+    reconciler: Reconciler | None = _state.get("reconciler")
+    if reconciler is not None:
+        log.info("not leading: cancelling %d loops", reconciler.running)
+        reconciler.cancel_all()
 
 
 @kopf.on.cleanup()
 async def stop(**_: Any) -> None:
+    elector: LeaderElector | None = _state.pop("elector", None)
+    if elector is not None:  # stops the loops first, then releases the Lease
+        await elector.stop()
     reconciler = _state.pop("reconciler", None)
     if reconciler is not None:
         await reconciler.stop()
@@ -124,11 +189,17 @@ async def pod_changed(**kwargs: Any) -> None:
 @kopf.on.event(GROUP, VERSION, PLURAL)
 async def topology_changed(**kwargs: Any) -> None:
     _state["engine_pods"] = kwargs["engine_pods"]
-    reconciler: Reconciler | None = _state.get("reconciler")
-    if reconciler is None:
-        return
     key = (kwargs["namespace"], kwargs["name"])
+    known: dict[tuple[str, str], int] = _state.setdefault("known", {})
+    generation = int(kwargs["meta"].get("generation", 0))
+    if kwargs["type"] == "DELETED":
+        known.pop(key, None)
+    else:  # remembered as a standby too: a new leader starts its loop at once
+        known[key] = generation
+    reconciler: Reconciler | None = _state.get("reconciler")
+    if reconciler is None or not _state.get("leading"):
+        return
     if kwargs["type"] == "DELETED":
         reconciler.forget(key)
     else:
-        reconciler.ensure(key, int(kwargs["meta"].get("generation", 0)))
+        reconciler.ensure(key, generation)

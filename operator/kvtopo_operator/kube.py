@@ -5,7 +5,9 @@ kubeconfig) and the calls made through the client: for the operator (`KubeClient
 KVTopology fresh, writing its status through the `/status` subresource with an
 optimistic-concurrency precondition, recording Events; from a worker thread, so the asyncio
 loop never blocks) and for kvtopo's tools (the drill, the benchmarks and the tests: applying
-the CRD, KVTopology objects, pods as raw JSON). No other operator module imports `kubernetes`.
+the CRD, KVTopology objects, pods as raw JSON). `LeaseClient` reads, creates and replaces the
+one `coordination.k8s.io/v1` Lease that `leader` elects on (each call resourceVersion-conditional
+where it writes, with a request timeout). No other operator module imports `kubernetes`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, cast
@@ -25,6 +28,7 @@ from kvtopo_operator.api import GROUP, KIND, PLURAL, VERSION
 log = logging.getLogger(__name__)
 
 COMPONENT = "kvtopo-operator"
+LEASE_GROUP, LEASE_VERSION, LEASE_PLURAL = "coordination.k8s.io", "v1", "leases"
 
 
 class ClusterApi:
@@ -175,3 +179,146 @@ class KubeClient:
                 log.warning("could not record event %s on %s: %s", reason, meta["name"], exc.reason)
 
         await asyncio.to_thread(call)
+
+
+class LeaseConflict(Exception):
+    """A Lease write was refused with HTTP 409: the Lease exists already (create) or changed
+    since it was read (replace), i.e. another candidate wrote it first."""
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    """What a Lease's spec says about its holder, and the resourceVersion it was read at
+    ("" for a record not written yet). Times are timezone-aware UTC."""
+
+    holder_identity: str
+    lease_duration_seconds: int
+    acquire_time: datetime | None
+    renew_time: datetime | None
+    lease_transitions: int
+    resource_version: str = ""
+
+
+def _micro_time(t: datetime | None) -> str | None:
+    """A MicroTime as the API server parses it (RFC 3339, always six fraction digits)."""
+    return None if t is None else t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _parse_time(text: str | None) -> datetime | None:
+    return None if not text else datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+class LeaseClient:
+    """The one Lease `name` in `namespace`: get, create and replace, each from a worker thread
+    with a request timeout of `timeout_s`.
+
+    Goes through the client's generic object calls with plain JSON bodies: the typed Lease
+    models re-serialize MicroTime values with `isoformat()`, which drops the fraction of a
+    whole-second time, and the API server's RFC 3339 micro-time parser refuses that.
+    """
+
+    def __init__(self, api: ClusterApi, namespace: str, name: str, timeout_s: float = 5.0) -> None:
+        self._custom = api.custom
+        self.namespace = namespace
+        self.name = name
+        self.timeout_s = timeout_s
+
+    def _record(self, obj: dict[str, Any]) -> LeaseRecord:
+        spec = obj.get("spec") or {}
+        return LeaseRecord(
+            holder_identity=spec.get("holderIdentity") or "",
+            lease_duration_seconds=int(spec.get("leaseDurationSeconds") or 0),
+            acquire_time=_parse_time(spec.get("acquireTime")),
+            renew_time=_parse_time(spec.get("renewTime")),
+            lease_transitions=int(spec.get("leaseTransitions") or 0),
+            resource_version=str(obj["metadata"]["resourceVersion"]),
+        )
+
+    def _body(self, record: LeaseRecord) -> dict[str, Any]:
+        meta: dict[str, Any] = {"name": self.name, "namespace": self.namespace}
+        if record.resource_version:
+            # The write applies only to the version read: a 409 when anyone wrote since.
+            meta["resourceVersion"] = record.resource_version
+        return {
+            "apiVersion": f"{LEASE_GROUP}/{LEASE_VERSION}",
+            "kind": "Lease",
+            "metadata": meta,
+            "spec": {
+                "holderIdentity": record.holder_identity,
+                "leaseDurationSeconds": record.lease_duration_seconds,
+                "acquireTime": _micro_time(record.acquire_time),
+                "renewTime": _micro_time(record.renew_time),
+                "leaseTransitions": record.lease_transitions,
+            },
+        }
+
+    async def get(self) -> LeaseRecord | None:
+        """The Lease as the server has it, or None when there is none."""
+
+        def call() -> LeaseRecord | None:
+            try:
+                obj = self._custom.get_namespaced_custom_object(
+                    LEASE_GROUP,
+                    LEASE_VERSION,
+                    self.namespace,
+                    LEASE_PLURAL,
+                    self.name,
+                    _request_timeout=self.timeout_s,
+                )
+            except ApiException as exc:
+                if exc.status == 404:
+                    return None
+                raise
+            return self._record(obj)
+
+        return await asyncio.to_thread(call)
+
+    async def create(self, record: LeaseRecord) -> LeaseRecord:
+        """Creates the Lease; `LeaseConflict` when it exists already."""
+
+        def call() -> LeaseRecord:
+            body = self._body(replace(record, resource_version=""))
+            try:
+                obj = self._custom.create_namespaced_custom_object(
+                    LEASE_GROUP,
+                    LEASE_VERSION,
+                    self.namespace,
+                    LEASE_PLURAL,
+                    body,
+                    _request_timeout=self.timeout_s,
+                )
+            except ApiException as exc:
+                if exc.status == 409:
+                    raise LeaseConflict(f"lease {self.namespace}/{self.name} exists") from None
+                raise
+            return self._record(obj)
+
+        return await asyncio.to_thread(call)
+
+    async def update(self, record: LeaseRecord) -> LeaseRecord:
+        """Replaces the Lease if it is still at `record.resource_version`; `LeaseConflict`
+        when it changed (or is gone: there is nothing to renew then either)."""
+        if not record.resource_version:
+            raise ValueError("a Lease update needs the resourceVersion it was read at")
+
+        def call() -> LeaseRecord:
+            try:
+                obj = self._custom.replace_namespaced_custom_object(
+                    LEASE_GROUP,
+                    LEASE_VERSION,
+                    self.namespace,
+                    LEASE_PLURAL,
+                    self.name,
+                    self._body(record),
+                    _request_timeout=self.timeout_s,
+                )
+            except ApiException as exc:
+                if exc.status in (404, 409):
+                    raise LeaseConflict(
+                        f"lease {self.namespace}/{self.name} changed since version "
+                        f"{record.resource_version} (HTTP {exc.status})"
+                    ) from None
+                raise
+            return self._record(obj)
+
+        return await asyncio.to_thread(call)

@@ -47,6 +47,8 @@ class PodView:
     deleting: bool
     endpoint: str  # the worker's control endpoint, "" when the pod has no address yet
     ready_since: float | None = None  # when the pod became Ready (epoch seconds), for metrics
+    uid: str = ""  # the pod's metadata.uid: its worker must report the same
+    endpoint_error: str = ""  # why the pod's endpoint is refused (it is then never dialled)
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,9 @@ class WorkerView:
     evicting: frozenset[str] = frozenset()
     failures: Mapping[str, int] = field(default_factory=dict)
     last_failure: FailureView | None = None
+    incarnation: str = ""  # the worker process's boot id
+    pod_uid: str = ""  # the pod uid the worker says it runs in ("" when it does not say)
+    peer_incarnations: Mapping[str, str] = field(default_factory=dict)  # held peer -> its
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,8 @@ class Handshake:
     peer_engine_id: str
     peer_endpoint: str
     peer_role: Role
+    peer_pod_uid: str = ""  # the worker refuses a peer of another pod
+    peer_incarnation: str = ""  # ... or of another process (an older one is replaced)
 
 
 @dataclass(frozen=True, order=True)
@@ -210,6 +217,17 @@ class _Live:
     worker: WorkerView
 
 
+def _holds(holder: WorkerView, peer: WorkerView) -> bool:
+    """Whether `holder` holds `peer` as it is now: its engine, not being evicted, and its
+    current incarnation (agents of a process that restarted under the same engine id are a
+    dead peer's, to be replaced)."""
+    return (
+        peer.engine_id in holder.peers
+        and peer.engine_id not in holder.evicting
+        and holder.peer_incarnations.get(peer.engine_id, "") == peer.incarnation
+    )
+
+
 def evaluate(obs: Observed, now: datetime) -> Plan:
     """Gather -> **evaluate** -> act: everything the operator decides, as data."""
     spec = obs.spec
@@ -218,18 +236,34 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
     grace = timedelta(seconds=spec.eviction.grace_seconds)
 
     live: dict[str, _Live] = {}  # engine_id -> usable engine
-    unreachable: dict[str, tuple[PodView, str]] = {}
+    # pod name -> (pod, message, reason): engines the operator cannot (or must not) act on
+    unreachable: dict[str, tuple[PodView, str, Reason]] = {}
     waiting: list[PodView] = []
     for pod in pods:
         worker = obs.workers.get(pod.name)
+        if pod.endpoint_error and pod.ready and not pod.deleting:
+            unreachable[pod.name] = (pod, pod.endpoint_error, Reason.ENDPOINT_REFUSED)
+            continue
         if not pod.ready or pod.deleting or not pod.endpoint:
             continue
         if isinstance(worker, WorkerUnreachable):
-            unreachable[pod.name] = (pod, worker.message)
+            unreachable[pod.name] = (
+                pod,
+                f"worker unreachable: {worker.message}",
+                Reason.WORKER_UNREACHABLE,
+            )
         elif worker is None:
             waiting.append(pod)
+        elif worker.pod_uid != pod.uid:
+            msg = (
+                f"the worker at {pod.endpoint} is not this pod's: it reports pod uid "
+                f"{worker.pod_uid or '(none)'}, the pod's is {pod.uid}; start the worker "
+                "with its pod identity (--pod-uid, from the downward API)"
+            )
+            unreachable[pod.name] = (pod, msg, Reason.IDENTITY_MISMATCH)
         elif worker.role != pod.role:
-            unreachable[pod.name] = (pod, f"worker reports role {worker.role}, pod says {pod.role}")
+            msg = f"worker unreachable: worker reports role {worker.role}, pod says {pod.role}"
+            unreachable[pod.name] = (pod, msg, Reason.WORKER_UNREACHABLE)
         else:
             live[worker.engine_id] = _Live(pod, worker)
     pods_with_unreachable_worker = set(unreachable)
@@ -257,17 +291,33 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
                 incompatible.setdefault(did, []).append(msg)
                 continue
             expected.add((pid, did))
-            p_has = did in p.worker.peers and did not in p.worker.evicting
-            d_has = pid in d.worker.peers and pid not in d.worker.evicting
+            p_has = _holds(p.worker, d.worker)
+            d_has = _holds(d.worker, p.worker)
             if p_has and d_has:
                 connected.add((pid, did))
             if not p_has:
                 handshakes.append(
-                    Handshake(p.pod.name, p.pod.endpoint, did, d.pod.endpoint, "decode")
+                    Handshake(
+                        p.pod.name,
+                        p.pod.endpoint,
+                        did,
+                        d.pod.endpoint,
+                        "decode",
+                        d.pod.uid,
+                        d.worker.incarnation,
+                    )
                 )
             if not d_has:
                 handshakes.append(
-                    Handshake(d.pod.name, d.pod.endpoint, pid, p.pod.endpoint, "prefill")
+                    Handshake(
+                        d.pod.name,
+                        d.pod.endpoint,
+                        pid,
+                        p.pod.endpoint,
+                        "prefill",
+                        p.pod.uid,
+                        p.worker.incarnation,
+                    )
                 )
 
     # Gone engines: known before (or held as a peer somewhere) but not live now.
@@ -379,8 +429,11 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
                 failures_seen=seen_now.get(eid, {}),
             )
         )
-    for pod, reason in sorted(unreachable.values(), key=lambda pr: pr[0].name):
+    for pod, message, why in sorted(unreachable.values(), key=lambda pr: pr[0].name):
         prev_for_pod = next((x for x in obs.previous.engines if x.pod == pod.name), None)
+        told = prev_for_pod is not None and prev_for_pod.message == message[:512]
+        if why != Reason.WORKER_UNREACHABLE and not told:
+            events.append(Event("Warning", why.value, f"{pod.name}: {message}"))
         engines.append(
             EngineStatus(
                 pod=pod.name,
@@ -391,7 +444,7 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
                 since=prev_for_pod.since
                 if prev_for_pod and prev_for_pod.state == EngineState.FAILED
                 else precise(now),
-                message=f"worker unreachable: {reason}"[:512],
+                message=message[:512],
                 failures_seen=prev_for_pod.failures_seen if prev_for_pod else {},
             )
         )
@@ -469,8 +522,14 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
     if incompatible:
         degraded = ("True", Reason.INCOMPATIBLE, f"{len(incompatible)} engine(s) incompatible")
     elif unreachable:
+        order = [Reason.ENDPOINT_REFUSED, Reason.IDENTITY_MISMATCH, Reason.WORKER_UNREACHABLE]
+        worst = min((why for _, _, why in unreachable.values()), key=order.index)
         names = ", ".join(sorted(unreachable))
-        degraded = ("True", Reason.WORKER_UNREACHABLE, f"unreachable workers: {names}")
+        label = {
+            Reason.ENDPOINT_REFUSED: "engines with a refused endpoint or unreachable workers",
+            Reason.IDENTITY_MISMATCH: "engines whose worker is not their pod's, or unreachable",
+        }.get(worst, "unreachable workers")
+        degraded = ("True", worst, f"{label}: {names}")
     else:
         degraded = ("False", Reason.HEALTHY, "")
     conditions = [

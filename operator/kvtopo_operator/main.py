@@ -1,8 +1,11 @@
 """`kvtopo-operator`: the operator process (kopf) with its metrics endpoint.
 
 Owns command-line parsing, the Prometheus HTTP server and starting kopf with the operator's
-configuration in `memo`. One active replica: standalone by default; `--peering NAME` uses
-kopf's peering objects as a guard against a second one.
+configuration in `memo`. One active replica: standalone by default (this process always
+acts); `--leader-elect` runs it as one of several replicas of which only the holder of a
+Lease acts while the others stay warm standbys (see `leader`); `--peering NAME` instead uses
+kopf's peering objects as a guard against a second one (kopf pauses every replica of equal
+priority, so it cannot keep a standby warm: the two are mutually exclusive).
 """
 
 from __future__ import annotations
@@ -35,7 +38,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--kubeconfig", help="default: in-cluster config, then $KUBECONFIG/~/.kube/config"
     )
     p.add_argument(
-        "--worker-token-file", type=Path, help="bearer token for the workers' control API"
+        "--worker-token-file",
+        type=Path,
+        help="the operator credential the workers' admin routes take (a mounted Secret: the "
+        "token, and during a rotation the previous token on a second line)",
+    )
+    p.add_argument(
+        "--allow-endpoint-host",
+        action="store_true",
+        help="development only: let a pod's kvtopo.dev/control-endpoint annotation name a "
+        "host (ip:port) instead of only a port; by default a worker is reached at its pod IP",
     )
     p.add_argument("--metrics-host", default="127.0.0.1", help="bind address of /metrics")
     p.add_argument("--metrics-port", type=int, default=8080, help="0 turns the metrics server off")
@@ -51,7 +63,56 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--peering", default=None, help="kopf peering name (default: standalone)")
     p.add_argument("--verbose", "-v", action="store_true")
+    le = p.add_argument_group(
+        "leader election", "several replicas, one acting: the holder of a coordination.k8s.io Lease"
+    )
+    le.add_argument("--leader-elect", action="store_true", help="elect a leader (hot standby)")
+    le.add_argument(
+        "--leader-elect-namespace",
+        default=None,
+        help="the Lease's namespace (default: the first --namespace, else $POD_NAMESPACE)",
+    )
+    le.add_argument("--leader-elect-lease-name", default="kvtopo-operator", help="the Lease")
+    le.add_argument(
+        "--leader-elect-identity",
+        default=None,
+        help="this replica's holder identity (default: $POD_NAME, else the host name, "
+        "+ '_' + a random suffix)",
+    )
+    le.add_argument(
+        "--leader-elect-lease-seconds",
+        type=int,
+        default=15,
+        help="how long a standby waits, from its last sight of a change, before taking over",
+    )
+    le.add_argument(
+        "--leader-elect-renew-seconds",
+        type=float,
+        default=10.0,
+        help="a leader that has not renewed for this long stops acting (< lease seconds)",
+    )
+    le.add_argument(
+        "--leader-elect-retry-seconds",
+        type=float,
+        default=2.0,
+        help="how often the leader renews and standbys try (< renew seconds)",
+    )
     args = p.parse_args(argv)
+    if args.leader_elect:
+        if args.peering is not None:
+            p.error("--leader-elect and --peering exclude each other")
+        if not args.leader_elect_namespace:
+            args.leader_elect_namespace = (args.namespace or [None])[0] or os.environ.get(
+                "POD_NAMESPACE"
+            )
+        if not args.leader_elect_namespace:
+            p.error("give --leader-elect-namespace (or set POD_NAMESPACE)")
+        if args.leader_elect_lease_seconds < 1:
+            p.error("--leader-elect-lease-seconds must be at least 1")
+        if not 0 < args.leader_elect_renew_seconds < args.leader_elect_lease_seconds:
+            p.error("--leader-elect-renew-seconds must be above 0 and below the lease seconds")
+        if not 0 < args.leader_elect_retry_seconds < args.leader_elect_renew_seconds:
+            p.error("--leader-elect-retry-seconds must be above 0 and below the renew seconds")
     if not args.namespace and not args.all_namespaces:
         p.error("give --namespace NS (repeatable) or --all-namespaces")
     if args.worker_token_file is None and not os.environ.get("KVTOPO_WORKER_TOKEN"):
@@ -84,7 +145,21 @@ def main(argv: list[str] | None = None) -> int:
         token=os.environ.get("KVTOPO_WORKER_TOKEN"),
         metrics=metrics,
         resync_s=args.resync_seconds,
+        allow_endpoint_host=args.allow_endpoint_host,
     )
+    if args.leader_elect:
+        from kvtopo_operator.leader import ElectionConfig, default_identity
+
+        memo.election = ElectionConfig(
+            lease_duration_s=args.leader_elect_lease_seconds,
+            renew_deadline_s=args.leader_elect_renew_seconds,
+            retry_period_s=args.leader_elect_retry_seconds,
+        )
+        memo.lease_namespace = args.leader_elect_namespace
+        memo.lease_name = args.leader_elect_lease_name
+        memo.lease_identity = args.leader_elect_identity or default_identity(
+            os.environ.get("POD_NAME")
+        )
     assert handlers.engine_pods is not None
     kopf.run(
         standalone=args.peering is None,

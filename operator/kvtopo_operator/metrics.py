@@ -2,7 +2,7 @@
 
 Owns the counters and histograms the reconciler updates: handshakes and evictions by
 result, reconcile duration, the time from pod Ready to all of its pairs Connected, and the
-expected/connected pair gauges per topology.
+expected/connected pair gauges per topology; and the leader gauge (`handlers` sets it).
 """
 
 from __future__ import annotations
@@ -52,5 +52,11 @@ class OperatorMetrics:
             "kvtopo_operator_pairs_connected",
             "Pairs connected both ways.",
             ["namespace", "name"],
+            registry=self.registry,
+        )
+        self.leader = Gauge(
+            "kvtopo_operator_leader",
+            "1 while this replica runs the reconcile loops: it holds the leader Lease "
+            "(--leader-elect), or runs standalone; 0 while it is a standby.",
             registry=self.registry,
         )

@@ -37,7 +37,7 @@ from kvtopo_operator.logic import (
     rfc3339,
 )
 from kvtopo_operator.metrics import OperatorMetrics
-from kvtopo_operator.workers import CallResult, WorkerClient
+from kvtopo_operator.workers import CallResult, PeerAdd, WorkerClient
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +111,19 @@ class Reconciler:
         if loop is not None:
             loop.task.cancel()
 
-    async def stop(self) -> None:
+    def cancel_all(self) -> None:
+        """Cancels every loop at once (leadership lost); the clients stay open, so `ensure`
+        starts fresh loops later (with fresh worker views)."""
         for key in list(self._loops):
             self.forget(key)
+
+    @property
+    def running(self) -> int:
+        """How many loops run."""
+        return sum(not loop.task.done() for loop in self._loops.values())
+
+    async def stop(self) -> None:
+        self.cancel_all()
         await self.workers.close()
 
     # --- the loop ------------------------------------------------------------------------
@@ -212,7 +222,7 @@ class Reconciler:
             outcome = "ok" if res.ok else ("unreachable" if res.status == 0 else "failed")
             self.metrics.handshakes.labels(outcome).inc()
             if res.ok:
-                views.peer_added(h.pod, h.peer_engine_id)
+                views.peer_added(h.pod, h.peer_engine_id, h.peer_incarnation)
                 return True
             views.mark_dirty(h.pod)
             msg = f"{h.pod}: adding {h.peer_role} engine {h.peer_engine_id}: {res.message}"
@@ -255,7 +265,16 @@ class Reconciler:
                 async with sem:
                     results = await self.workers.change_peers(
                         endpoint,
-                        [(h.peer_engine_id, h.peer_endpoint, h.peer_role) for h in add_part],
+                        [
+                            PeerAdd(
+                                h.peer_engine_id,
+                                h.peer_endpoint,
+                                h.peer_role,
+                                h.peer_pod_uid,
+                                h.peer_incarnation,
+                            )
+                            for h in add_part
+                        ],
                         [e.engine_id for e in ev_part],
                         call_timeout,
                     )

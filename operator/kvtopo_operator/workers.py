@@ -1,11 +1,14 @@
 """The operator's client for the worker control API (`kvtopo_worker.agent`).
 
 Owns the HTTP calls the operator makes to engine pods: read `/v1/state`, and add and evict
-peers, all of one worker's in one call (`PATCH /v1/peers`), each with the bearer token, a
-timeout and a shared connection pool. Decodes answers with the worker's wire protocol
-(`kvtopo_worker.protocol`, which imports neither torch nor nixl) and reads the token as the
-worker does (`kvtopo_worker.credentials`: a file that holds no token fails the call, naming
-the file). Called by `reconcile`.
+peers, all of one worker's in one call (`PATCH /v1/peers`), each with the operator
+credential, a timeout and a shared connection pool. Only endpoints that are ip:port are
+dialled (`kvtopo_worker.endpoints`), no redirect is followed, and answers are read up to a
+bound. Decodes answers with the worker's wire protocol (`kvtopo_worker.protocol`, which
+imports neither torch nor nixl) and reads the credential as the worker does
+(`kvtopo_worker.credentials`: a file that holds no token fails the call, naming the file;
+during a rotation a call refused with the current token is retried once with the previous
+one). Called by `reconcile`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import msgspec
 
 from kvtopo_operator.logic import FailureView, WorkerUnreachable, WorkerView
 from kvtopo_worker.credentials import TokenError, TokenSource
+from kvtopo_worker.endpoints import EndpointError, parse_endpoint
 from kvtopo_worker.protocol import (
     PEER_BATCH_CONCURRENCY,
     ErrorBody,
@@ -26,6 +30,22 @@ from kvtopo_worker.protocol import (
     PeerChangesResult,
     WorkerState,
 )
+
+MAX_STATE_BYTES = 64 << 20
+"""The most of a worker's answer the operator reads (a worker holding a thousand peers
+answers well under a megabyte)."""
+
+
+@dataclass(frozen=True)
+class PeerAdd:
+    """One peer for a worker to add: who it is, where its control API is, and what it must
+    be (its pod's uid and its process's incarnation)."""
+
+    engine_id: str
+    endpoint: str
+    role: str
+    pod_uid: str = ""
+    incarnation: str = ""
 
 
 @dataclass(frozen=True)
@@ -50,11 +70,39 @@ class WorkerClient:
             self._token = TokenSource(path=token_file)
         self._session: aiohttp.ClientSession | None = None
 
-    def _headers(self) -> dict[str, str]:
-        """The Authorization header; raises TokenError while the token file is bad."""
+    def _tokens(self) -> list[str | None]:
+        """The tokens to try in turn: the current one, then (during a rotation) the previous
+        one; [None] without a credential. Raises TokenError while the token file is bad."""
         if self._token is None:
-            return {}
-        return {"Authorization": f"Bearer {self._token.current()}"}
+            return [None]
+        return list(self._token.candidates())
+
+    async def _call(
+        self, method: str, url: str, timeout_s: float, body: bytes | None = None
+    ) -> tuple[int, bytes]:
+        """One call (status, at most MAX_STATE_BYTES + 1 bytes of the answer). A 401 to the
+        current token is tried again with the previous one: a worker whose Secret kubelet
+        has not updated yet still knows only the old token."""
+        session = await self._http()
+        tokens = self._tokens()
+        for i, token in enumerate(tokens):
+            headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+            if body is not None:
+                headers["Content-Type"] = "application/json"
+            async with session.request(
+                method,
+                url,
+                data=body,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+                allow_redirects=False,
+            ) as resp:
+                if resp.status == 401 and i + 1 < len(tokens):
+                    continue
+                if resp.status != 200:
+                    return resp.status, await resp.content.read(300)
+                return resp.status, await resp.content.read(MAX_STATE_BYTES + 1)
+        raise AssertionError("unreachable: the last token returns")
 
     async def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -69,16 +117,15 @@ class WorkerClient:
 
     async def state(self, endpoint: str, timeout_s: float) -> WorkerView | WorkerUnreachable:
         try:
-            session = await self._http()
-            async with session.get(
-                f"http://{endpoint}/v1/state",
-                headers=self._headers(),
-                timeout=aiohttp.ClientTimeout(total=timeout_s),
-            ) as resp:
-                body = await resp.read()
-                if resp.status != 200:
-                    return WorkerUnreachable(f"HTTP {resp.status}: {body[:200]!r}")
+            url = parse_endpoint(endpoint).url("/v1/state")
+            status, body = await self._call("GET", url, timeout_s)
+            if status != 200:
+                return WorkerUnreachable(f"HTTP {status}: {body[:200]!r}")
+            if len(body) > MAX_STATE_BYTES:
+                return WorkerUnreachable(f"state answer exceeds {MAX_STATE_BYTES} bytes")
             st = msgspec.json.decode(body, type=WorkerState)
+        except EndpointError as exc:
+            return WorkerUnreachable(f"endpoint refused: {exc}")
         except TokenError as exc:
             return WorkerUnreachable(str(exc)[:300])
         except (aiohttp.ClientError, TimeoutError, OSError, msgspec.DecodeError) as exc:
@@ -94,37 +141,44 @@ class WorkerClient:
             last_failure=None
             if lf is None
             else FailureView(lf.time, lf.type.value, lf.request_id, lf.engine_id, lf.message),
+            incarnation=st.incarnation,
+            pod_uid=st.pod.uid if st.pod is not None else "",
+            peer_incarnations={p.engine_id: p.incarnation for p in st.peers},
         )
 
     async def change_peers(
         self,
         endpoint: str,
-        adds: list[tuple[str, str, str]],
+        adds: list[PeerAdd],
         evicts: list[str],
         timeout_s: float,
     ) -> dict[tuple[str, str], CallResult]:
-        """Adds peers (engine id, endpoint, role) and evicts peers (engine id) on one worker
-        in one call; the result of each, keyed by ("add" | "evict", engine id). A failed call
-        fails every item with its reason."""
+        """Adds peers and evicts peers (engine id) on one worker in one call; the result of
+        each, keyed by ("add" | "evict", engine id). A failed call fails every item with its
+        reason."""
         body = msgspec.json.encode(
             PeerChanges(
-                add=[PeerAddItem(engine_id=e, endpoint=ep, role=r) for e, ep, r in adds],  # type: ignore[arg-type]
+                add=[
+                    PeerAddItem(
+                        engine_id=a.engine_id,
+                        endpoint=a.endpoint,
+                        role=a.role,  # type: ignore[arg-type]
+                        pod_uid=a.pod_uid,
+                        incarnation=a.incarnation,
+                    )
+                    for a in adds
+                ],
                 evict=evicts,
             )
         )
-        keys = [("add", e) for e, _, _ in adds] + [("evict", e) for e in evicts]
+        keys = [("add", a.engine_id) for a in adds] + [("evict", e) for e in evicts]
         # Each add may take the worker up to `timeout_s` (it fetches the peer's metadata).
         rounds = -(-len(adds) // PEER_BATCH_CONCURRENCY) if adds else 1
         try:
-            session = await self._http()
-            async with session.patch(
-                f"http://{endpoint}/v1/peers",
-                data=body,
-                headers={**self._headers(), "Content-Type": "application/json"},
-                timeout=aiohttp.ClientTimeout(total=timeout_s * rounds + 2),
-            ) as resp:
-                data = await resp.read()
-                status = resp.status
+            url = parse_endpoint(endpoint).url("/v1/peers")
+            status, data = await self._call("PATCH", url, timeout_s * rounds + 2, body)
+        except EndpointError as exc:
+            return dict.fromkeys(keys, CallResult(False, 0, f"endpoint refused: {exc}"))
         except TokenError as exc:
             return dict.fromkeys(keys, CallResult(False, 0, str(exc)[:300]))
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
 import uuid
 from datetime import UTC, datetime
 from typing import Any
@@ -63,26 +65,78 @@ def condition(obj: dict[str, Any], kind: str) -> dict[str, Any] | None:
     return None
 
 
-def ready_engine_pod(
+CONTROL_PORT = 8975
+"""The KVTopology's default controlPort: where each test worker listens at its pod IP."""
+
+_next_ip = [0]
+
+
+def loopback_pod_ip() -> str:
+    """A loopback address of 127.200.0.0/16 that no process listens on at the control port:
+    a tier-a engine pod's IP (tier a has no kwok to hand pod IPs out). All of 127.0.0.0/8 is
+    loopback, so each pod has an address of its own, as in a real cluster."""
+    base = (os.getpid() * 7919) % 60000
+    for _ in range(65000):
+        _next_ip[0] += 1
+        n = (base + _next_ip[0]) % 65000 + 1
+        ip = f"127.200.{n // 256}.{n % 256}"
+        with socket.socket() as probe:
+            try:
+                probe.bind((ip, CONTROL_PORT))
+            except OSError:
+                continue
+        return ip
+    raise RuntimeError("no free loopback address in 127.200.0.0/16")
+
+
+def identity_args(namespace: str, name: str, uid: str, ip: str) -> list[str]:
+    """What the downward API tells an engine in a pod: its IP to bind, its pod identity."""
+    return [
+        "--host",
+        ip,
+        "--port",
+        str(CONTROL_PORT),
+        "--pod-namespace",
+        namespace,
+        "--pod-name",
+        name,
+        "--pod-uid",
+        uid,
+    ]
+
+
+def create_engine_pod(
     cluster: LocalCluster,
     namespace: str,
     name: str,
     role: manifests.Role,
-    endpoint: str,
     labels: dict[str, str] | None = None,
-) -> None:
-    """An engine pod of app `llama` on tier a (no kubelet): created with its worker's control
-    endpoint in the `kvtopo.dev/control-endpoint` annotation, then marked Running and Ready
-    through the status subresource."""
+    annotation: str | None = None,
+) -> str:
+    """An engine pod of app `llama` (not Ready yet); its uid. `annotation`: the value of its
+    control-endpoint annotation (None: none, the worker is at podIP:controlPort)."""
     pod = manifests.engine_pod(
-        name, app="llama", role=role, endpoint=endpoint, namespace=namespace, labels=labels
+        name,
+        app="llama",
+        role=role,
+        endpoint=annotation,
+        namespace=namespace,
+        labels=labels,
     )
     apply(cluster, pod)
+    uid: str = get_json(cluster, "pod", name, "-n", namespace)["metadata"]["uid"]
+    return uid
+
+
+def mark_pod_ready(cluster: LocalCluster, namespace: str, name: str, ips: list[str]) -> None:
+    """Tier a has no kubelet: the pod is marked Running and Ready with `ips` as its pod IPs
+    through the status subresource."""
     now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     status = {
         "status": {
             "phase": "Running",
-            "podIP": "10.9.9.9",
+            "podIP": ips[0],
+            "podIPs": [{"ip": ip} for ip in ips],
             "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now}],
         }
     }

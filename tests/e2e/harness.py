@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -20,13 +20,21 @@ from kvtopo.cluster.deadlines import wait_until
 from kvtopo.cluster.local_cluster import LocalCluster
 from kvtopo.cluster.processes import log_tail
 from kvtopo.drill import manifests
-from tests.cluster.kube import get_json, ready_engine_pod
+from tests.cluster.kube import (
+    create_engine_pod,
+    get_json,
+    identity_args,
+    loopback_pod_ip,
+    mark_pod_ready,
+)
 from tests.worker.workers import WorkerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 TOPOLOGY = "llama"
 
 T = TypeVar("T")
+WorkerFactory = Callable[[Sequence[str]], WorkerProcess]
+"""Starts a pod's worker, given the arguments that bind it to the pod (`identity_args`)."""
 
 
 @dataclass
@@ -37,6 +45,7 @@ class OperatorHarness:
     workers: dict[str, WorkerProcess] = field(default_factory=dict, kw_only=True)
     operator: subprocess.Popen[bytes] | None = field(default=None, kw_only=True)
     operator_log: Path | None = field(default=None, kw_only=True)
+    identities: dict[str, list[str]] = field(default_factory=dict, kw_only=True)
 
     def start_operator(self, args: list[str], log_name: str = "operator.log") -> None:
         self.operator_log = self.tmp / log_name
@@ -45,10 +54,29 @@ class OperatorHarness:
     def operator_tail(self, lines: int = 40) -> str:
         return "" if self.operator_log is None else log_tail(self.operator_log, lines)
 
-    def pod(self, name: str, role: manifests.Role, w: WorkerProcess, **labels: str) -> None:
-        """A Ready engine pod whose endpoint annotation names worker `w`."""
+    def pod(
+        self, name: str, role: manifests.Role, make: WorkerFactory, **labels: str
+    ) -> WorkerProcess:
+        """A Ready engine pod with a loopback pod IP of its own, served by the worker that
+        `make` starts there (given the pod IP to bind and the pod's identity, as the downward
+        API gives them); the pod is marked Ready once its worker serves."""
+        ip = loopback_pod_ip()
+        uid = create_engine_pod(self.cluster, self.namespace, name, role, labels or None)
+        self.identities[name] = identity_args(self.namespace, name, uid, ip)
+        w = make(self.identities[name])
         self.workers[name] = w
-        ready_engine_pod(self.cluster, self.namespace, name, role, w.endpoint, labels or None)
+        mark_pod_ready(self.cluster, self.namespace, name, [ip])
+        return w
+
+    def restart(self, name: str, make: WorkerFactory) -> tuple[WorkerProcess, WorkerProcess]:
+        """The engine of pod `name` restarts in place (same pod, IP and identity; a new
+        process): the old worker is killed, `make` starts the new one. (old, new)."""
+        old = self.workers[name]
+        old.proc.kill()
+        old.proc.wait(10)
+        new = make(self.identities[name])
+        self.workers[name] = new
+        return old, new
 
     def status(self, name: str = TOPOLOGY) -> dict[str, Any]:
         obj = get_json(self.cluster, "kvt", name, "-n", self.namespace)

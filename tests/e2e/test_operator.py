@@ -1,120 +1,19 @@
-"""The operator end to end on a real API server (tier a) with real `kvtopo-worker` processes.
-
-Pods are created directly and marked Ready by patching their status (tier a has no kubelet);
-each pod's `kvtopo.dev/control-endpoint` annotation points at a real worker process on
-loopback. The operator runs as its own process so it can be killed mid-way.
-"""
+"""The operator end to end on a real API server (tier a) with real `kvtopo-worker` processes
+(the environment: `tests.e2e.env`)."""
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import pytest
 
 from kvtopo import launch
-from kvtopo.cluster.local_cluster import LocalCluster
-from kvtopo.drill import manifests
-from tests.cluster.kube import apply, create_namespace
-from tests.e2e.harness import ROOT, OperatorHarness
-from tests.worker.workers import WorkerProcess, start_worker, stop_operator_and_workers
+from tests.e2e.env import GRACE, Env, peers, ready_status
+from tests.worker.workers import WorkerProcess
 
 pytestmark = pytest.mark.nixl
-
-GRACE = 2
-
-
-@dataclass
-class Env(OperatorHarness):
-    token_file: Path
-
-    # --- workers and pods ------------------------------------------------------------------
-
-    def worker(self, role: str, *extra: str) -> WorkerProcess:
-        w = start_worker(
-            role,
-            self.token_file,
-            self.tmp,
-            "--num-blocks",
-            "32",
-            "--block-bytes",
-            "4096",
-            "--registration-timeout",
-            "3",
-            "--transfer-timeout",
-            "3",
-            *extra,
-        )
-        return w
-
-    def pod(  # type: ignore[override]
-        self, name: str, role: manifests.Role, w: WorkerProcess, version: str = "v1"
-    ) -> None:
-        super().pod(name, role, w, version=version)
-
-    def repoint(self, name: str, w: WorkerProcess) -> None:
-        self.workers[name] = w
-        self.cluster.kubectl(
-            "annotate",
-            "pod",
-            name,
-            "-n",
-            self.namespace,
-            "--overwrite",
-            f"kvtopo.dev/control-endpoint={w.endpoint}",
-        )
-
-    def delete_pod(self, name: str) -> None:
-        self.cluster.kubectl("delete", "pod", name, "-n", self.namespace, "--wait=true")
-
-    def topology(self, name: str = "llama", **spec: Any) -> None:
-        spec.setdefault("eviction", {"graceSeconds": GRACE})
-        body = manifests.topology(
-            name, app="llama", namespace=self.namespace, pair_on=("version",), **spec
-        )
-        apply(self.cluster, body)
-
-    # --- the operator ----------------------------------------------------------------------
-
-    def start_operator(self) -> None:  # type: ignore[override]
-        args = launch.operator_args(
-            self.namespace, self.cluster.kubeconfig, self.token_file, resync_s=1
-        )
-        super().start_operator(args, f"operator-{time.monotonic_ns()}.log")
-
-    def kill_operator(self) -> None:
-        assert self.operator is not None
-        self.operator.send_signal(signal.SIGKILL)
-        self.operator.wait(10)
-
-
-def ready_status(st: dict[str, Any]) -> str:
-    return next((c["status"] for c in st.get("conditions", []) if c["type"] == "Ready"), "")
-
-
-def peers(w: WorkerProcess) -> set[str]:
-    return {p["engine_id"] for p in w.state()["peers"]}
-
-
-@pytest.fixture
-def env(cluster_a: LocalCluster, tmp_path: Path) -> Iterator[Env]:
-    cluster_a.kubectl("apply", "-f", str(ROOT / "crds" / "kvtopology.yaml"))
-    cluster_a.kubectl(
-        "wait", "--for=condition=Established", "crd/kvtopologies.kvtopo.dev", "--timeout=30s"
-    )
-    token = tmp_path / "token"
-    token.write_text("e2e-token\n")
-    e = Env(cluster_a, create_namespace(cluster_a, "kvt-e2e", wait_for_sa=False), tmp_path, token)
-    try:
-        yield e
-    finally:
-        stop_operator_and_workers(e.operator, 10, e.workers.values())
 
 
 def test_pairs_connect_and_a_deleted_decode_is_evicted(env: Env) -> None:
@@ -188,10 +87,7 @@ def test_restarted_worker_is_a_new_engine(env: Env) -> None:
     env.topology()
     env.start_operator()
     env.wait("connected", lambda: ready_status(env.status()) == "True")
-    old = env.workers["d0"]
-    old.stop()
-    new = env.worker("decode")
-    env.repoint("d0", new)
+    old, new = env.restart("d0", env.worker("decode"))  # a fresh engine id
     env.wait(
         "new engine connected, old one evicted",
         lambda: (
@@ -206,6 +102,51 @@ def test_restarted_worker_is_a_new_engine(env: Env) -> None:
     states = {e["engineId"]: e["state"] for e in st["engines"]}
     assert states[new.engine_id] == "Connected"
     assert states.get(old.engine_id) in ("Evicted", "Draining", None)
+
+
+def held_incarnation(holder: WorkerProcess, engine_id: str) -> str:
+    """The incarnation of `engine_id` whose agents `holder` holds ("" when it holds none)."""
+    return next(
+        (p["incarnation"] for p in holder.state()["peers"] if p["engine_id"] == engine_id), ""
+    )
+
+
+def test_restart_under_the_same_engine_id_replaces_the_old_agent(env: Env) -> None:
+    """A container restart of an engine that pins its engine id: same pod, same IP, same
+    engine id, a new process (incarnation). Its peer must drop the dead agent and add the
+    new one, with no manual action, and transfers must flow again."""
+    env.pod("p0", "prefill", env.worker("prefill"))
+    env.pod("d0", "decode", env.worker("decode", "--engine-id", "decode-pinned"))
+    env.topology()
+    env.start_operator()
+    env.wait("connected", lambda: ready_status(env.status()) == "True")
+    p0 = env.workers["p0"]
+    old_inc = env.workers["d0"].state()["incarnation"]
+    assert held_incarnation(p0, "decode-pinned") == old_inc
+    old_agents = next(p["agents"] for p in p0.state()["peers"])
+    old, new = env.restart("d0", env.worker("decode", "--engine-id", "decode-pinned"))
+    new_inc = new.state()["incarnation"]
+    assert new.engine_id == old.engine_id == "decode-pinned" and new_inc != old_inc
+    env.wait(
+        "the prefill holds the new incarnation's agent",
+        lambda: held_incarnation(p0, "decode-pinned") == new_inc,
+        timeout=GRACE + 20,
+    )
+    new_agents = next(p["agents"] for p in p0.state()["peers"])
+    assert set(new_agents.values()).isdisjoint(old_agents.values()), (old_agents, new_agents)
+    env.wait("the new decode holds the prefill", lambda: peers(new) == {p0.engine_id})
+    # KV moves to the new incarnation: a request is pushed, verified and completed.
+    assert p0.submit("after-restart", new, 2) == 202
+    assert new.submit("after-restart", p0, 2) == 202
+    done = env.wait(
+        "the request completes on the restarted engine",
+        lambda: next((o for o in new.drain() if o["request_id"] == "after-restart"), None),
+    )
+    assert done["status"] == "done", done
+    st = env.wait(
+        "status converged", lambda: (s := env.status()) and ready_status(s) == "True" and s
+    )
+    assert {e["engineId"]: e["state"] for e in st["engines"]}["decode-pinned"] == "Connected"
 
 
 def test_registration_failure_reaches_status_within_10s(env: Env) -> None:

@@ -2,10 +2,11 @@
 
 Covers: both renders (default values, and the values file that sets every option) pass a
 server-side dry run; `helm install` makes the operator Deployment Available on kwok's fake
-nodes and prints NOTES that tell the user what to do next; `kubectl auth can-i` as the
-chart's ServiceAccount shows exactly the granted permissions, namespace-scoped (nothing on
-Secrets, pod writes, nodes or other namespaces) and, after `helm upgrade` to cluster scope
-with peering and other changed values, cluster-wide reads of pods and KVTopologies but still
+nodes (two replicas, leader election) and prints NOTES that tell the user what to do next;
+`kubectl auth can-i` as the chart's ServiceAccount shows exactly the granted permissions,
+namespace-scoped (nothing on Secrets, pod writes, nodes or other namespaces; the one Lease)
+and, after `helm upgrade` to cluster scope with peering (one replica, no leader election)
+and other changed values, cluster-wide reads of pods and KVTopologies but still
 no Secrets; the upgrade rolls the Deployment and keeps the generated worker token; and
 `helm uninstall` leaves nothing behind but the CRD that Helm's CRD policy keeps.
 """
@@ -123,11 +124,12 @@ def deployment_available(cluster: LocalCluster, namespace: str, name: str) -> di
         deploy: dict[str, Any] = get_json(cluster, "deployment", name, "-n", namespace)
         status = deploy.get("status", {})
         available = condition(deploy, "Available")
+        want = deploy["spec"]["replicas"]
         if (
             status.get("observedGeneration") == deploy["metadata"]["generation"]
-            and status.get("updatedReplicas") == 1
-            and status.get("availableReplicas") == 1
-            and status.get("replicas") == 1
+            and status.get("updatedReplicas") == want
+            and status.get("availableReplicas") == want
+            and status.get("replicas") == want
             and available is not None
             and available["status"] == "True"
         ):
@@ -183,6 +185,11 @@ NAMESPACED_GRANTS = {
     "kvtopologies.kvtopo.dev/status": {"get", "patch"},
     "events": {"create", "patch"},
 }
+# Leader election, in the release namespace: create any Lease, read and write only its own.
+LEASE_GRANTS = {
+    "leases.coordination.k8s.io": {"create"},
+    "leases.coordination.k8s.io [kvt-kvtopo-operator]": {"get", "update"},
+}
 
 
 @pytest.fixture
@@ -218,10 +225,12 @@ def test_install_grants_exactly_the_namespaced_permissions(
         ):
             assert hint in notes, f"NOTES lack {hint!r}:\n{notes}"
         deploy = deployment_available(cluster, ns, "kvt-kvtopo-operator")
-        assert deploy["spec"]["strategy"]["type"] == "Recreate"
+        assert deploy["spec"]["replicas"] == 2
+        assert deploy["spec"]["strategy"]["type"] == "RollingUpdate"
+        assert 'Lease "kvt-kvtopo-operator"' in notes
 
         sa = f"system:serviceaccount:{ns}:kvt-kvtopo"
-        assert granted_resources(cluster, sa, ns) == NAMESPACED_GRANTS
+        assert granted_resources(cluster, sa, ns) == NAMESPACED_GRANTS | LEASE_GRANTS
         assert granted_resources(cluster, sa, other) == {}, "nothing in another namespace"
         n = ["-n", ns]
         for verb in ("get", "list", "watch"):
@@ -231,6 +240,10 @@ def test_install_grants_exactly_the_namespaced_permissions(
         assert can_i(cluster, sa, "patch", "kvtopologies.kvtopo.dev", *n, subresource="status")
         assert can_i(cluster, sa, "create", "events", *n)
         assert can_i(cluster, sa, "patch", "events", *n)
+        assert can_i(cluster, sa, "create", "leases.coordination.k8s.io", *n)
+        for verb in ("get", "update"):
+            assert can_i(cluster, sa, verb, "leases.coordination.k8s.io/kvt-kvtopo-operator", *n)
+            assert not can_i(cluster, sa, verb, "leases.coordination.k8s.io/someone-else", *n)
         # Denied: Secrets anywhere, pod writes, KVTopology writes beyond patch, nodes,
         # anything in another namespace or cluster-wide.
         denied = [
@@ -254,6 +267,10 @@ def test_install_grants_exactly_the_namespaced_permissions(
             ("list", "namespaces"),
             ("list", "customresourcedefinitions"),
             ("get", "configmaps", *n),
+            ("list", "leases.coordination.k8s.io", *n),
+            ("delete", "leases.coordination.k8s.io/kvt-kvtopo-operator", *n),
+            ("patch", "leases.coordination.k8s.io/kvt-kvtopo-operator", *n),
+            ("create", "leases.coordination.k8s.io", "-n", other),
             ("*", "*", *n),
         ]
         for verb, resource, *where in denied:
@@ -276,11 +293,14 @@ def test_upgrade_and_uninstall(cluster: LocalCluster, helm: Helm, release: tuple
     token = base64.b64decode(secret["data"]["token"]).decode()
     assert len(token) == 48
 
-    # Changed values: cluster scope, peering, a different resync period and resources.
+    # Changed values: cluster scope, peering (so one replica, no leader election), a
+    # different resync period and resources.
     changed = {
         **KWOK_PLACEMENT,
         "scope": "cluster",
         "peering": {"enabled": True},
+        "leaderElection": {"enabled": False},
+        "replicaCount": 1,
         "operator": {"resyncSeconds": 5},
         "resources": {"requests": {"cpu": "200m", "memory": "192Mi"}},
         "podAnnotations": {"example.com/upgraded": "yes"},
@@ -290,6 +310,8 @@ def test_upgrade_and_uninstall(cluster: LocalCluster, helm: Helm, release: tuple
     assert after["metadata"]["generation"] > before["metadata"]["generation"]
     (c,) = after["spec"]["template"]["spec"]["containers"]
     assert "--all-namespaces" in c["args"] and f"--peering={fullname}" in c["args"]
+    assert "--leader-elect" not in c["args"]
+    assert after["spec"]["replicas"] == 1 and after["spec"]["strategy"]["type"] == "Recreate"
     assert "--resync-seconds=5" in c["args"]
     assert c["resources"]["requests"] == {"cpu": "200m", "memory": "192Mi"}
     pods = get_json(cluster, "pods", "-n", ns, "-l", "app.kubernetes.io/instance=kvt")["items"]

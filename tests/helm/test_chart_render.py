@@ -2,7 +2,8 @@
 
 Covers `helm lint` (default values and a values file that sets every option), the chart's
 CRD being the checked-in `crds/kvtopology.yaml`, what the templates render for each option
-(least-privilege RBAC in both scopes, the hardened one-replica operator Deployment whose
+(least-privilege RBAC in both scopes, the leader-election Role on one Lease, the hardened
+operator Deployment of two replicas with leader election (or one, Recreate, without) whose
 arguments the real `kvtopo-operator` parser accepts, the worker token Secret, the
 NetworkPolicy, metrics and peering objects), and that bad values are refused with a message
 naming the offending value (values.schema.json, plus template checks for rules that span
@@ -51,6 +52,18 @@ OPERATOR_RULES = {
     ("", "events", "*", "create"),
     ("", "events", "*", "patch"),
 }
+
+
+def lease_rules(name: str) -> set[tuple[str, str, str, str]]:
+    """create any Lease (RBAC cannot limit create by name); get/update only the one."""
+    return {
+        ("coordination.k8s.io", "leases", "*", "create"),
+        ("coordination.k8s.io", "leases", name, "get"),
+        ("coordination.k8s.io", "leases", name, "update"),
+    }
+
+
+NO_LEADER_ELECTION = {"leaderElection": {"enabled": False}, "replicaCount": 1}
 
 
 def peering_rules(resource: str, name: str) -> set[tuple[str, str, str, str]]:
@@ -119,6 +132,8 @@ def test_default_objects(default_docs: list[dict[str, Any]]) -> None:
             "ServiceAccount",
             "Role",
             "RoleBinding",
+            "Role",
+            "RoleBinding",
             "Deployment",
             "Service",
             "NetworkPolicy",
@@ -148,11 +163,15 @@ def test_examples_use_the_default_token_secret_and_control_port(
         assert ports["kvtopo-control"] == port, name
 
 
-def test_deployment_is_one_hardened_replica(default_docs: list[dict[str, Any]]) -> None:
+def test_deployment_is_hardened_with_a_hot_standby(default_docs: list[dict[str, Any]]) -> None:
     deploy = one(default_docs, "Deployment")
     spec = deploy["spec"]
-    assert spec["replicas"] == 1
-    assert spec["strategy"] == {"type": "Recreate"}
+    # Two replicas, one acting (leader election); a rollout never leaves none ready.
+    assert spec["replicas"] == 2
+    assert spec["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
     pod = spec["template"]["spec"]
     assert pod["serviceAccountName"] == one(default_docs, "ServiceAccount")["metadata"]["name"]
     assert not pod.get("hostNetwork") and not pod.get("hostPID") and not pod.get("hostIPC")
@@ -190,6 +209,18 @@ def test_deployment_is_one_hardened_replica(default_docs: list[dict[str, Any]]) 
     assert volume["secret"]["secretName"] == one(default_docs, "Secret")["metadata"]["name"]
     # A read-only root filesystem still needs a writable /tmp.
     assert any(m["mountPath"] == "/tmp" for m in c["volumeMounts"])
+    # Leader election on the release namespace's Lease, the pod's name and namespace from
+    # the downward API.
+    args = parse_args(c["args"])
+    assert args.leader_elect and args.peering is None
+    assert (args.leader_elect_namespace, args.leader_elect_lease_name) == ("llm", "kvtopo-operator")
+    assert (
+        args.leader_elect_lease_seconds,
+        args.leader_elect_renew_seconds,
+        args.leader_elect_retry_seconds,
+    ) == (15, 10.0, 2.0)
+    env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in c["env"]}
+    assert env["POD_NAME"] == "metadata.name" and env["POD_NAMESPACE"] == "metadata.namespace"
 
 
 def pod_labels(deploy: dict[str, Any]) -> dict[str, str]:
@@ -201,7 +232,12 @@ def pod_labels(deploy: dict[str, Any]) -> dict[str, str]:
     "values",
     [
         {},
-        {"scope": "cluster", "peering": {"enabled": True}, "metrics": {"enabled": False}},
+        {
+            "scope": "cluster",
+            "peering": {"enabled": True},
+            "metrics": {"enabled": False},
+            **NO_LEADER_ELECTION,
+        },
         {"engineNamespaces": ["a", "b"], "operator": {"verbose": True}},
     ],
     ids=["default", "cluster-peering-no-metrics", "two-namespaces"],
@@ -213,9 +249,12 @@ def test_operator_accepts_the_rendered_arguments(helm: Helm, values: dict[str, A
     if values.get("scope") == "cluster":
         assert args.all_namespaces and not args.namespace
         assert args.peering == "kvtopo" and args.metrics_port == 0
+        assert not args.leader_elect
     else:
         assert args.namespace == values.get("engineNamespaces", ["kvtopo-system"])
         assert args.peering is None and args.metrics_port == 8080
+        # The Lease is in the release namespace, not the first engine namespace.
+        assert args.leader_elect and args.leader_elect_namespace == "kvtopo-system"
     assert args.verbose == bool(values.get("operator", {}).get("verbose"))
     assert str(args.worker_token_file) == "/var/run/kvtopo/token"
     assert args.resync_seconds == 2.0
@@ -248,6 +287,12 @@ def test_the_full_values_render_every_option(full_docs: list[dict[str, Any]]) ->
     args = parse_args(c["args"])
     assert args.namespace == ["llm-a", "llm-b"]
     assert args.peering == "kvt-peering" and args.verbose and args.resync_seconds == 5
+    # Peering instead of leader election: one replica, Recreate, no Lease and no grant on one.
+    assert not args.leader_elect
+    assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"] == {"type": "Recreate"}
+    assert all(
+        r["metadata"]["name"] != "kvt-full-leader-election" for r in objects(full_docs, "Role")
+    )
     assert str(args.worker_token_file) == "/var/run/kvtopo/bearer"
     assert (args.metrics_port, c["ports"][1]["containerPort"]) == (9090, 9091)
     sm = one(full_docs, "ServiceMonitor")
@@ -313,11 +358,14 @@ def _has_path(tree: Any, keys: list[str]) -> bool:
 def test_namespace_scope_grants_roles_only_in_engine_namespaces(helm: Helm) -> None:
     docs = render(helm, {"engineNamespaces": ["llm-a", "llm-b"]}, namespace="ops")
     assert not objects(docs, "ClusterRole") and not objects(docs, "ClusterRoleBinding")
-    roles = objects(docs, "Role")
+    roles = [r for r in objects(docs, "Role") if r["metadata"]["name"] == "kvtopo-operator"]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["llm-a", "llm-b"]
     for role in roles:
         assert rules_set(role["rules"]) == OPERATOR_RULES
-    for binding in objects(docs, "RoleBinding"):
+    bindings = [
+        b for b in objects(docs, "RoleBinding") if b["metadata"]["name"] == "kvtopo-operator"
+    ]
+    for binding in bindings:
         assert binding["roleRef"] == {
             "apiGroup": "rbac.authorization.k8s.io",
             "kind": "Role",
@@ -326,15 +374,23 @@ def test_namespace_scope_grants_roles_only_in_engine_namespaces(helm: Helm) -> N
         assert binding["subjects"] == [
             {"kind": "ServiceAccount", "name": "kvtopo", "namespace": "ops"}
         ]
-    assert sorted(b["metadata"]["namespace"] for b in objects(docs, "RoleBinding")) == [
-        "llm-a",
-        "llm-b",
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["llm-a", "llm-b"]
+    # The only other grant: the Lease, in the release namespace.
+    others = [r for r in objects(docs, "Role") if r not in roles]
+    assert [(r["metadata"]["name"], r["metadata"]["namespace"]) for r in others] == [
+        ("kvtopo-leader-election", "ops")
     ]
+    assert rules_set(others[0]["rules"]) == lease_rules("kvtopo-operator")
 
 
 def test_cluster_scope_grants_one_cluster_role(helm: Helm) -> None:
     docs = render(helm, {"scope": "cluster"})
-    assert not objects(docs, "Role") and not objects(docs, "RoleBinding")
+    # No namespaced grants but the Lease's, in the release namespace.
+    lease_role = one(docs, "Role")
+    assert lease_role["metadata"]["name"] == "kvtopo-leader-election"
+    assert lease_role["metadata"]["namespace"] == "kvtopo-system"
+    assert rules_set(lease_role["rules"]) == lease_rules("kvtopo-operator")
+    assert one(docs, "RoleBinding")["roleRef"]["name"] == "kvtopo-leader-election"
     role = one(docs, "ClusterRole")
     assert rules_set(role["rules"]) == OPERATOR_RULES
     binding = one(docs, "ClusterRoleBinding")
@@ -346,7 +402,7 @@ def test_cluster_scope_grants_one_cluster_role(helm: Helm) -> None:
 
 
 def test_no_rule_reaches_secrets_nodes_or_writes_pods(helm: Helm) -> None:
-    for values in ({}, {"scope": "cluster", "peering": {"enabled": True}}):
+    for values in ({}, {"scope": "cluster", "peering": {"enabled": True}, **NO_LEADER_ELECTION}):
         docs = render(helm, values)
         for role in objects(docs, "Role") + objects(docs, "ClusterRole"):
             for group, resource, _, verb in rules_set(role["rules"]):
@@ -358,7 +414,9 @@ def test_no_rule_reaches_secrets_nodes_or_writes_pods(helm: Helm) -> None:
 
 @pytest.mark.parametrize("scope", ["namespace", "cluster"])
 def test_peering_objects_and_rules(helm: Helm, scope: str) -> None:
-    docs = render(helm, {"scope": scope, "peering": {"enabled": True, "name": "guard"}})
+    docs = render(
+        helm, {"scope": scope, "peering": {"enabled": True, "name": "guard"}, **NO_LEADER_ELECTION}
+    )
     assert "--peering=guard" in container(docs)["args"]
     if scope == "cluster":
         peering = one(docs, "ClusterKopfPeering")
@@ -372,6 +430,41 @@ def test_peering_objects_and_rules(helm: Helm, scope: str) -> None:
         assert peering["metadata"]["namespace"] == "kvtopo-system"
     assert peering["apiVersion"] == "kopf.dev/v1" and peering["metadata"]["name"] == "guard"
     assert rules == expected
+
+
+def test_leader_election_grants_one_lease_and_binds_it_to_the_operator(helm: Helm) -> None:
+    docs = render(
+        helm,
+        {
+            "leaderElection": {"leaseName": "kvt-lock", "leaseSeconds": 30},
+            "replicaCount": 3,
+            "serviceAccount": {"name": "op-sa"},
+        },
+        namespace="ops",
+    )
+    role = next(r for r in objects(docs, "Role") if r["metadata"]["name"].endswith("-election"))
+    assert role["metadata"]["namespace"] == "ops"
+    assert rules_set(role["rules"]) == lease_rules("kvt-lock")
+    binding = next(
+        b for b in objects(docs, "RoleBinding") if b["roleRef"]["name"] == role["metadata"]["name"]
+    )
+    assert binding["metadata"]["namespace"] == "ops"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "op-sa", "namespace": "ops"}]
+    assert one(docs, "Deployment")["spec"]["replicas"] == 3
+    args = parse_args(container(docs)["args"])
+    assert (args.leader_elect_lease_name, args.leader_elect_lease_seconds) == ("kvt-lock", 30)
+    assert args.leader_elect_namespace == "ops"
+
+
+def test_without_leader_election_one_replica_is_recreated(helm: Helm) -> None:
+    docs = render(helm, NO_LEADER_ELECTION)
+    deploy = one(docs, "Deployment")
+    assert deploy["spec"]["replicas"] == 1
+    assert deploy["spec"]["strategy"] == {"type": "Recreate"}
+    assert not parse_args(container(docs)["args"]).leader_elect
+    assert [r["metadata"]["name"] for r in objects(docs, "Role")] == ["kvtopo-operator"]
+    for role in objects(docs, "Role"):
+        assert not any(g == "coordination.k8s.io" for g, *_ in rules_set(role["rules"]))
 
 
 def test_rbac_and_service_account_can_be_left_to_the_user(helm: Helm) -> None:
@@ -503,6 +596,10 @@ BAD_VALUES = [
         "at '/securityContext': additional properties 'privileged' not allowed",
     ),
     ({"operator": {"resyncSeconds": 0}}, "at '/operator/resyncSeconds': minimum: got 0"),
+    ({"replicaCount": 0}, "at '/replicaCount': minimum: got 0, want 1"),
+    ({"leaderElection": {"leaseSeconds": 0}}, "at '/leaderElection/leaseSeconds': minimum"),
+    ({"leaderElection": {"retryPeriodSeconds": 0}}, "at '/leaderElection/retryPeriodSeconds'"),
+    ({"leaderElection": {"leaseName": "Bad Name"}}, "at '/leaderElection/leaseName'"),
     ({"operator": {"extraArgs": ["-v"]}}, "at '/operator/extraArgs/0'"),
     ({"workerToken": {"length": 8}}, "at '/workerToken/length': minimum: got 8, want 32"),
     ({"workerToken": {"existingSecret": "Not A Name"}}, "at '/workerToken/existingSecret'"),
@@ -544,6 +641,23 @@ CROSS_FIELD = [
     (
         {"serviceAccount": {"create": False}},
         "serviceAccount.create=false needs serviceAccount.name",
+    ),
+    (
+        {"leaderElection": {"enabled": False}},
+        "replicaCount=2 needs leaderElection.enabled=true",
+    ),
+    (
+        {"peering": {"enabled": True}},
+        "peering.enabled=true needs leaderElection.enabled=false and replicaCount=1",
+    ),
+    (
+        {"leaderElection": {"leaseSeconds": 10}},
+        "leaderElection.renewDeadlineSeconds (10) must be below leaderElection.leaseSeconds (10)",
+    ),
+    (
+        {"leaderElection": {"retryPeriodSeconds": 10}},
+        "leaderElection.retryPeriodSeconds (10) must be below "
+        "leaderElection.renewDeadlineSeconds (10)",
     ),
 ]
 

@@ -184,8 +184,14 @@ def test_operator_as_the_chart_service_account_reconciles_end_to_end(
     assert not any(a.startswith("--all-namespaces") for a in args)
     args.append(f"--kubeconfig={kubeconfig}")
 
-    env.pod("p0", "prefill", start_worker("prefill", token_file, env.tmp, "--num-blocks", "16"))
-    env.pod("d0", "decode", start_worker("decode", token_file, env.tmp, "--num-blocks", "16"))
+    for name, role in (("p0", "prefill"), ("d0", "decode")):
+        env.pod(
+            name,
+            role,  # type: ignore[arg-type]
+            lambda identity, role=role: start_worker(
+                role, token_file, env.tmp, "--num-blocks", "16", *identity
+            ),
+        )
     apply(
         cluster,
         manifests.topology(

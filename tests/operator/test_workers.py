@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from kvtopo_operator.logic import WorkerUnreachable
-from kvtopo_operator.workers import CallResult, WorkerClient
+from kvtopo_operator.workers import CallResult, PeerAdd, WorkerClient
 from kvtopo_worker.credentials import TokenError
 
 
@@ -61,7 +61,10 @@ def test_a_batch_carries_the_token_and_gives_each_item_its_outcome() -> None:
         client = WorkerClient(None, token="tok")
         try:
             got = await client.change_peers(
-                endpoint, [("p1", "h:1", "prefill"), ("bad", "h:2", "prefill")], ["p0"], 2.0
+                endpoint,
+                [PeerAdd("p1", "10.0.0.1:1", "prefill"), PeerAdd("bad", "10.0.0.2:2", "prefill")],
+                ["p0"],
+                2.0,
             )
         finally:
             await client.close()
@@ -74,8 +77,8 @@ def test_a_batch_carries_the_token_and_gives_each_item_its_outcome() -> None:
         assert seen == [
             {
                 "add": [
-                    {"engine_id": "p1", "endpoint": "h:1", "role": "prefill"},
-                    {"engine_id": "bad", "endpoint": "h:2", "role": "prefill"},
+                    {"engine_id": "p1", "endpoint": "10.0.0.1:1", "role": "prefill"},
+                    {"engine_id": "bad", "endpoint": "10.0.0.2:2", "role": "prefill"},
                 ],
                 "evict": ["p0"],
             }
@@ -134,7 +137,9 @@ def test_a_failed_batch_fails_every_item_with_its_reason() -> None:
             with socket.socket() as s:  # a port nobody listens on
                 s.bind(("127.0.0.1", 0))
                 dead = f"127.0.0.1:{s.getsockname()[1]}"
-            got = await client.change_peers(dead, [("p1", "h:1", "prefill")], ["p0"], 1.0)
+            got = await client.change_peers(
+                dead, [PeerAdd("p1", "10.0.0.1:1", "prefill")], ["p0"], 1.0
+            )
             assert {k: (r.ok, r.status) for k, r in got.items()} == {
                 ("add", "p1"): (False, 0),
                 ("evict", "p0"): (False, 0),

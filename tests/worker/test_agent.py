@@ -43,7 +43,15 @@ class Node:
         return f"http://{self.server.endpoint}"
 
 
-def make_node(engine_id: str, role: str, model_id: str = "m", token: str = TOKEN) -> Node:
+def make_node(
+    engine_id: str,
+    role: str,
+    model_id: str = "m",
+    token: str | TokenSource = TOKEN,
+    peer_token: TokenSource | None = None,
+) -> Node:
+    """An in-process worker control API over a fake transport; `token` is its operator
+    credential (a token or a source), `peer_token` its peer credential (default: the same)."""
     transport = FakeTransport(agent_name=f"agent-{engine_id}")
     registry = EngineRegistry(remove_agent=transport.remove_remote)
     compat = CompatInfo(block_len=64, model_id=model_id)
@@ -62,7 +70,8 @@ def make_node(engine_id: str, role: str, model_id: str = "m", token: str = TOKEN
         engine=LocalEngine(engine_id, role, meta, time.time()),  # type: ignore[arg-type]
         registry=registry,
         transport=transport,
-        token=TokenSource(value=token),
+        token=token if isinstance(token, TokenSource) else TokenSource(value=token),
+        peer_token=peer_token,
         metrics=WorkerMetrics(),
     )
     server.start()
@@ -244,7 +253,8 @@ def test_peer_with_another_token_fails_the_handshake() -> None:
         (b"not json", "bad PeerAddRequest"),
         (b'{"endpoint": 3, "role": "prefill"}', "$.endpoint"),
         (b'{"endpoint": "h:1"}', "role"),
-        (b'{"endpoint": "h:1", "role": "decode"}', "pairs with the other role"),
+        (b'{"endpoint": "10.0.0.1:1", "role": "decode"}', "pairs with the other role"),
+        (b'{"endpoint": "h:1", "role": "prefill"}', "endpoint refused"),
     ],
 )
 def test_bad_bodies_get_400_with_a_message(

@@ -3,12 +3,15 @@ token, the clear error for a file that holds none, and re-reading on rotation.""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
 import pytest
 
-from kvtopo_worker.credentials import TokenError, TokenSource, read_token_file
+from kvtopo_operator.logic import WorkerView
+from kvtopo_operator.workers import WorkerClient
+from kvtopo_worker.credentials import TokenError, TokenSource, read_credential, read_token_file
 from tests.worker.test_agent import call, make_node
 
 
@@ -108,8 +111,7 @@ def test_the_control_api_authorises_nothing_while_its_token_file_is_empty(
 ) -> None:
     f = tmp_path / "token"
     f.write_text("one")
-    node = make_node("pre-tok", "prefill", token="one")
-    node.server.token = TokenSource(path=f)
+    node = make_node("pre-tok", "prefill", token=TokenSource(path=f))
     try:
         url = f"{node.url}/v1/state"
         assert call("GET", url, token="one")[0] == 200
@@ -125,3 +127,92 @@ def test_the_control_api_authorises_nothing_while_its_token_file_is_empty(
         assert call("GET", url, token="two")[0] == 200
     finally:
         node.server.stop()
+
+
+def test_a_credential_holds_the_current_and_during_a_rotation_the_previous_token(
+    tmp_path: Path,
+) -> None:
+    f = tmp_path / "token"
+    f.write_text("new\n\n  old  \n")
+    assert read_credential(f) == ("new", "old")
+    src = TokenSource(path=f)
+    assert (src.current(), src.previous(), src.candidates()) == ("new", "old", ["new", "old"])
+    assert src.accepts(b"new") == "current" and src.accepts(b"old") == "previous"
+    assert src.accepts(b"") is None and src.accepts(b"older") is None
+    _rewrite(f, "new\n")  # the rotation is over: the old token is refused from now on
+    assert src.candidates() == ["new"] and src.accepts(b"old") is None
+    _rewrite(f, "a\nb\nc\n")
+    with pytest.raises(TokenError, match=f"{f} holds 3 lines"):
+        src.current()
+
+
+def test_each_route_takes_its_own_credential() -> None:
+    """The operator credential opens the admin routes, the peer credential only a peer's
+    metadata: a compromised engine (it holds the peer credential) cannot re-peer or evict."""
+    node = make_node(
+        "pre-cred",
+        "prefill",
+        token=TokenSource(value="op-new", previous="op-old"),
+        peer_token=TokenSource(value="peer-new", previous="peer-old"),
+    )
+    try:
+        for token in ("op-new", "op-old"):
+            assert call("GET", f"{node.url}/v1/state", token=token)[0] == 200
+            assert call("GET", f"{node.url}/v1/metadata", token=token)[0] == 403
+        for token in ("peer-new", "peer-old"):
+            assert call("GET", f"{node.url}/v1/metadata", token=token)[0] == 200
+            status, body = call("PUT", f"{node.url}/v1/peers/x", {"endpoint": "10.0.0.1:1"}, token)
+            assert status == 403 and "operator credential" in str(body["message"])
+            assert call("DELETE", f"{node.url}/v1/peers/x", token=token)[0] == 403
+        assert call("GET", f"{node.url}/v1/state", token="older")[0] == 401
+        metrics = node.server.metrics
+        assert metrics.authenticated_total.labels("operator", "previous")._value.get() == 1
+        assert metrics.authenticated_total.labels("peer", "previous")._value.get() == 1
+    finally:
+        node.server.stop()
+
+
+def test_a_rotation_applied_to_one_pod_only_keeps_both_sides_talking(tmp_path: Path) -> None:
+    """kubelet updates Secret volumes pod by pod: a pod that has the new token (and the old
+    one as previous) and a pod that still has only the old one must add each other as peers,
+    and the operator, updated or not, must reach both."""
+    updated = make_node(
+        "pre-rot",
+        "prefill",
+        token=TokenSource(value="op-new", previous="op-old"),
+        peer_token=TokenSource(value="peer-new", previous="peer-old"),
+    )
+    lagging = make_node(
+        "dec-rot",
+        "decode",
+        token=TokenSource(value="op-old"),
+        peer_token=TokenSource(value="peer-old"),
+    )
+    try:
+        body = {"endpoint": lagging.server.endpoint, "role": "decode"}
+        status, answer = call("PUT", f"{updated.url}/v1/peers/dec-rot", body, token="op-new")
+        assert (status, answer["result"]) == (200, "added"), answer  # new refused, old taken
+        body = {"endpoint": updated.server.endpoint, "role": "prefill"}
+        status, answer = call("PUT", f"{lagging.url}/v1/peers/pre-rot", body, token="op-old")
+        assert (status, answer["result"]) == (200, "added"), answer  # old is the previous
+        assert updated.server.metrics.authenticated_total.labels("peer", "previous")._value.get()
+
+        async def operator_reads(token_text: str) -> list[bool]:
+            f = tmp_path / f"op-{token_text.replace(chr(10), '-')}"
+            f.write_text(token_text)
+            client = WorkerClient(f)
+            try:
+                return [
+                    isinstance(await client.state(n.server.endpoint, 5.0), WorkerView)
+                    for n in (updated, lagging)
+                ]
+            finally:
+                await client.close()
+
+        assert asyncio.run(operator_reads("op-new\nop-old")) == [True, True]
+        assert asyncio.run(operator_reads("op-old")) == [True, True]
+        # Without the previous token a sender is locked out of the pod not yet updated.
+        assert asyncio.run(operator_reads("op-new")) == [True, False]
+    finally:
+        updated.server.stop()
+        lagging.server.stop()

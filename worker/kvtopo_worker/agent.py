@@ -15,19 +15,23 @@ Owns the aiohttp server that runs inside the engine process on its own thread an
     GET    /metrics                Prometheus text (no token)
     GET    /healthz                liveness (no token)
 
-Every other route needs `Authorization: Bearer <token>`; the token comes from a file (a
-mounted Secret) and is re-read when the file changes (`kvtopo_worker.credentials`); while
-that file holds no token every such route answers 503. Bad bodies get a 4xx with an
-`ErrorBody`; peers' bytes are decoded in two phases and never reach NIXL unchecked. NIXL
-handshakes run on one single-thread executor, at most one per engine (the registry's
-handshake futures). Used by `emulated` and by real engines embedding kvtopo.
+Every other route needs `Authorization: Bearer <token>` of the right credential
+(`kvtopo_worker.credentials`): `GET /v1/metadata` the peer credential (what peers present),
+every other route the operator credential; each accepts its current and previous token, so a
+rotation never locks a caller out. Both come from files (mounted Secrets), re-read when they
+change; while a file holds no token its routes answer 503. Peer endpoints are checked
+(`kvtopo_worker.endpoints`: ip:port only) before anything is dialled, no redirect is
+followed, and a peer add may name the pod uid and incarnation the peer must have. Bad bodies
+get a 4xx with an `ErrorBody`; peers' bytes are decoded in two phases and never reach NIXL
+unchecked. NIXL handshakes run on one single-thread executor, at most one per engine (the
+registry's handshake futures). Used by `emulated` and by real engines embedding kvtopo.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hmac
+import ipaddress
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Sequence
@@ -40,6 +44,7 @@ from aiohttp import web
 from prometheus_client import generate_latest
 
 from kvtopo_worker.credentials import TokenError, TokenSource
+from kvtopo_worker.endpoints import Endpoint, EndpointError, parse_endpoint
 from kvtopo_worker.metrics import WorkerMetrics
 from kvtopo_worker.protocol import (
     MAX_ID_LEN,
@@ -160,6 +165,7 @@ class ControlServer:
         transport: PeerTransport | Sequence[PeerTransport],
         token: TokenSource,
         metrics: WorkerMetrics,
+        peer_token: TokenSource | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
         handshake_timeout_s: float = 5.0,
@@ -173,7 +179,9 @@ class ControlServer:
         )
         if len(self.transports) != len(engine.ranks):
             raise ValueError("one transport per TP rank of the engine is needed")
-        self.token = token
+        self.token = token  # the operator credential: admin routes
+        # The peer credential: peers' metadata fetches, ours and theirs (default: the same).
+        self.peer_token = peer_token if peer_token is not None else token
         self.metrics = metrics
         self.host = host
         self.port = port
@@ -201,7 +209,11 @@ class ControlServer:
 
     @property
     def endpoint(self) -> str:
-        return f"{self.host}:{self.port}"
+        """Where the control API listens (``ip:port``, IPv6 bracketed)."""
+        try:
+            return str(Endpoint(ipaddress.ip_address(self.host), self.port))
+        except ValueError:  # a host name given to bind
+            return f"{self.host}:{self.port}"
 
     # --- life cycle ----------------------------------------------------------------------
 
@@ -257,23 +269,9 @@ class ControlServer:
     @web.middleware
     async def _auth_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path not in OPEN_PATHS:
-            header = request.headers.get("Authorization", "")
-            given = header[7:] if header.startswith("Bearer ") else ""
-            try:
-                token = self.token.current()
-            except TokenError as exc:  # no token of our own: nothing is authorised
-                self.metrics.reject("control_auth")
-                log.error("control API refused %s %s: %s", request.method, request.path, exc)
-                return _error(503, "token_unavailable", str(exc))
-            try:
-                given_bytes = given.encode()
-            except UnicodeError:  # undecodable header bytes: no token of ours looks like that
-                given_bytes = b""
-            if not given_bytes or not hmac.compare_digest(given_bytes, token.encode()):
-                self.metrics.reject("control_auth")
-                return _error(
-                    401, "unauthorized", "a valid 'Authorization: Bearer <token>' is required"
-                )
+            refused = self._authorize(request)
+            if refused is not None:
+                return refused
         try:
             return await handler(request)
         except ProtocolError as exc:
@@ -284,6 +282,40 @@ class ControlServer:
         except Exception as exc:
             log.exception("control API %s %s", request.method, request.path)
             return _error(500, "internal", f"{type(exc).__name__}: {exc}")
+
+    def _authorize(self, request: web.Request) -> web.Response | None:
+        """None when the request carries the credential its route needs: the peer
+        credential for `GET /v1/metadata` (what peers fetch), the operator credential for
+        every other route; each accepts its current and its previous token. Else the answer:
+        401 without a valid token, 403 for a peer token on an operator route, 503 while a
+        credential file of our own holds no token."""
+        header = request.headers.get("Authorization", "")
+        try:
+            given = (header[7:] if header.startswith("Bearer ") else "").encode()
+        except UnicodeError:  # undecodable header bytes: no token of ours looks like that
+            given = b""
+        peer_route = request.path == "/v1/metadata"
+        needed, other = (
+            (("peer", self.peer_token), ("operator", self.token))
+            if peer_route
+            else (("operator", self.token), ("peer", self.peer_token))
+        )
+        try:
+            which = needed[1].accepts(given)
+            if which is not None:
+                self.metrics.authenticated_total.labels(needed[0], which).inc()
+                return None
+            wrong = other[1] is not needed[1] and other[1].accepts(given) is not None
+        except TokenError as exc:  # no token of our own: nothing is authorised
+            self.metrics.reject("control_auth")
+            log.error("control API refused %s %s: %s", request.method, request.path, exc)
+            return _error(503, "token_unavailable", str(exc))
+        self.metrics.reject("control_auth")
+        if wrong:
+            return _error(
+                403, "forbidden", f"this route needs the {needed[0]} credential, not the {other[0]}"
+            )
+        return _error(401, "unauthorized", "a valid 'Authorization: Bearer <token>' is required")
 
     # --- routes --------------------------------------------------------------------------
 
@@ -320,6 +352,8 @@ class ControlServer:
             started_at=self.engine.started_at,
             last_failure=self.metrics.last_failure,
             tp_size=len(self.transports),
+            incarnation=self.engine.metadata.incarnation,
+            pod=self.engine.metadata.pod,
         )
 
     async def _get_state(self, request: web.Request) -> web.Response:
@@ -335,17 +369,36 @@ class ControlServer:
     async def _put_peer(self, request: web.Request) -> web.Response:
         engine_id = self._path_engine_id(request)
         body = decode_json_body(await request.read(), PeerAddRequest)
-        status, answer = await self._add_peer(engine_id, body.endpoint, body.role, body.rank)
+        status, answer = await self._add_peer(
+            engine_id, body.endpoint, body.role, body.rank, body.pod_uid, body.incarnation
+        )
         return _json(answer, status)
 
     async def _add_peer(
-        self, engine_id: str, endpoint: str, role: Role, rank: int | None = None
+        self,
+        engine_id: str,
+        endpoint: str,
+        role: Role,
+        rank: int | None = None,
+        pod_uid: str = "",
+        incarnation: str = "",
     ) -> tuple[int, PeerResult | ErrorBody]:
         """Adds one peer: each of its TP ranks (or only `rank`) to our rank of the same
         number, fetching each rank's metadata from `endpoint`; the HTTP status and body of
-        the answer. Raises MalformedMessage for a request that makes no sense."""
+        the answer. Raises MalformedMessage for a request that makes no sense (an endpoint
+        that is not ip:port is never dialled).
+
+        `pod_uid` and `incarnation`, when given, are what the peer must be: metadata from
+        another pod or process is refused (409), and a peer held under an older incarnation
+        (its engine restarted under the same id) has its agents evicted and is added anew."""
         if not 0 < len(engine_id) <= MAX_ID_LEN:
             raise MalformedMessage(f"engine_id must be 1..{MAX_ID_LEN} characters")
+        try:
+            peer_endpoint = parse_endpoint(endpoint)
+        except EndpointError as exc:
+            raise MalformedMessage(f"endpoint refused: {exc}") from None
+        if len(pod_uid) > MAX_ID_LEN or len(incarnation) > MAX_ID_LEN:
+            raise MalformedMessage(f"pod_uid and incarnation must be 0..{MAX_ID_LEN} characters")
         if engine_id == self.engine.engine_id:
             raise MalformedMessage("an engine cannot be its own peer")
         if role == self.engine.role:
@@ -354,13 +407,20 @@ class ControlServer:
         if rank is not None and not 0 <= rank < local_tp:
             raise MalformedMessage(f"rank must be 0..{local_tp - 1} (this engine's TP ranks)")
         wanted = set(range(local_tp)) if rank is None else {rank}
+        held = self.registry.incarnation(engine_id)
+        if held is not None and incarnation and held != incarnation:
+            replaced = await self._replace_incarnation(engine_id, held, incarnation)
+            if replaced is not None:
+                return replaced
         present = self.registry.claim_present(engine_id)
         if wanted <= set(present):
             self.metrics.handshakes_total.labels("present").inc()
             return 200, PeerResult(engine_id=engine_id, result="present", agents=present)
         metas: list[EngineMetadata] = []
         for r in sorted(wanted - set(present)):
-            fetched = await self._fetch_rank(engine_id, endpoint, role, r, local_tp)
+            fetched = await self._fetch_rank(
+                engine_id, peer_endpoint, role, r, local_tp, pod_uid, incarnation
+            )
             if isinstance(fetched, tuple):
                 return fetched
             metas.append(fetched)
@@ -376,7 +436,7 @@ class ControlServer:
                     raise TimeoutError(f"agent {meta.agent_name} is still being torn down")
                 # Our rank r pairs with the peer's rank r (homogeneous TP).
                 added[meta.tp_rank] = self.transports[meta.tp_rank].add_remote_peer(meta)
-            self.registry.add_engine(engine_id, added)
+            self.registry.add_engine(engine_id, added, metas[0].incarnation)
             return added
 
         fut = self.registry.handshake(engine_id, lambda: self.nixl_executor.submit(add))
@@ -397,11 +457,45 @@ class ControlServer:
             engine_id=engine_id, result="added", agents=self.registry.snapshot(engine_id)
         )
 
+    async def _replace_incarnation(
+        self, engine_id: str, held: str, incarnation: str
+    ) -> tuple[int, ErrorBody] | None:
+        """The peer restarted under the same engine id: evicts the agents of its old
+        incarnation (their process is gone). None once they are gone; the answer to give
+        while transfers to them are still ending (the eviction then runs when they have)."""
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(
+            self.nixl_executor, lambda: self.registry.evict(engine_id, "restarted")
+        )
+        self.metrics.evictions_total.labels(result).inc()
+        log.info(
+            "peer %s restarted (incarnation %s -> %s): old agents %s",
+            engine_id,
+            held,
+            incarnation,
+            result,
+        )
+        if result == "deferred":
+            msg = (
+                f"engine {engine_id} restarted (incarnation {held} -> {incarnation}); the old "
+                "incarnation's agents leave once its transfers in flight end: retry then"
+            )
+            return 409, ErrorBody(error="replacing", message=msg)
+        return None
+
     async def _fetch_rank(
-        self, engine_id: str, endpoint: str, role: Role, rank: int, local_tp: int
+        self,
+        engine_id: str,
+        endpoint: Endpoint,
+        role: Role,
+        rank: int,
+        local_tp: int,
+        pod_uid: str = "",
+        incarnation: str = "",
     ) -> EngineMetadata | tuple[int, ErrorBody]:
         """The peer's metadata for one rank, checked against what the caller says the peer
-        is; or the answer to give when it is not."""
+        is (engine id, role, TP size, and when given its pod uid and incarnation); or the
+        answer to give when it is not."""
         try:
             raw = await self._fetch_metadata(endpoint, rank)
             meta = decode_metadata(raw, self.engine.compat_hash)
@@ -440,6 +534,16 @@ class ControlServer:
         if meta.tp_rank != rank:
             msg = f"{endpoint} answered rank {meta.tp_rank} for rank {rank}"
             return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 502)
+        served_uid = meta.pod.uid if meta.pod is not None else ""
+        if pod_uid and served_uid != pod_uid:
+            msg = f"{endpoint} serves an engine of pod uid {served_uid!r}, not {pod_uid!r}"
+            return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 409)
+        if incarnation and meta.incarnation != incarnation:
+            msg = (
+                f"{endpoint} serves incarnation {meta.incarnation!r} of {engine_id}, "
+                f"not {incarnation!r}"
+            )
+            return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 409)
         return meta
 
     async def _patch_peers(self, request: web.Request) -> web.Response:
@@ -454,7 +558,12 @@ class ControlServer:
             async with sem:
                 try:
                     status, answer = await self._add_peer(
-                        item.engine_id, item.endpoint, item.role, item.rank
+                        item.engine_id,
+                        item.endpoint,
+                        item.role,
+                        item.rank,
+                        item.pod_uid,
+                        item.incarnation,
                     )
                 except ProtocolError as exc:
                     self.metrics.reject("control")
@@ -480,21 +589,32 @@ class ControlServer:
         self.metrics.record_failure(failure, {"engine_id": engine_id, "msg": message})
         return status, ErrorBody(error="handshake_failed", message=message, failure_type=failure)
 
-    async def _fetch_metadata(self, endpoint: str, rank: int = 0) -> bytes:
+    async def _fetch_metadata(self, endpoint: Endpoint, rank: int = 0) -> bytes:
+        """GET the peer's metadata: no redirect is followed (a 3xx is a failure), and every
+        read is bounded."""
         if self._session is None:
             self._session = aiohttp.ClientSession()
-        url = f"http://{endpoint}/v1/metadata?rank={rank}"
-        headers = {"Authorization": f"Bearer {self.token.current()}"}
+        url = endpoint.url(f"/v1/metadata?rank={rank}")
         timeout = aiohttp.ClientTimeout(total=self.handshake_timeout_s)
-        async with self._session.get(url, headers=headers, timeout=timeout) as resp:
-            if resp.status != 200:
-                # A bounded prefix: an error answer can be endless or huge.
-                text = (await resp.content.read(MAX_ERROR_BODY_BYTES)).decode("utf-8", "replace")
-                raise ValueError(f"peer answered HTTP {resp.status}: {text}")
-            data = await resp.content.read(MAX_METADATA_BYTES + 1)
-            if len(data) > MAX_METADATA_BYTES:
-                raise ValueError(f"peer metadata exceeds {MAX_METADATA_BYTES} bytes")
-            return data
+        tokens = self.peer_token.candidates()
+        for i, token in enumerate(tokens):
+            headers = {"Authorization": f"Bearer {token}"}
+            async with self._session.get(
+                url, headers=headers, timeout=timeout, allow_redirects=False
+            ) as resp:
+                if resp.status == 401 and i + 1 < len(tokens):
+                    continue  # a peer not yet given the rotated token: the previous one
+                if resp.status != 200:
+                    # A bounded prefix: an error answer can be endless or huge.
+                    text = (await resp.content.read(MAX_ERROR_BODY_BYTES)).decode(
+                        "utf-8", "replace"
+                    )
+                    raise ValueError(f"peer answered HTTP {resp.status}: {text}")
+                data = await resp.content.read(MAX_METADATA_BYTES + 1)
+                if len(data) > MAX_METADATA_BYTES:
+                    raise ValueError(f"peer metadata exceeds {MAX_METADATA_BYTES} bytes")
+                return data
+        raise AssertionError("unreachable: the last candidate token returns or raises")
 
     async def _delete_peer(self, request: web.Request) -> web.Response:
         engine_id = self._path_engine_id(request)

@@ -1,17 +1,28 @@
-"""The bearer token of the worker control API, as both sides read it.
+"""The credentials of the worker control API, as both sides read them.
 
-Owns reading the token from its file (the mounted worker token Secret) and the one rule
-for what counts as a token: the file's text with surrounding whitespace stripped, which must
-not be empty. An empty, whitespace-only, missing or unreadable file is a `TokenError` naming
-the file, never an empty token: an empty token must not authorise anything. A `TokenSource`
-re-reads its file only when the file's stat (mtime, size, inode) changes, so a rotated
-Secret takes effect at the next call without a read per request. Used by the worker's
-control API (`agent`, which checks the token and sends it to peers) and by the operator's
-worker client (which sends it); imports nothing but the standard library.
+Owns reading a credential from its file (a mounted Secret) and the one rule for what counts
+as one: the file's first non-blank line, stripped of surrounding whitespace, is the current
+token; an optional second line is the previous token. An empty, whitespace-only, missing or
+unreadable file is a `TokenError` naming the file, never an empty token: an empty token must
+not authorise anything. A `TokenSource` re-reads its file only when the file's stat (mtime,
+size, inode) changes, so a rotated Secret takes effect at the next call without a read per
+request.
+
+Rotation is overlap-safe because each side honours both lines: a receiver accepts the
+current and the previous token (`TokenSource.accepts`), and a sender sends the current one
+and, when that is refused (401), tries the previous one once (`TokenSource.candidates`). So
+while kubelet updates the Secret's volume on different pods at different times, an updated
+pod and one not yet updated still accept each other. There are two credentials: the
+operator's (the admin routes: peers, state) and the peers' (a peer's metadata only).
+
+Used by the worker's control API (`agent`, which checks both and sends the peer credential
+to peers) and by the operator's worker client (which sends the operator credential);
+imports nothing but the standard library.
 """
 
 from __future__ import annotations
 
+import hmac
 from pathlib import Path
 
 
@@ -19,43 +30,75 @@ class TokenError(ValueError):
     """The token file cannot give a token (missing, unreadable, empty); says which file."""
 
 
-def read_token_file(path: str | Path) -> str:
-    """The token in `path`, stripped of surrounding whitespace (a trailing newline included).
+MAX_TOKEN_FILE_BYTES = 64 << 10
 
-    Raises TokenError, naming the file, when it cannot be read or holds no token.
+
+def read_credential(path: str | Path) -> tuple[str, str | None]:
+    """(current, previous) from a credential file: its first non-blank line, and its second
+    one when there is one (both stripped of surrounding whitespace).
+
+    Raises TokenError, naming the file, when it cannot be read, holds no token, or holds
+    more than two lines of tokens.
     """
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with Path(path).open("rb") as f:
+            raw = f.read(MAX_TOKEN_FILE_BYTES + 1)
     except OSError as exc:
         raise TokenError(
             f"cannot read the worker token file {path}: {exc.strerror}; "
             "mount the kvtopo worker token Secret there or pass its path"
         ) from None
+    if len(raw) > MAX_TOKEN_FILE_BYTES:
+        raise TokenError(f"the worker token file {path} exceeds {MAX_TOKEN_FILE_BYTES} bytes")
+    try:
+        text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise TokenError(f"the worker token file {path} is not UTF-8 text") from None
-    token = text.strip()
-    if not token:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
         raise TokenError(f"the worker token file {path} is empty; an empty token is refused")
-    return token
+    if len(lines) > 2:
+        raise TokenError(
+            f"the worker token file {path} holds {len(lines)} lines; it holds the current "
+            "token and, during a rotation, the previous one on a second line"
+        )
+    return lines[0], (lines[1] if len(lines) == 2 and lines[1] != lines[0] else None)
+
+
+def read_token_file(path: str | Path) -> str:
+    """The current token in `path` (see `read_credential`)."""
+    return read_credential(path)[0]
+
+
+def _same(given: bytes, token: str) -> bool:
+    return hmac.compare_digest(given, token.encode())
 
 
 class TokenSource:
-    """The bearer token, from a file (re-read when it changes) or a fixed string.
+    """A credential, from a file (re-read when it changes) or a fixed string.
 
     A file is read at construction, so a bad one fails at startup; after that `current()`
     raises TokenError for as long as the file is bad (it never falls back to an empty or an
     earlier token) and returns the new token once the file is good again.
     """
 
-    def __init__(self, *, path: str | Path | None = None, value: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        path: str | Path | None = None,
+        value: str | None = None,
+        previous: str | None = None,
+    ) -> None:
         if (path is None) == (value is None):
             raise ValueError("give exactly one of a token file path or a token value")
         self._path = Path(path) if path is not None else None
         self._stat: tuple[int, int, int] | None = None
+        self._previous: str | None = None
         if value is not None:
             if not value.strip():
                 raise TokenError("the worker token is empty; an empty token is refused")
             self._value = value.strip()
+            self._previous = previous.strip() if previous and previous.strip() else None
         else:
             self._value = ""
             self._reload()
@@ -77,11 +120,35 @@ class TokenSource:
         key = (st.st_mtime_ns, st.st_size, st.st_ino)
         if key != self._stat:
             # Remember the stat only once the file gave a token: a bad file fails every call.
-            self._value = read_token_file(self._path)
+            self._value, self._previous = read_credential(self._path)
             self._stat = key
 
     def current(self) -> str:
-        """The token now (never empty); raises TokenError while the token file is bad."""
+        """The token to send now (never empty); raises TokenError while the file is bad."""
         if self._path is not None:
             self._reload()
         return self._value
+
+    def previous(self) -> str | None:
+        """The previous token during a rotation (None otherwise); TokenError as `current`."""
+        if self._path is not None:
+            self._reload()
+        return self._previous
+
+    def candidates(self) -> list[str]:
+        """What a sender tries, in order: the current token, then the previous one (sent
+        only when the current one is refused)."""
+        current = self.current()
+        return [current] if self._previous is None else [current, self._previous]
+
+    def accepts(self, given: bytes) -> str | None:
+        """Which token `given` is ("current" or "previous"), compared in constant time;
+        None when it is neither (or empty). TokenError while the file is bad."""
+        current = self.current()
+        if not given:
+            return None
+        if _same(given, current):
+            return "current"
+        if self._previous is not None and _same(given, self._previous):
+            return "previous"
+        return None

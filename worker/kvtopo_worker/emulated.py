@@ -31,6 +31,7 @@ import argparse
 import hashlib
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -52,6 +53,7 @@ from kvtopo_worker.protocol import (
     DrainState,
     FailureType,
     MalformedMessage,
+    PodIdentity,
     RequestOutcome,
     Role,
     SubmitRequest,
@@ -165,11 +167,17 @@ class EmulatedEngine:
         progress_thread: bool | None = None,
         handshake_timeout_s: float = 5.0,
         tp_size: int = 1,
+        pod: PodIdentity | None = None,
+        peer_token: TokenSource | None = None,
     ) -> None:
         if not 1 <= tp_size <= 64:
             raise ValueError(f"tp_size must be 1..64, not {tp_size}")
         self.role: Role = role
         self.engine_id = engine_id or uuid.uuid4().hex
+        # This process: new on every start, also under a pinned engine id. The agent names
+        # carry it, so a restarted engine's agents never collide with its old ones.
+        self.incarnation = uuid.uuid4().hex
+        self.pod = pod
         self.tp_size = tp_size
         self.device = torch.device(device)
         self.metrics = WorkerMetrics()
@@ -185,7 +193,8 @@ class EmulatedEngine:
         metas = []
         for rank in range(tp_size):
             transport = NixlTransport(
-                f"kvtopo-{self.engine_id}-r{rank}", progress_thread=progress_thread
+                f"kvtopo-{self.engine_id}-{self.incarnation[:12]}-r{rank}",
+                progress_thread=progress_thread,
             )
             kv = torch.zeros((num_blocks, block_len), dtype=torch.uint8, device=self.device)
             connector = PushConnector(
@@ -206,6 +215,8 @@ class EmulatedEngine:
                     compat=compat,
                     tp_rank=rank,
                     tp_size=tp_size,
+                    incarnation=self.incarnation,
+                    pod=pod,
                 )
             )
             self.transports.append(transport)
@@ -216,6 +227,7 @@ class EmulatedEngine:
             registry=self.registry,
             transport=self.transports,
             token=token,
+            peer_token=peer_token,
             metrics=self.metrics,
             host=host,
             port=port,
@@ -597,9 +609,40 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--role", choices=["prefill", "decode"], required=True)
     p.add_argument("--engine-id", help="default: a fresh uuid per start")
-    p.add_argument("--host", default="127.0.0.1", help="control API bind address")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="control API bind address: the pod IP in a pod ($(POD_IP) from the downward API)",
+    )
     p.add_argument("--port", type=int, default=8975, help="control API port (0: pick a free one)")
-    p.add_argument("--token-file", required=True, help="file holding the control API token")
+    p.add_argument(
+        "--token-file",
+        required=True,
+        help="the operator credential: a file holding the token of the admin routes (and, "
+        "during a rotation, the previous token on a second line)",
+    )
+    p.add_argument(
+        "--peer-token-file",
+        help="the peer credential: the token peers present to fetch this engine's metadata, "
+        "and that it presents to theirs (default: the operator credential)",
+    )
+    p.add_argument(
+        "--pod-namespace",
+        default=os.environ.get("KVTOPO_POD_NAMESPACE", ""),
+        help="the engine's pod, as the operator must see it (default: $KVTOPO_POD_NAMESPACE; "
+        "from the downward API's metadata.namespace)",
+    )
+    p.add_argument(
+        "--pod-name",
+        default=os.environ.get("KVTOPO_POD_NAME", ""),
+        help="default: $KVTOPO_POD_NAME (metadata.name)",
+    )
+    p.add_argument(
+        "--pod-uid",
+        default=os.environ.get("KVTOPO_POD_UID", ""),
+        help="default: $KVTOPO_POD_UID (metadata.uid); the operator acts only on a worker "
+        "whose pod uid is the pod's",
+    )
     p.add_argument("--num-blocks", type=int, default=256)
     p.add_argument("--block-bytes", type=int, default=64 * 1024)
     p.add_argument("--model-id", default="emulated", help="part of the compatibility hash")
@@ -656,10 +699,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         token = TokenSource(path=args.token_file)
+        peer_token = TokenSource(path=args.peer_token_file) if args.peer_token_file else None
     except TokenError as exc:
         print(f"kvtopo-worker: {exc}", file=sys.stderr)
         return 2
     progress = {"auto": None, "on": True, "off": False}[args.progress_thread]
+    pod = None
+    if args.pod_uid or args.pod_name or args.pod_namespace:
+        if not (args.pod_uid and args.pod_name and args.pod_namespace):
+            print(
+                "kvtopo-worker: give all of --pod-namespace, --pod-name and --pod-uid (or none)",
+                file=sys.stderr,
+            )
+            return 2
+        pod = PodIdentity(namespace=args.pod_namespace, name=args.pod_name, uid=args.pod_uid)
     try:
         push_config = PushConfig(
             registration_timeout_s=args.registration_timeout,
@@ -692,6 +745,8 @@ def main(argv: list[str] | None = None) -> int:
         idle_ttl_s=args.idle_ttl,
         progress_thread=progress,
         tp_size=args.tp,
+        pod=pod,
+        peer_token=peer_token,
     )
     try:
         engine.start()
@@ -701,7 +756,12 @@ def main(argv: list[str] | None = None) -> int:
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
-    line = {"engine_id": engine.engine_id, "endpoint": engine.endpoint, "role": engine.role}
+    line = {
+        "engine_id": engine.engine_id,
+        "endpoint": engine.endpoint,
+        "role": engine.role,
+        "incarnation": engine.incarnation,
+    }
     print(json.dumps(line), flush=True)
     done.wait()
     engine.begin_drain(args.drain_timeout)

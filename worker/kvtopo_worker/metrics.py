@@ -64,6 +64,13 @@ class WorkerMetrics:
             ["result"],
             registry=self.registry,
         )
+        self.authenticated_total = Counter(
+            "kvtopo_worker_authenticated_requests",
+            "Control API requests let in, by credential (operator, peer) and which of its "
+            "tokens matched (current, previous: a rotation still reaching some callers).",
+            ["credential", "token"],
+            registry=self.registry,
+        )
         self.peers = Gauge(
             "kvtopo_worker_peers", "Remote engines in the registry.", registry=self.registry
         )

@@ -25,7 +25,11 @@ import msgspec
 #      registration carries its validity (`expires_at`, `write_timeout_s`); a decode that
 #      gives a request up sends PUSH_CANCEL and the prefill answers it (PUSH_DONE or
 #      PUSH_FAIL), so both sides agree on every request's outcome.
-PROTOCOL_VERSION = 3
+#   4: identity. EngineMetadata and WorkerState carry the engine's pod (namespace, name,
+#      uid) and its incarnation (a boot id, new on every start even under a pinned engine
+#      id); a peer add may say which pod uid and incarnation to expect, and the worker
+#      refuses a peer that does not match, and replaces the agents of an older incarnation.
+PROTOCOL_VERSION = 4
 
 REG_PREFIX = b"PUSH_REG:"
 DONE_PREFIX = b"PUSH_DONE:"
@@ -111,6 +115,14 @@ def compat_hash(info: CompatInfo) -> str:
     return hashlib.sha256(msgspec.msgpack.encode(info)).hexdigest()[:16]
 
 
+class PodIdentity(msgspec.Struct, frozen=True, kw_only=True):
+    """The pod an engine runs in (the downward API's metadata.namespace, .name, .uid)."""
+
+    namespace: str
+    name: str
+    uid: str
+
+
 class EngineMetadata(msgspec.Struct, frozen=True, kw_only=True):
     """One engine rank as its peers see it: enough to add its NIXL agent and address its KV.
 
@@ -134,6 +146,8 @@ class EngineMetadata(msgspec.Struct, frozen=True, kw_only=True):
     tp_size: int = 1
     compat: CompatInfo
     compat_hash: str
+    incarnation: str = ""  # the engine process's boot id (new on every start)
+    pod: PodIdentity | None = None  # None: the engine was started without its pod identity
 
 
 class Envelope(msgspec.Struct, frozen=True):
@@ -195,7 +209,18 @@ def decode_metadata(data: bytes, expected_hash: str) -> EngineMetadata:
         raise MalformedMessage(f"kv_device must be 0..{MAX_DEVICE_ID - 1}")
     if not 0 <= meta.tp_rank < meta.tp_size:
         raise MalformedMessage(f"tp_rank {meta.tp_rank} outside tp_size {meta.tp_size}")
+    check_identity(meta.incarnation, meta.pod)
     return meta
+
+
+def check_identity(incarnation: str, pod: PodIdentity | None) -> None:
+    """MalformedMessage when an incarnation or pod identity is longer than allowed."""
+    if len(incarnation) > MAX_ID_LEN:
+        raise MalformedMessage(f"incarnation must be at most {MAX_ID_LEN} characters")
+    if pod is not None:
+        for name, value in (("namespace", pod.namespace), ("name", pod.name), ("uid", pod.uid)):
+            if len(value) > MAX_ID_LEN:
+                raise MalformedMessage(f"pod {name} must be at most {MAX_ID_LEN} characters")
 
 
 def _check_id(field: str, value: str) -> None:
@@ -331,6 +356,10 @@ class PeerAddRequest(
     # Only this TP rank of the peer (default: every rank). Left out of the JSON when unset,
     # so an operator talks to workers that predate it.
     rank: int | None = None
+    # What the peer must be (empty: not checked): the uid of its pod and its incarnation.
+    # A peer held under an older incarnation is replaced.
+    pod_uid: str = ""
+    incarnation: str = ""
 
 
 MAX_PEER_CHANGES = 1024  # adds plus evictions in one `PATCH /v1/peers`
@@ -348,6 +377,8 @@ class PeerAddItem(
     endpoint: str
     role: Role
     rank: int | None = None
+    pod_uid: str = ""
+    incarnation: str = ""
 
 
 class PeerChanges(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -405,6 +436,7 @@ class PeerState(msgspec.Struct, frozen=True, kw_only=True):
     transfers_in_flight: int
     eviction_pending: bool
     idle_s: float
+    incarnation: str = ""  # the peer's incarnation its agents were added under
 
 
 class FailureRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -432,6 +464,8 @@ class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
     started_at: float
     last_failure: FailureRecord | None = None
     tp_size: int = 1
+    incarnation: str = ""
+    pod: PodIdentity | None = None
 
 
 class SubmitRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

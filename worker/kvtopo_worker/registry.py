@@ -45,6 +45,7 @@ class _Engine:
     eviction_pending: bool = False
     eviction_reason: str = ""
     ranks_pending: set[int] = field(default_factory=set)  # ranks whose eviction is deferred
+    incarnation: str = ""  # the engine process the agents belong to
 
 
 class AgentConflict(Exception):
@@ -116,6 +117,12 @@ class EngineRegistry:
             event = self._releasing.get(agent_name)
         return event is None or event.wait(timeout)
 
+    def incarnation(self, engine_id: str) -> str | None:
+        """The incarnation the engine's agents were added under; None when it is absent."""
+        with self.lock:
+            eng = self._engines.get(engine_id)
+            return eng.incarnation if eng is not None else None
+
     def claim_present(self, engine_id: str) -> dict[int, str]:
         """The engine's agents when it is present (empty otherwise); being asked for, it is
         in use: a deferred eviction is cancelled and its idle clock restarts."""
@@ -142,21 +149,31 @@ class EngineRegistry:
                     transfers_in_flight=eng.transfers_in_flight,
                     eviction_pending=eng.eviction_pending,
                     idle_s=round(max(0.0, now - eng.last_used), 3),
+                    incarnation=eng.incarnation,
                 )
                 for eid, eng in sorted(self._engines.items())
             ]
 
     # --- handshakes ----------------------------------------------------------------------
 
-    def add_engine(self, engine_id: str, agents: Mapping[int, str]) -> bool:
-        """Records the engine's agents; returns False when it was already present.
+    def add_engine(self, engine_id: str, agents: Mapping[int, str], incarnation: str = "") -> bool:
+        """Records the engine's agents (of its process `incarnation`); returns False when it
+        was already present.
 
         A re-add while an eviction is pending cancels the eviction: the operator has decided
-        the engine is wanted again (the agents are the same, named by engine id).
+        the engine is wanted again (the same process, so the same agents). Agents of another
+        incarnation of a present engine are refused (AgentConflict): the old incarnation's
+        agents must be evicted first.
         """
         if not agents:
             raise ValueError("an engine needs at least one agent")
         with self.lock:
+            held = self._engines.get(engine_id)
+            if held is not None and held.incarnation != incarnation:
+                raise AgentConflict(
+                    f"engine {engine_id} is held under incarnation {held.incarnation!r}, "
+                    f"not {incarnation!r}: evict it first"
+                )
             for name in agents.values():
                 owner = self._owners.get(name, (engine_id, 0))[0]
                 if owner != engine_id:
@@ -165,7 +182,9 @@ class EngineRegistry:
                 self._owners[name] = (engine_id, rank)
             eng = self._engines.get(engine_id)
             if eng is None:
-                self._engines[engine_id] = _Engine(agents=dict(agents), last_used=self._clock())
+                self._engines[engine_id] = _Engine(
+                    agents=dict(agents), last_used=self._clock(), incarnation=incarnation
+                )
                 return True
             eng.agents.update(agents)
             eng.eviction_pending = False

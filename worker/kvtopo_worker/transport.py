@@ -31,7 +31,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from kvtopo_worker.protocol import CompatInfo, EngineMetadata, MemoryKind, Role, compat_hash
+from kvtopo_worker.protocol import (
+    CompatInfo,
+    EngineMetadata,
+    MemoryKind,
+    PodIdentity,
+    Role,
+    compat_hash,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -226,9 +233,18 @@ class NixlTransport:
         return self._base, self._device, "VRAM" if self._mem_type == "VRAM" else "DRAM"
 
     def describe(
-        self, *, engine_id: str, role: Role, compat: CompatInfo, tp_rank: int = 0, tp_size: int = 1
+        self,
+        *,
+        engine_id: str,
+        role: Role,
+        compat: CompatInfo,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        incarnation: str = "",
+        pod: PodIdentity | None = None,
     ) -> EngineMetadata:
-        """This rank's EngineMetadata (call after `register_kv_cache`)."""
+        """This rank's EngineMetadata (call after `register_kv_cache`); `incarnation` and
+        `pod` say which process and pod the engine is."""
         kv_addr, kv_device, kv_mem = self.kv_region()
         return EngineMetadata(
             engine_id=engine_id,
@@ -244,6 +260,8 @@ class NixlTransport:
             tp_size=tp_size,
             compat=compat,
             compat_hash=compat_hash(compat),
+            incarnation=incarnation,
+            pod=pod,
         )
 
     # --- remote agents -------------------------------------------------------------------

@@ -83,6 +83,13 @@ The worker token Secret: the chart's own ("<fullname>-worker-token") or an exist
 {{- end }}
 
 {{/*
+The leader-election Lease, in the release namespace ("<fullname>-operator" by default).
+*/}}
+{{- define "kvtopo.leaseName" -}}
+{{- default (printf "%s-operator" (include "kvtopo.fullname" .)) .Values.leaderElection.leaseName }}
+{{- end }}
+
+{{/*
 The namespaces where engine pods run, as a JSON list (use with fromJsonArray): the values'
 engineNamespaces, else the release namespace. In namespace scope the operator watches
 exactly these and is granted Roles only there; in cluster scope it watches every namespace
@@ -155,6 +162,21 @@ release's own one (kopf writes its keep-alives into it).
 {{- end }}
 
 {{/*
+Leader election (only with leaderElection.enabled), in the release namespace: create a Lease
+(RBAC cannot limit create to a name), get and update only the release's own one. The
+operator never lists, watches, patches or deletes Leases.
+*/}}
+{{- define "kvtopo.leaderElectionRules" -}}
+- apiGroups: [coordination.k8s.io]
+  resources: [leases]
+  verbs: [create]
+- apiGroups: [coordination.k8s.io]
+  resources: [leases]
+  resourceNames: [{{ include "kvtopo.leaseName" . | quote }}]
+  verbs: [get, update]
+{{- end }}
+
+{{/*
 Rules that span several values (values.schema.json checks each value on its own).
 */}}
 {{- define "kvtopo.validate" -}}
@@ -166,5 +188,18 @@ Rules that span several values (values.schema.json checks each value on its own)
 {{- end }}
 {{- if and (not .Values.serviceAccount.create) (not .Values.serviceAccount.name) }}
 {{- fail "serviceAccount.create=false needs serviceAccount.name (an existing ServiceAccount; never the namespace's default)" }}
+{{- end }}
+{{- $le := .Values.leaderElection }}
+{{- if and (gt (int .Values.replicaCount) 1) (not $le.enabled) }}
+{{- fail (printf "replicaCount=%v needs leaderElection.enabled=true (without it every replica would reconcile)" .Values.replicaCount) }}
+{{- end }}
+{{- if and $le.enabled .Values.peering.enabled }}
+{{- fail "peering.enabled=true needs leaderElection.enabled=false and replicaCount=1 (kopf's peering pauses every replica of equal priority, the standbys and the leader alike)" }}
+{{- end }}
+{{- if and $le.enabled (ge (float64 $le.renewDeadlineSeconds) (float64 $le.leaseSeconds)) }}
+{{- fail (printf "leaderElection.renewDeadlineSeconds (%v) must be below leaderElection.leaseSeconds (%v)" $le.renewDeadlineSeconds $le.leaseSeconds) }}
+{{- end }}
+{{- if and $le.enabled (ge (float64 $le.retryPeriodSeconds) (float64 $le.renewDeadlineSeconds)) }}
+{{- fail (printf "leaderElection.retryPeriodSeconds (%v) must be below leaderElection.renewDeadlineSeconds (%v)" $le.retryPeriodSeconds $le.renewDeadlineSeconds) }}
 {{- end }}
 {{- end }}

@@ -1,0 +1,218 @@
+"""What a pod author can make the operator (and its workers) do: nothing outside the pod.
+
+On a real API server with real workers: pods whose `kvtopo.dev/control-endpoint` annotation
+points elsewhere (paths, queries, fragments, userinfo, foreign hosts, IPv6 forms) are
+refused, reported and never dialled, which a sink HTTP server listening at those places
+proves by receiving no request at all; a pod that claims another pod's IP is not acted on
+(the worker there reports another pod's identity); a worker asked to fetch a peer's
+metadata from such an endpoint refuses; and a pod whose IP is IPv6 is reached at its
+bracketed address.
+"""
+
+from __future__ import annotations
+
+import http.server
+import socket
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from tests.cluster.kube import create_engine_pod, loopback_pod_ip, mark_pod_ready
+from tests.e2e.env import Env, peers, ready_status
+
+pytestmark = pytest.mark.nixl
+
+
+@dataclass
+class Sink:
+    """HTTP servers that record every request they get (and answer 200 to all)."""
+
+    port: int = 0
+    port6: int = 0
+    requests: list[tuple[str, str, str]] = field(default_factory=list)  # (method, path, auth)
+    servers: list[http.server.ThreadingHTTPServer] = field(default_factory=list)
+
+    def start(self) -> None:
+        sink = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _record(self) -> None:
+                auth = self.headers.get("Authorization", "")
+                sink.requests.append((self.command, self.path, auth))
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"sink")
+
+            do_GET = do_PUT = do_PATCH = do_DELETE = do_POST = _record  # noqa: N815
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        class Server6(http.server.ThreadingHTTPServer):
+            address_family = socket.AF_INET6
+
+        v4 = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        v6 = Server6(("::1", 0), Handler)
+        self.port, self.port6 = v4.server_address[1], v6.server_address[1]
+        for server in (v4, v6):
+            self.servers.append(server)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.shutdown()
+            server.server_close()
+
+
+@pytest.fixture
+def sink() -> Iterator[Sink]:
+    s = Sink()
+    s.start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def engine_of(st: dict[str, Any], pod: str) -> dict[str, Any] | None:
+    return next((e for e in st.get("engines", []) if e["pod"] == pod), None)
+
+
+def test_endpoints_not_the_pods_are_refused_and_never_dialled(env: Env, sink: Sink) -> None:
+    hostile = {
+        "foreign-host": f"127.0.0.1:{sink.port}",
+        "path": f"127.0.0.1:{sink.port}/latest/meta-data/iam/security-credentials/#:80",
+        "query": f"127.0.0.1:{sink.port}?x=:80",
+        "fragment": f"127.0.0.1:{sink.port}#:80",
+        "userinfo": f"user@127.0.0.1:{sink.port}",
+        "hostname": f"localhost:{sink.port}",
+        "ipv6-bracketed": f"[::1]:{sink.port6}",
+        "ipv6-bare": f"::1:{sink.port6}",
+        "ipv6-mapped": f"[::ffff:127.0.0.1]:{sink.port}",
+        "metadata-service": "169.254.169.254:80",
+    }
+    env.pod("p0", "prefill", env.worker("prefill"))
+    env.pod("d0", "decode", env.worker("decode"))
+    for i, annotation in enumerate(hostile.values()):
+        name = f"evil-{i}"
+        role = "decode" if i % 2 else "prefill"
+        create_engine_pod(
+            env.cluster, env.namespace, name, role, {"version": "v1"}, annotation=annotation
+        )
+        mark_pod_ready(env.cluster, env.namespace, name, [loopback_pod_ip()])
+    env.topology()
+    env.start_operator()
+    names = [f"evil-{i}" for i in range(len(hostile))]
+    st = env.wait(
+        "every hostile pod reported as refused, the real pair connected",
+        lambda: (
+            (s := env.status())
+            and all(
+                (e := engine_of(s, n)) is not None
+                and e["state"] == "Failed"
+                and e["message"].startswith("refused control-endpoint annotation")
+                for n in names
+            )
+            and s["summary"]["pairs"] == "1/1"
+            and s
+        ),
+    )
+    degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "EndpointRefused")
+    events = env.cluster.kubectl(
+        "get", "events", "-n", env.namespace, "--field-selector", "reason=EndpointRefused"
+    ).stdout
+    assert all(n in events for n in names), events
+    # The real pair is untouched by its hostile neighbours.
+    p0, d0 = env.workers["p0"], env.workers["d0"]
+    assert peers(p0) == {d0.engine_id} and peers(d0) == {p0.engine_id}
+    # Many more rounds (a deletion, its grace, the eviction): still nothing reaches the sink.
+    env.delete_pod("d0")
+    env.wait("d0 evicted from p0", lambda: peers(p0) == set(), timeout=30)
+    env.wait(
+        "the status shows d0 evicted",
+        lambda: any(
+            e["engineId"] == d0.engine_id and e["state"] == "Evicted"
+            for e in env.status().get("engines", [])
+        ),
+    )
+    assert sink.requests == [], sink.requests
+
+
+def test_a_worker_refuses_to_fetch_from_an_endpoint_that_is_not_ip_port(
+    env: Env, sink: Sink
+) -> None:
+    """The operator is not the only one told where to dial: workers apply the same rule to
+    every peer endpoint they are given, before any request is made."""
+    w = env.pod("d0", "decode", env.worker("decode"))
+    for endpoint in (
+        f"127.0.0.1:{sink.port}/x#",
+        f"127.0.0.1:{sink.port}?a=b",
+        f"user@127.0.0.1:{sink.port}",
+        f"localhost:{sink.port}",
+        f"::1:{sink.port6}",
+        "169.254.169.254:80",
+    ):
+        status, body = w.call("PUT", "/v1/peers/p-evil", {"endpoint": endpoint, "role": "prefill"})
+        assert status == 400 and "endpoint refused" in body["message"], (endpoint, body)
+    assert sink.requests == []
+    # A well-formed endpoint that is not a worker (the sink) is dialled, refuses to be one,
+    # and no redirect or error body gets the worker anywhere else.
+    status, body = w.call(
+        "PUT", "/v1/peers/p-evil", {"endpoint": f"127.0.0.1:{sink.port}", "role": "prefill"}
+    )
+    assert status == 502, body
+    assert [(m, p) for m, p, _ in sink.requests] == [("GET", "/v1/metadata?rank=0")]
+
+
+def test_a_pod_claiming_another_pods_ip_is_not_acted_on(env: Env) -> None:
+    p0 = env.pod("p0", "prefill", env.worker("prefill"))
+    env.pod("d0", "decode", env.worker("decode"))
+    # "impostor" is a decode pod whose IP is p0's: the worker there reports p0's identity.
+    p0_ip = env.identities["p0"][env.identities["p0"].index("--host") + 1]
+    create_engine_pod(env.cluster, env.namespace, "impostor", "decode", {"version": "v1"})
+    mark_pod_ready(env.cluster, env.namespace, "impostor", [p0_ip])
+    env.topology()
+    env.start_operator()
+    st = env.wait(
+        "the impostor reported, the real pair connected",
+        lambda: (
+            (s := env.status())
+            and (e := engine_of(s, "impostor")) is not None
+            and e["state"] == "Failed"
+            and "is not this pod's" in e["message"]
+            and s["summary"]["pairs"] == "1/1"
+            and s
+        ),
+    )
+    degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "IdentityMismatch", degraded
+    assert peers(p0) == {env.workers["d0"].engine_id}  # never told to pair with itself
+
+
+def test_an_ipv6_pod_is_reached_at_its_bracketed_address(env: Env) -> None:
+    env.pod("p0", "prefill", env.worker("prefill"))
+    with socket.socket(socket.AF_INET6) as s:
+        s.bind(("::1", 0))
+        port = s.getsockname()[1]
+    uid = create_engine_pod(
+        env.cluster, env.namespace, "d6", "decode", {"version": "v1"}, annotation=str(port)
+    )
+    identity = ["--host", "::1", "--port", str(port)]
+    identity += ["--pod-namespace", env.namespace, "--pod-name", "d6", "--pod-uid", uid]
+    d6 = env.worker("decode")(identity)
+    env.workers["d6"] = d6
+    assert d6.endpoint == f"[::1]:{port}"
+    mark_pod_ready(env.cluster, env.namespace, "d6", ["::1"])
+    env.topology()
+    env.start_operator()
+    st = env.wait(
+        "the IPv6 engine connected",
+        lambda: (s := env.status()) and ready_status(s) == "True" and s,
+    )
+    e = engine_of(st, "d6")
+    assert e is not None and e["endpoint"] == f"[::1]:{port}" and e["state"] == "Connected"
+    assert peers(env.workers["p0"]) == {d6.engine_id}
