@@ -14,7 +14,7 @@ from typing import Any
 
 from kvtopo.drill.ledger import invariants_hold
 from kvtopo.drill.report import progress_view, render_plot, render_table
-from kvtopo.drill.run import Drill, DrillOptions
+from kvtopo.drill.run import LEASE_S, Drill, DrillOptions
 
 
 def add_drill_parser(verbs: Any) -> None:
@@ -49,11 +49,13 @@ def add_drill_parser(verbs: Any) -> None:
             "operator-kill",
             "apiserver-restart",
             "rotate-credentials",
+            "leader-kill",
             "freeze-decode",
             "kill-prefill",
         ],
-        help="a fault during the run: operator-kill, apiserver-restart and rotate-credentials "
-        "(both credentials replaced, pod by pod, under traffic) strike during the second "
+        help="a fault during the run: operator-kill, apiserver-restart, rotate-credentials "
+        "(both credentials replaced, pod by pod, under traffic) and leader-kill (two operator "
+        "replicas with leader election; the leader is SIGKILLed) strike during the second "
         "decode rollout; freeze-decode SIGSTOPs a decode engine for twice the "
         "registration timeout while traffic flows, then SIGCONTs it; kill-prefill SIGKILLs a "
         "prefill engine with requests in flight (its pod is then replaced)",
@@ -136,6 +138,8 @@ def run_drill(args: argparse.Namespace) -> int:
         return 2
     report["grace"] = opts.grace
     report["chaos"] = opts.chaos
+    if opts.chaos == "leader-kill":
+        report["lease_s"] = LEASE_S
     report["tp"] = opts.tp
     console.print(render_table(report))
     if opts.json_path is not None:

@@ -30,6 +30,7 @@ from typing import Any
 
 import aiohttp
 
+from kvtopo.drill.manifests import VERSION_LABEL
 from kvtopo.drill.secrets import DrillSecrets
 from kvtopo.launch import parse_ready_line, worker_command
 from kvtopo_operator.api import ENDPOINT_ANNOTATION, ROLE_LABEL
@@ -45,6 +46,7 @@ class Engine:
     role: str
     process: asyncio.subprocess.Process
     pod_ip: str = ""
+    version: str = ""  # its pod's version label (the topology pairs engines on it)
     engine_id: str = ""
     endpoint: str = ""
     started_at: float = 0.0
@@ -130,6 +132,7 @@ class Fleet:
             ip = status.get("podIP") or ""
             if eng is None and usable and ip and not self._ip_held(ip):
                 await self._start(meta["name"], uid, meta["labels"][ROLE_LABEL], ip)
+                self.engines[uid].version = meta["labels"].get(VERSION_LABEL, "")
             elif eng is not None and not usable:
                 self._begin_drain(eng)
             elif eng is not None and eng.serving_at and eng.draining_since is None:

@@ -53,6 +53,8 @@ class Ledger:
     eviction: list[tuple[str, float]] = field(default_factory=list)
     orphan_outcomes: int = 0
     chaos_recovery_s: list[float] = field(default_factory=list)
+    # --chaos leader-kill: from the leader's SIGKILL to the topology converged again
+    leader_takeover_s: list[float] = field(default_factory=list)
     stale_peers_at_end: list[str] = field(default_factory=list)  # "holder -> gone engine"
 
     # --- recording -------------------------------------------------------------------------
@@ -156,6 +158,7 @@ class Ledger:
             "eviction_max_s": round(max(evict), 3) if evict else None,
             "orphan_outcomes": self.orphan_outcomes,
             "chaos_recovery_s": [round(s, 3) for s in self.chaos_recovery_s],
+            "leader_takeover_s": [round(s, 3) for s in self.leader_takeover_s],
             "stale_peers_at_end": len(self.stale_peers_at_end),
             "stale_peer_list": self.stale_peers_at_end[:50],
             "offending_requests": {
@@ -202,4 +205,7 @@ def invariants_hold(report: dict[str, Any]) -> bool:
         "unverified_completions",
         "stale_peers_at_end",
     )
-    return all(int(report[k]) == 0 for k in keys)
+    # A killed leader's standby converges the topology within the Lease duration + 5 s.
+    takeover_limit = float(report.get("lease_s") or 0) + 5
+    takeovers = report.get("leader_takeover_s") or []
+    return all(int(report[k]) == 0 for k in keys) and all(t <= takeover_limit for t in takeovers)

@@ -51,6 +51,15 @@ def render_table(report: dict[str, Any]) -> Any:
         ),
         ("stale peers at the end", str(report["stale_peers_at_end"]), "0"),
     ]
+    if report.get("leader_takeover_s"):
+        rows.insert(
+            -1,
+            (
+                "leader killed -> converged (s)",
+                ", ".join(f"{c:.2f}" for c in report["leader_takeover_s"]),
+                f"<= lease + 5 ({report.get('lease_s', '?')} + 5)",
+            ),
+        )
     for r in rows:
         table.add_row(*r)
     return table

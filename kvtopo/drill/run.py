@@ -40,6 +40,11 @@ REGISTRATION_TIMEOUT_S = 5.0  # the workers' --registration-timeout, --transfer-
 GIVE_UP_S = 2 * REGISTRATION_TIMEOUT_S + 2 + 1  # + the cancel margin, + slack
 
 ROTATION_SPREAD_S = 4.0  # each phase of a credential rotation reaches every pod over ~this
+# --chaos leader-kill: the replicas' Lease (seconds); the standby takes over within about
+# LEASE_S + LEASE_RETRY_S of the leader's death.
+LEASE_S = 4
+LEASE_RENEW_S = 2.5
+LEASE_RETRY_S = 0.5
 APP = "drill"
 """The `app` label of the drill's engine pods and the name of its KVTopology."""
 CRD_NAME = f"{PLURAL}.{GROUP}"
@@ -80,6 +85,8 @@ class Drill:
         self.phase = "starting"
         self.rollout_label = "-"
         self.operator: subprocess.Popen[bytes] | None = None
+        self.standby: subprocess.Popen[bytes] | None = None  # leader-kill: the second replica
+        self.replicas = 0  # operator replicas started so far (their identities are numbered)
         self.cluster: Any = None
         self.kube: ClusterApi | None = None
         self.fleet: Fleet | None = None
@@ -106,10 +113,22 @@ class Drill:
         self.cluster.up()
         return Path(self.cluster.kubeconfig)
 
-    def _start_operator(self, kubeconfig: Path, token_file: Path) -> None:
-        args = launch.operator_args(self.namespace, kubeconfig, token_file, resync_s=1)
+    def _start_operator(self, kubeconfig: Path, token_file: Path) -> subprocess.Popen[bytes]:
+        """Starts an operator replica; with `--chaos leader-kill` each replica runs with
+        leader election (a short Lease, so the drill sees the take-over), as the chart's
+        replicas do."""
+        extra: list[str] = []
+        log_path = self.opts.workdir / "operator.log"
+        if self.opts.chaos == "leader-kill":
+            self.replicas += 1
+            identity = f"operator-{self.replicas}"
+            extra = launch.leader_election_args(
+                identity, lease_s=LEASE_S, renew_s=LEASE_RENEW_S, retry_s=LEASE_RETRY_S
+            )
+            log_path = self.opts.workdir / f"{identity}.log"
+        args = launch.operator_args(self.namespace, kubeconfig, token_file, 1, *extra)
         # Appended to: the operator restarted by the chaos fault logs on in the same file.
-        self.operator = launch.start_operator(args, self.opts.workdir / "operator.log", append=True)
+        return launch.start_operator(args, log_path, append=True)
 
     async def setup(self) -> None:
         self.opts.workdir.mkdir(parents=True, exist_ok=True)
@@ -127,7 +146,10 @@ class Drill:
             60,
         )
         self.say("starting the operator")
-        self._start_operator(kubeconfig, token_file)
+        self.operator = self._start_operator(kubeconfig, token_file)
+        if self.opts.chaos == "leader-kill":
+            self.say("starting a second operator replica (leader election on a Lease)")
+            self.standby = self._start_operator(kubeconfig, token_file)
         worker_args = [
             "--num-blocks",
             str(self.opts.blocks * 64),
@@ -399,8 +421,12 @@ class Drill:
             await asyncio.sleep(2.0)  # the operator stays down a while: that is the fault
             assert self.kube is not None
             kubeconfig = self.opts.kubeconfig or Path(self.cluster.kubeconfig)
-            self._start_operator(kubeconfig, self.secrets.mount("operator").operator)
+            self.operator = self._start_operator(
+                kubeconfig, self.secrets.mount("operator").operator
+            )
             self.ledger.mark(time.monotonic(), "chaos", "operator restarted")
+        elif self.opts.chaos == "leader-kill":
+            await self._kill_leader(t)
         elif self.opts.chaos == "rotate-credentials":
             assert self.fleet is not None
 
@@ -414,6 +440,74 @@ class Drill:
             self.ledger.mark(t, "chaos", "kube-apiserver restart")
             took = await asyncio.to_thread(self.cluster.restart_apiserver)
             self.ledger.mark(time.monotonic(), "chaos", f"kube-apiserver back ({took:.1f}s)")
+
+    def _holder(self) -> str:
+        """Who holds the operators' Lease now ("" when nobody)."""
+        assert self.kube is not None
+        lease = self.kube.custom.get_namespaced_custom_object(
+            "coordination.k8s.io", "v1", self.namespace, "leases", "kvtopo-operator"
+        )
+        return str(lease.get("spec", {}).get("holderIdentity") or "")
+
+    async def _kill_leader(self, t: float) -> None:
+        """SIGKILLs the replica holding the Lease mid-rollout; the standby must take over and
+        the topology converge within the Lease duration + 5 s. The dead replica is started
+        again afterwards (as its Deployment would), to stand by."""
+        assert self.operator is not None and self.standby is not None
+        holder = await asyncio.to_thread(self._holder)
+        replicas = {self._identity(p): p for p in (self.operator, self.standby)}
+        if holder not in replicas:
+            raise RuntimeError(f"no operator replica holds the Lease (holder: {holder!r})")
+        leader = replicas.pop(holder)
+        (standby_id, standby) = next(iter(replicas.items()))
+        self.ledger.mark(t, "chaos", f"SIGKILL the leader {holder} ({standby_id} stands by)")
+        leader.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(leader.wait, 10)
+        killed = time.monotonic()
+        await self._until(
+            "the standby holding the Lease",
+            lambda: self._holder() == standby_id,
+            LEASE_S + 10,
+        )
+        leads = time.monotonic()
+        self.ledger.mark(leads, "chaos", f"{standby_id} leads ({leads - killed:.1f} s)")
+        await self._until(
+            "the new leader to connect every pair of serving engines",
+            lambda: self._caught_up(after=leads),
+            LEASE_S + 30,
+        )
+        took = time.monotonic() - killed
+        self.ledger.mark(
+            time.monotonic(), "chaos", f"every pair connected {took:.1f} s after the kill"
+        )
+        self.ledger.leader_takeover_s.append(took)
+        await self.converged()  # the rollout goes on: it finishes under the new leader
+        assert self.kube is not None
+        kubeconfig = self.opts.kubeconfig or Path(self.cluster.kubeconfig)
+        self.operator = standby
+        self.standby = self._start_operator(kubeconfig, self.secrets.mount("operator").operator)
+        self.ledger.mark(time.monotonic(), "chaos", "the killed replica restarted as standby")
+
+    def _caught_up(self, after: float) -> bool:
+        """Whether a connectivity sample taken after `after` shows every pair the topology
+        wants among the serving engines (same version label) connected both ways."""
+        assert self.fleet is not None
+        if not self.ledger.samples_t or self.ledger.samples_t[-1] <= after:
+            return False
+        serving = [e for e in self.fleet.serving() if not e.frozen]
+        wanted = {
+            (p.engine_id, d.engine_id)
+            for p in serving
+            if p.role == "prefill"
+            for d in serving
+            if d.role == "decode" and d.version == p.version
+        }
+        return bool(wanted) and wanted <= self.ledger.samples_pairs[-1]
+
+    def _identity(self, replica: subprocess.Popen[bytes]) -> str:
+        args = [str(a) for a in replica.args]  # type: ignore[union-attr]
+        flag = next(a for a in args if a.startswith("--leader-elect-identity="))
+        return flag.split("=", 1)[1]
 
     async def _engine_fault(self) -> None:
         """freeze-decode or kill-prefill, struck while traffic flows."""
@@ -645,8 +739,9 @@ class Drill:
                 t.cancel()
             if self.fleet is not None:
                 await self.fleet.stop_all()
-            if self.operator is not None:
-                launch.stop_process(self.operator, 10)
+            for replica in (self.operator, self.standby):
+                if replica is not None:
+                    launch.stop_process(replica, 10)
             if self.cluster is not None:
                 await asyncio.to_thread(self.cluster.down)
             self.trace.close()
