@@ -117,7 +117,9 @@ def test_restart_under_the_same_engine_id_replaces_the_old_agent(env: Env) -> No
     new one, with no manual action, and transfers must flow again."""
     env.pod("p0", "prefill", env.worker("prefill"))
     env.pod("d0", "decode", env.worker("decode", "--engine-id", "decode-pinned"))
-    env.topology()
+    # A grace far longer than the test: the old agent must go because the incarnation
+    # changed, not because the engine was unreachable for a while.
+    env.topology(eviction={"graceSeconds": 600})
     env.start_operator()
     env.wait("connected", lambda: ready_status(env.status()) == "True")
     p0 = env.workers["p0"]
