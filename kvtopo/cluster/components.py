@@ -28,6 +28,24 @@ KWOK_MANAGED_NODES = "kwok.x-k8s.io/node=fake"
 # refreshes node conditions every ~10 min, so without leases the node lifecycle controller
 # would mark every node NotReady after its grace period and evict the pods.
 NODE_LEASE_DURATION_S = 40
+# Tier a's audit log: metadata (who, verb, resource, response code) of the requests that
+# ServiceAccounts make, nothing of anyone else's, so that a test can see exactly which
+# verbs an operator running as a ServiceAccount used. Tier a's only ServiceAccount users are
+# tokens the tests mint, so the log stays small and the overhead negligible; tier b is left
+# out (its controllers run as ServiceAccounts and would flood it). Watches are logged when
+# they start (ResponseStarted), other requests when they complete.
+AUDIT_LOGGED_GROUP = "system:serviceaccounts"
+AUDIT_POLICY = f"""\
+apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+  - level: Metadata
+    userGroups: ["{AUDIT_LOGGED_GROUP}"]
+  - level: None
+"""
+AUDIT_LOG_MAX_SIZE_MB = 64
+AUDIT_LOG_MAX_BACKUPS = 2
 
 
 @dataclass(frozen=True)
@@ -77,6 +95,15 @@ class ControlPlaneLayout:
     def log(self, component: str) -> Path:
         return self.directory / "logs" / f"{component}.log"
 
+    @property
+    def audit_policy(self) -> Path:
+        return self.directory / "audit-policy.yaml"
+
+    @property
+    def audit_log(self) -> Path:
+        """The API server's audit log (tier a); rotated files lie next to it."""
+        return self.log("kube-apiserver-audit")
+
 
 def etcd_argv(binary: Path, layout: ControlPlaneLayout) -> list[str]:
     peer = f"http://{LOOPBACK}:{layout.ports.etcd_peer}"
@@ -123,6 +150,14 @@ def apiserver_argv(binary: Path, layout: ControlPlaneLayout, tier: str) -> list[
     if tier == "a":
         # No controller manager, so no `default` ServiceAccounts for the plugin to find.
         argv.append("--disable-admission-plugins=ServiceAccount")
+        # ServiceAccounts' requests, metadata only (AUDIT_POLICY, written by the caller).
+        argv += [
+            f"--audit-policy-file={layout.audit_policy}",
+            f"--audit-log-path={layout.audit_log}",
+            "--audit-log-format=json",
+            f"--audit-log-maxsize={AUDIT_LOG_MAX_SIZE_MB}",
+            f"--audit-log-maxbackup={AUDIT_LOG_MAX_BACKUPS}",
+        ]
     return argv
 
 

@@ -3,7 +3,8 @@
 Owns the life cycle of one local cluster in one directory:
 
 - tier ``a``: etcd + kube-apiserver (integration tests create Pods and patch their status
-  themselves); ready when ``/readyz`` answers 200.
+  themselves), with an audit log of the requests ServiceAccounts make
+  (:meth:`LocalCluster.audit_events`); ready when ``/readyz`` answers 200.
 - tier ``b``: + kube-controller-manager, kube-scheduler and kwok with a few fake Nodes, so
   Deployments really roll out; ready when those components report healthy, every fake Node
   is Ready and schedulable, and the ``default`` ServiceAccount exists in ``default``.
@@ -334,6 +335,27 @@ class LocalCluster:
         """A kubeconfig for ``user`` in ``groups`` (a client certificate from this CA)."""
         return write_client_kubeconfig(self.pki, path, self.server_url, user, groups)
 
+    def audit_events(self, user: str | None = None) -> list[dict[str, Any]]:
+        """The API server's audit events so far, oldest first (tier a only: requests of
+        ServiceAccounts, metadata level, see :data:`components.AUDIT_POLICY`), optionally
+        only those of ``user`` (e.g. ``system:serviceaccount:NS:NAME``). Rotated files are
+        read too; a last line still being written is skipped."""
+        if self.tier != "a":
+            raise RuntimeError("only tier a keeps an audit log")
+        current = self.layout.audit_log
+        rotated = sorted(current.parent.glob(f"{current.stem}-*{current.suffix}"))
+        events: list[dict[str, Any]] = []
+        for path in [*rotated, current]:
+            with contextlib.suppress(FileNotFoundError):
+                for line in path.read_text(errors="replace").splitlines():
+                    try:
+                        event = json.loads(line)
+                    except ValueError:
+                        continue
+                    if user is None or event.get("user", {}).get("username") == user:
+                        events.append(event)
+        return events
+
     def log_tails(self, lines: int = 40) -> str:
         """The last lines of every component's log, for failure reports."""
         parts = []
@@ -447,6 +469,8 @@ class LocalCluster:
         write_admin_kubeconfig(layout.pki, layout.admin_kubeconfig, layout.server_url)
         api = AdminApi(layout.pki, components.LOOPBACK, layout.ports.apiserver)
         self._logs = {}
+        if self.tier == "a":
+            layout.audit_policy.write_text(components.AUDIT_POLICY)
 
         self.progress(f"starting etcd and kube-apiserver (tier {self.tier}) in {self.directory}")
         self._launch("etcd", components.etcd_argv(binaries.etcd, layout))

@@ -1,8 +1,12 @@
-"""Tier a against the real kube-apiserver: version, and a CRD's schema and CEL rules."""
+"""Tier a against the real kube-apiserver: version, a CRD's schema and CEL rules, and the
+audit log of ServiceAccounts' requests."""
 
 from __future__ import annotations
 
 import json
+import ssl
+import urllib.error
+import urllib.request
 from typing import Any
 
 import pytest
@@ -123,3 +127,44 @@ def test_invalid_custom_resource_is_refused_naming_the_field(
     missing = cluster_a.kubectl("get", "widget", "bad", "-n", namespace, check=False)
     assert missing.returncode != 0
     assert "NotFound" in missing.stderr
+
+
+def test_audit_log_records_service_account_requests_only(cluster_a: LocalCluster) -> None:
+    """A ServiceAccount's request is logged at Metadata level (verb, resource, response code,
+    no bodies); the admin's requests are not logged at all."""
+    namespace = create_namespace(cluster_a, "audit", wait_for_sa=False)
+    cluster_a.kubectl("create", "serviceaccount", "auditee", "-n", namespace)
+    token = cluster_a.kubectl(
+        "create", "token", "auditee", "-n", namespace, "--duration=10m"
+    ).stdout.strip()
+    cluster_a.kubectl("get", "configmaps", "-n", namespace)  # the admin: not logged
+    request = urllib.request.Request(
+        f"{cluster_a.server_url}/api/v1/namespaces/{namespace}/configmaps?limit=1",
+        headers={"Authorization": f"Bearer {token}"},
+    )
+    context = ssl.create_default_context(cafile=str(cluster_a.pki.ca_cert))
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10, context=context)
+    assert refused.value.code == 403  # no grants at all
+    user = f"system:serviceaccount:{namespace}:auditee"
+
+    def logged() -> list[dict[str, Any]] | None:
+        events = [
+            e
+            for e in cluster_a.audit_events(user)
+            if e.get("objectRef", {}).get("namespace") == namespace
+        ]
+        return events or None
+
+    events = wait_until(logged, 15, f"the audit log to record {user}'s request")
+    assert events is not None
+    (event,) = events
+    assert event["level"] == "Metadata" and event["stage"] == "ResponseComplete"
+    assert event["verb"] == "list"
+    assert event["objectRef"]["resource"] == "configmaps"
+    assert event["responseStatus"]["code"] == 403
+    assert "system:serviceaccounts" in event["user"]["groups"]
+    assert "requestObject" not in event and "responseObject" not in event
+    everyone = cluster_a.audit_events()
+    assert all("system:serviceaccounts" in e["user"].get("groups", []) for e in everyone)
+    assert all(e["stage"] != "RequestReceived" for e in everyone)

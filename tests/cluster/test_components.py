@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from kvtopo.cluster import components
 from kvtopo.cluster.components import ControlPlaneLayout, ControlPlanePorts
@@ -66,6 +67,26 @@ def test_tier_a_disables_service_account_admission_only() -> None:
     tier_b = components.apiserver_argv(BIN, LAYOUT, "b")
     assert _flag(tier_a, "disable-admission-plugins") == "ServiceAccount"
     assert _flag(tier_b, "disable-admission-plugins") is None
+
+
+def test_tier_a_audits_service_accounts_metadata_only() -> None:
+    tier_a = components.apiserver_argv(BIN, LAYOUT, "a")
+    assert _flag(tier_a, "audit-policy-file") == "/c/audit-policy.yaml"
+    assert _flag(tier_a, "audit-log-path") == "/c/logs/kube-apiserver-audit.log"
+    assert _flag(tier_a, "audit-log-format") == "json"
+    max_size = _flag(tier_a, "audit-log-maxsize")
+    assert max_size is not None and 0 < int(max_size) <= 100
+    policy = yaml.safe_load(components.AUDIT_POLICY)
+    assert policy["apiVersion"] == "audit.k8s.io/v1" and policy["kind"] == "Policy"
+    assert policy["omitStages"] == ["RequestReceived"]
+    # ServiceAccounts' requests at Metadata (never bodies), nobody else's.
+    assert policy["rules"] == [
+        {"level": "Metadata", "userGroups": ["system:serviceaccounts"]},
+        {"level": "None"},
+    ]
+    # Tier b's controllers run as ServiceAccounts: no audit log there.
+    tier_b = components.apiserver_argv(BIN, LAYOUT, "b")
+    assert not any(arg.startswith("--audit-") for arg in tier_b)
 
 
 def test_etcd_data_on_the_given_tmpfs_folder_without_fsync() -> None:

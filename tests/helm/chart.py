@@ -20,6 +20,7 @@ import yaml
 
 from kvtopo.cluster.binaries import BinariesMissingError, find_binary
 from kvtopo.cluster.fake_nodes import FAKE_NODE_PLACEMENT
+from kvtopo.cluster.local_cluster import LocalCluster
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "kvtopo"
@@ -156,3 +157,16 @@ def rules_set(rules: list[dict[str, Any]]) -> set[tuple[str, str, str, str]]:
                     for verb in rule["verbs"]:
                         out.add((group, resource, name, verb))
     return out
+
+
+def can_i(
+    cluster: LocalCluster, sa: str, verb: str, resource: str, *where: str, subresource: str = ""
+) -> bool:
+    """`kubectl auth can-i` as user `sa` (the admin impersonating it): True for "yes"."""
+    args = ["auth", "can-i", verb, resource, f"--as={sa}", *where]
+    if subresource:
+        args.append(f"--subresource={subresource}")
+    result = cluster.kubectl(*args, check=False)
+    answer = result.stdout.strip()
+    assert answer in ("yes", "no"), f"kubectl {' '.join(args)}: {result.stdout}{result.stderr}"
+    return answer == "yes"

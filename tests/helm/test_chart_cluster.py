@@ -28,6 +28,7 @@ from tests.helm.chart import (
     FULL_VALUES,
     KWOK_PLACEMENT,
     Helm,
+    can_i,
     render_text,
     values_args,
 )
@@ -105,6 +106,7 @@ def test_default_and_full_renders_pass_a_server_side_dry_run(
             "kopfpeering.kopf.dev/kvt-peering",
             "deployment.apps/kvt-full-operator",
             "networkpolicy.networking.k8s.io/kvt-full-worker-control",
+            "networkpolicy.networking.k8s.io/kvt-full-operator",
         ):
             assert f"{what} created (server dry run)" in out, out
         assert out.count("role.rbac.authorization.k8s.io/kvt-full-operator created") == 2
@@ -149,18 +151,6 @@ def deployment_available(cluster: LocalCluster, namespace: str, name: str) -> di
     return result
 
 
-def can_i(
-    cluster: LocalCluster, sa: str, verb: str, resource: str, *where: str, subresource: str = ""
-) -> bool:
-    args = ["auth", "can-i", verb, resource, f"--as={sa}", *where]
-    if subresource:
-        args.append(f"--subresource={subresource}")
-    result = cluster.kubectl(*args, check=False)
-    answer = result.stdout.strip()
-    assert answer in ("yes", "no"), f"kubectl {' '.join(args)}: {result.stdout}{result.stderr}"
-    return answer == "yes"
-
-
 def granted_resources(cluster: LocalCluster, sa: str, namespace: str) -> dict[str, set[str]]:
     """`kubectl auth can-i --list` as the ServiceAccount: resource -> verbs, leaving out what
     every authenticated user may do (self reviews, discovery URLs)."""
@@ -179,11 +169,12 @@ def granted_resources(cluster: LocalCluster, sa: str, namespace: str) -> dict[st
     return granted
 
 
+# Exactly the verbs the operator calls (test_rbac_e2e checks them against an audit log).
 NAMESPACED_GRANTS = {
-    "pods": {"get", "list", "watch"},
-    "kvtopologies.kvtopo.dev": {"get", "list", "watch", "patch"},
-    "kvtopologies.kvtopo.dev/status": {"get", "patch"},
-    "events": {"create", "patch"},
+    "pods": {"list", "watch"},
+    "kvtopologies.kvtopo.dev": {"get", "list", "watch"},
+    "kvtopologies.kvtopo.dev/status": {"patch"},
+    "events": {"create"},
 }
 # Leader election, in the release namespace: create any Lease, read and write only its own.
 LEASE_GRANTS = {
@@ -233,19 +224,18 @@ def test_install_grants_exactly_the_namespaced_permissions(
         assert granted_resources(cluster, sa, ns) == NAMESPACED_GRANTS | LEASE_GRANTS
         assert granted_resources(cluster, sa, other) == {}, "nothing in another namespace"
         n = ["-n", ns]
-        for verb in ("get", "list", "watch"):
+        for verb in ("list", "watch"):
             assert can_i(cluster, sa, verb, "pods", *n)
-        for verb in ("get", "list", "watch", "patch"):
+        for verb in ("get", "list", "watch"):
             assert can_i(cluster, sa, verb, "kvtopologies.kvtopo.dev", *n)
         assert can_i(cluster, sa, "patch", "kvtopologies.kvtopo.dev", *n, subresource="status")
         assert can_i(cluster, sa, "create", "events", *n)
-        assert can_i(cluster, sa, "patch", "events", *n)
         assert can_i(cluster, sa, "create", "leases.coordination.k8s.io", *n)
         for verb in ("get", "update"):
             assert can_i(cluster, sa, verb, "leases.coordination.k8s.io/kvt-kvtopo-operator", *n)
             assert not can_i(cluster, sa, verb, "leases.coordination.k8s.io/someone-else", *n)
-        # Denied: Secrets anywhere, pod writes, KVTopology writes beyond patch, nodes,
-        # anything in another namespace or cluster-wide.
+        # Denied: Secrets anywhere, single pod reads and pod writes, KVTopology writes but the
+        # status patch, Event patches, nodes, anything in another namespace or cluster-wide.
         denied = [
             ("get", "secrets", *n),
             ("list", "secrets", *n),
@@ -254,6 +244,9 @@ def test_install_grants_exactly_the_namespaced_permissions(
             ("create", "pods", *n),
             ("delete", "pods", *n),
             ("patch", "pods", *n),
+            ("get", "pods", *n),
+            ("patch", "kvtopologies.kvtopo.dev", *n),
+            ("patch", "events", *n),
             ("create", "kvtopologies.kvtopo.dev", *n),
             ("delete", "kvtopologies.kvtopo.dev", *n),
             ("update", "kvtopologies.kvtopo.dev", *n),
@@ -280,6 +273,8 @@ def test_install_grants_exactly_the_namespaced_permissions(
         assert not can_i(
             cluster, sa, "update", "kvtopologies.kvtopo.dev", "-n", other, subresource="status"
         )
+        for verb in ("get", "update"):
+            assert not can_i(cluster, sa, verb, "kvtopologies.kvtopo.dev", *n, subresource="status")
     finally:
         cluster.kubectl("delete", "namespace", other, "--wait=false", check=False)
 
@@ -333,6 +328,11 @@ def test_upgrade_and_uninstall(cluster: LocalCluster, helm: Helm, release: tuple
     assert can_i(cluster, sa, "patch", f"clusterkopfpeerings.kopf.dev/{fullname}")
     assert not can_i(cluster, sa, "patch", "clusterkopfpeerings.kopf.dev/someone-else")
     assert can_i(cluster, sa, "patch", "kvtopologies.kvtopo.dev", "-A", subresource="status")
+    assert can_i(cluster, sa, "get", "kvtopologies.kvtopo.dev", "-A")
+    assert can_i(cluster, sa, "create", "events", "-A")
+    assert not can_i(cluster, sa, "patch", "kvtopologies.kvtopo.dev", "-A")
+    assert not can_i(cluster, sa, "patch", "events", "-A")
+    assert not can_i(cluster, sa, "get", "pods", "-A")
     assert not can_i(cluster, sa, "list", "secrets", "-A")
     assert not can_i(cluster, sa, "get", "secrets", "-n", ns)
     assert not can_i(cluster, sa, "create", "pods", "-A")

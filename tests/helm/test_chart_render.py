@@ -4,8 +4,9 @@ Covers `helm lint` (default values and a values file that sets every option), th
 CRD being the checked-in `crds/kvtopology.yaml`, what the templates render for each option
 (least-privilege RBAC in both scopes, the leader-election Role on one Lease, the hardened
 operator Deployment of two replicas with leader election (or one, Recreate, without) whose
-arguments the real `kvtopo-operator` parser accepts, the worker token Secret, the
-NetworkPolicy, metrics and peering objects), and that bad values are refused with a message
+arguments the real `kvtopo-operator` parser accepts, the worker token Secret, the engines'
+NetworkPolicy, the operator's NetworkPolicy that admits /metrics only from the monitoring
+namespace, metrics and peering objects), and that bad values are refused with a message
 naming the offending value (values.schema.json, plus template checks for rules that span
 several values).
 """
@@ -39,18 +40,16 @@ from tests.helm.chart import (
 # `cluster` marker says; they start no cluster.
 pytestmark = pytest.mark.cluster
 
+# Exactly the verbs the operator calls (tests/helm/test_rbac_e2e.py checks them against the
+# API server's audit log of a real run).
 OPERATOR_RULES = {
-    ("", "pods", "*", "get"),
     ("", "pods", "*", "list"),
     ("", "pods", "*", "watch"),
     ("kvtopo.dev", "kvtopologies", "*", "get"),
     ("kvtopo.dev", "kvtopologies", "*", "list"),
     ("kvtopo.dev", "kvtopologies", "*", "watch"),
-    ("kvtopo.dev", "kvtopologies", "*", "patch"),
-    ("kvtopo.dev", "kvtopologies/status", "*", "get"),
     ("kvtopo.dev", "kvtopologies/status", "*", "patch"),
     ("", "events", "*", "create"),
-    ("", "events", "*", "patch"),
 }
 
 
@@ -73,6 +72,24 @@ def peering_rules(resource: str, name: str) -> set[tuple[str, str, str, str]]:
         ("kopf.dev", resource, name, "get"),
         ("kopf.dev", resource, name, "patch"),
     }
+
+
+def worker_policy(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The one engines' NetworkPolicy (`<full>-worker-control`) of a single-namespace render."""
+    found = [d for d in policies(docs) if d["metadata"]["name"].endswith("-worker-control")]
+    assert len(found) == 1, [d["metadata"]["name"] for d in policies(docs)]
+    return found[0]
+
+
+def operator_policy(docs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The operator pods' NetworkPolicy (`<full>-operator`), None when not rendered."""
+    found = [d for d in policies(docs) if d["metadata"]["name"].endswith("-operator")]
+    assert len(found) <= 1
+    return found[0] if found else None
+
+
+def policies(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return objects(docs, "NetworkPolicy")
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +154,8 @@ def test_default_objects(default_docs: list[dict[str, Any]]) -> None:
             "Deployment",
             "Service",
             "NetworkPolicy",
+            "NetworkPolicy",
+            "Secret",
             "Secret",
         ]
     )
@@ -146,19 +165,23 @@ def test_default_objects(default_docs: list[dict[str, Any]]) -> None:
         assert labels["app.kubernetes.io/instance"] == "kvtopo"
         assert labels["app.kubernetes.io/managed-by"] == "Helm"
     # The names the examples and docs use for release "kvtopo".
-    assert one(default_docs, "Secret")["metadata"]["name"] == "kvtopo-worker-token"
+    assert {s["metadata"]["name"] for s in objects(default_docs, "Secret")} == {
+        "kvtopo-worker-token",
+        "kvtopo-peer-token",
+    }
     assert one(default_docs, "Deployment")["metadata"]["name"] == "kvtopo-operator"
 
 
 def test_examples_use_the_default_token_secret_and_control_port(
     default_docs: list[dict[str, Any]],
 ) -> None:
-    secret = one(default_docs, "Secret")["metadata"]["name"]
-    policy = one(default_docs, "NetworkPolicy")
+    secrets = sorted(s["metadata"]["name"] for s in objects(default_docs, "Secret"))
+    policy = worker_policy(default_docs)
     port = policy["spec"]["ingress"][0]["ports"][0]["port"]
     for name in ("prefill-deployment.yaml", "decode-deployment.yaml"):
         pod = yaml.safe_load((ROOT / "examples" / name).read_text())["spec"]["template"]["spec"]
-        assert pod["volumes"][0]["secret"]["secretName"] == secret, name
+        mounted = sorted(v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v)
+        assert mounted == secrets, name
         ports = {p["name"]: p["containerPort"] for p in pod["containers"][0]["ports"]}
         assert ports["kvtopo-control"] == port, name
 
@@ -206,7 +229,10 @@ def test_deployment_is_hardened_with_a_hot_standby(default_docs: list[dict[str, 
     assert mount["readOnly"] is True
     assert token_arg == f"--worker-token-file={mount['mountPath']}/token"
     volume = next(v for v in pod["volumes"] if v["name"] == "worker-token")
-    assert volume["secret"]["secretName"] == one(default_docs, "Secret")["metadata"]["name"]
+    assert (
+        volume["secret"]["secretName"]
+        == named(default_docs, "Secret", "kvtopo-worker-token")["metadata"]["name"]
+    )
     # A read-only root filesystem still needs a writable /tmp.
     assert any(m["mountPath"] == "/tmp" for m in c["volumeMounts"])
     # Leader election on the release namespace's Lease, the pod's name and namespace from
@@ -312,7 +338,25 @@ def test_the_full_values_render_every_option(full_docs: list[dict[str, Any]]) ->
         "llm-a",
         "llm-b",
     }
-    for policy in objects(full_docs, "NetworkPolicy"):
+    metrics_policy = operator_policy(full_docs)
+    assert metrics_policy is not None
+    assert metrics_policy["spec"]["ingress"] == [
+        {
+            "from": [
+                {
+                    "namespaceSelector": {
+                        "matchLabels": {"kubernetes.io/metadata.name": "observability"}
+                    },
+                    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+                }
+            ],
+            "ports": [{"protocol": "TCP", "port": 9090}],
+        },
+        {"ports": [{"protocol": "TCP", "port": 9091}]},
+    ]
+    workers = [p for p in policies(full_docs) if p is not metrics_policy]
+    assert {p["metadata"]["namespace"] for p in workers} == {"llm-a", "llm-b"}
+    for policy in workers:
         ingress = policy["spec"]["ingress"]
         assert len(ingress) == 1  # allowOtherPorts: false
         assert ingress[0]["ports"] == [{"protocol": "TCP", "port": 9000}]
@@ -401,6 +445,14 @@ def test_cluster_scope_grants_one_cluster_role(helm: Helm) -> None:
     assert "--all-namespaces" in container(docs)["args"]
 
 
+WRITES = {
+    ("kvtopologies/status", "patch"),
+    ("leases", "update"),
+    ("kopfpeerings", "patch"),
+    ("clusterkopfpeerings", "patch"),
+}
+
+
 def test_no_rule_reaches_secrets_nodes_or_writes_pods(helm: Helm) -> None:
     for values in ({}, {"scope": "cluster", "peering": {"enabled": True}, **NO_LEADER_ELECTION}):
         docs = render(helm, values)
@@ -409,7 +461,10 @@ def test_no_rule_reaches_secrets_nodes_or_writes_pods(helm: Helm) -> None:
                 assert "*" not in (group, resource, verb), role["rules"]
                 assert resource not in ("secrets", "nodes", "configmaps", "serviceaccounts")
                 if resource == "pods":
-                    assert verb in ("get", "list", "watch")
+                    assert verb in ("list", "watch")
+                # Writes of existing objects: the status, the Lease and kopf's peering only.
+                if verb in ("patch", "update"):
+                    assert (resource, verb) in WRITES, role["rules"]
 
 
 @pytest.mark.parametrize("scope", ["namespace", "cluster"])
@@ -482,17 +537,27 @@ def test_rbac_and_service_account_can_be_left_to_the_user(helm: Helm) -> None:
     assert one(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "ops-sa"
 
 
+def named(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    [found] = [d for d in objects(docs, kind) if d["metadata"]["name"] == name]
+    return found
+
+
 # --- the worker token --------------------------------------------------------------------------
 
 
 def test_token_secret_is_generated_into_every_namespace_that_needs_it(helm: Helm) -> None:
     docs = render(helm, {"engineNamespaces": ["llm-a", "llm-b"]}, namespace="ops")
-    secrets = objects(docs, "Secret")
-    assert sorted(s["metadata"]["namespace"] for s in secrets) == ["llm-a", "llm-b", "ops"]
-    tokens = {base64.b64decode(s["data"]["token"]).decode() for s in secrets}
-    assert len(tokens) == 1, "every copy holds the same token"
+    worker = [s for s in objects(docs, "Secret") if s["metadata"]["name"] == "kvtopo-worker-token"]
+    peer = [s for s in objects(docs, "Secret") if s["metadata"]["name"] == "kvtopo-peer-token"]
+    # The worker token where the operator and the engines are; the peer token only where
+    # engines are (the operator never holds it).
+    assert sorted(s["metadata"]["namespace"] for s in worker) == ["llm-a", "llm-b", "ops"]
+    assert sorted(s["metadata"]["namespace"] for s in peer) == ["llm-a", "llm-b"]
+    tokens = {base64.b64decode(s["data"]["token"]).decode() for s in worker}
+    peer_tokens = {base64.b64decode(s["data"]["token"]).decode() for s in peer}
+    assert len(tokens) == 1 and len(peer_tokens) == 1, "every copy holds the same token"
     token = tokens.pop()
-    assert re.fullmatch(r"[A-Za-z0-9]{48}", token)
+    assert re.fullmatch(r"[A-Za-z0-9]{48}", token) and peer_tokens.pop() != token
     # No cluster to look the Secret up in: `helm template` shows a fresh value every time
     # (documented); installs and upgrades keep the first one (tests/helm/test_chart_cluster).
     again = objects(render(helm, {"engineNamespaces": ["llm-a"]}, namespace="ops"), "Secret")
@@ -500,7 +565,13 @@ def test_token_secret_is_generated_into_every_namespace_that_needs_it(helm: Helm
 
 
 def test_existing_token_secret_is_mounted_not_created(helm: Helm) -> None:
-    docs = render(helm, {"workerToken": {"existingSecret": "my-token", "key": "tok"}})
+    docs = render(
+        helm,
+        {
+            "workerToken": {"existingSecret": "my-token", "key": "tok"},
+            "peerToken": {"existingSecret": "my-peer-token"},
+        },
+    )
     assert not objects(docs, "Secret")
     pod = one(docs, "Deployment")["spec"]["template"]["spec"]
     volume = next(v for v in pod["volumes"] if v["name"] == "worker-token")
@@ -513,7 +584,7 @@ def test_existing_token_secret_is_mounted_not_created(helm: Helm) -> None:
 
 
 def test_network_policy_guards_only_the_control_port(default_docs: list[dict[str, Any]]) -> None:
-    policy = one(default_docs, "NetworkPolicy")["spec"]
+    policy = worker_policy(default_docs)["spec"]
     engines = {
         "matchExpressions": [
             {"key": "kvtopo.dev/role", "operator": "In", "values": ["prefill", "decode"]}
@@ -552,13 +623,20 @@ def test_network_policy_guards_only_the_control_port(default_docs: list[dict[str
 def test_network_policy_port_ranges_at_the_edges(
     helm: Helm, port: int, tcp_ranges: list[tuple[int, int | None]]
 ) -> None:
-    policy = one(render(helm, {"workers": {"controlPort": port}}), "NetworkPolicy")["spec"]
+    policy = worker_policy(render(helm, {"workers": {"controlPort": port}}))["spec"]
     tcp = [p for p in policy["ingress"][1]["ports"] if p["protocol"] == "TCP"]
     assert [(p["port"], p.get("endPort")) for p in tcp] == tcp_ranges
 
 
 def test_network_policy_can_be_turned_off(helm: Helm) -> None:
-    assert not objects(render(helm, {"networkPolicy": {"enabled": False}}), "NetworkPolicy")
+    docs = render(helm, {"networkPolicy": {"enabled": False}})
+    # Only the engines' policy goes; the operator's own is metrics.networkPolicy's.
+    assert [p["metadata"]["name"] for p in policies(docs)] == ["kvtopo-operator"]
+    docs = render(
+        helm,
+        {"networkPolicy": {"enabled": False}, "metrics": {"networkPolicy": {"enabled": False}}},
+    )
+    assert not policies(docs)
 
 
 # --- metrics -------------------------------------------------------------------------------------
@@ -570,6 +648,66 @@ def test_metrics_off_means_no_service_and_no_port(helm: Helm) -> None:
     c = container(docs)
     assert "--metrics-port=0" in c["args"]
     assert [p["name"] for p in c["ports"]] == ["health"]
+    # The operator pods' policy stays, admitting the health port alone.
+    policy = operator_policy(docs)
+    assert policy is not None
+    assert policy["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8081}]}]
+
+
+def test_metrics_port_admits_only_the_monitoring_namespace(
+    default_docs: list[dict[str, Any]],
+) -> None:
+    """/metrics has no authentication: the operator pods admit the metrics port only from the
+    namespace "monitoring", the health port (kubelet probes) from anyone, nothing else."""
+    policy = operator_policy(default_docs)
+    assert policy is not None
+    assert policy["metadata"]["namespace"] == "llm"
+    assert policy["metadata"]["name"] == "kvtopo-operator"
+    spec = policy["spec"]
+    deploy = one(default_docs, "Deployment")
+    selector = deploy["spec"]["selector"]["matchLabels"]
+    assert spec["podSelector"] == {"matchLabels": selector}
+    assert selector.items() <= deploy["spec"]["template"]["metadata"]["labels"].items()
+    assert spec["policyTypes"] == ["Ingress"], "egress (API server, workers) is not restricted"
+    metrics, health = spec["ingress"]
+    assert metrics == {
+        "from": [
+            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+        ],
+        "ports": [{"protocol": "TCP", "port": 8080}],
+    }
+    assert health == {"ports": [{"protocol": "TCP", "port": 8081}]}
+    # The ports the policy names are the container's: the metrics Service's target and the
+    # probes' port.
+    ports = {p["name"]: p["containerPort"] for p in container(default_docs)["ports"]}
+    assert ports == {"metrics": 8080, "health": 8081}
+    service = one(default_docs, "Service")
+    assert service["spec"]["ports"][0]["targetPort"] == "metrics"
+    assert service["spec"]["selector"] == selector
+
+
+def test_metrics_sources_and_ports_follow_the_values(helm: Helm) -> None:
+    prometheus = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "observability"}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+    }
+    scraper = {"ipBlock": {"cidr": "10.1.0.0/16"}}
+    docs = render(
+        helm,
+        {
+            "metrics": {"port": 9100, "networkPolicy": {"from": [prometheus, scraper]}},
+            "health": {"port": 9101},
+        },
+        release="obs",
+        namespace="ops",
+    )
+    policy = operator_policy(docs)
+    assert policy is not None and policy["metadata"]["name"] == "obs-kvtopo-operator"
+    assert policy["spec"]["ingress"] == [
+        {"from": [prometheus, scraper], "ports": [{"protocol": "TCP", "port": 9100}]},
+        {"ports": [{"protocol": "TCP", "port": 9101}]},
+    ]
+    assert operator_policy(render(helm, {"metrics": {"networkPolicy": {"enabled": False}}})) is None
 
 
 # --- bad values ---------------------------------------------------------------------------
@@ -612,6 +750,19 @@ BAD_VALUES = [
     (
         {"networkPolicy": {"extraControlPortFrom": [{}]}},
         "at '/networkPolicy/extraControlPortFrom/0'",
+    ),
+    (
+        {"metrics": {"networkPolicy": {"from": []}}},
+        "at '/metrics/networkPolicy/from': minItems: got 0, want 1",
+    ),
+    ({"metrics": {"networkPolicy": {"from": [{}]}}}, "at '/metrics/networkPolicy/from/0'"),
+    (
+        {"metrics": {"networkPolicy": {"from": [{"namespace": "monitoring"}]}}},
+        "at '/metrics/networkPolicy/from/0': additional properties 'namespace' not allowed",
+    ),
+    (
+        {"metrics": {"networkPolicy": {"open": True}}},
+        "at '/metrics/networkPolicy': additional properties 'open' not allowed",
     ),
 ]
 
@@ -658,6 +809,11 @@ CROSS_FIELD = [
         {"leaderElection": {"retryPeriodSeconds": 10}},
         "leaderElection.retryPeriodSeconds (10) must be below "
         "leaderElection.renewDeadlineSeconds (10)",
+    ),
+    (
+        # null removes the default list, which the schema cannot see: no rule may admit all.
+        {"metrics": {"networkPolicy": {"from": None}}},
+        "metrics.networkPolicy.from needs at least one NetworkPolicyPeer",
     ),
 ]
 

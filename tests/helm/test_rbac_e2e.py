@@ -1,13 +1,20 @@
-"""RBAC proven, not assumed: the operator, as the chart's ServiceAccount, reconciles end to end.
+"""RBAC proven both ways, not assumed: the chart grants exactly the verbs the operator uses.
 
 On the tier-a API server (`--authorization-mode=Node,RBAC`) the chart is installed with its
-default values (namespace scope). A token for the chart's ServiceAccount is minted through
-the TokenRequest API (`kubectl create token`), and `kvtopo-operator` runs as a local process
-with a kubeconfig holding only that token and exactly the arguments of the chart's
-Deployment (local paths and loopback ports swapped in), reading the worker token from the
-chart's generated Secret. Two engine pods backed by real `kvtopo-worker` processes must get
-connected (Ready=True, pairs 1/1), and deleting one must be evicted and reported by an Event
-the operator creates, all with no permission the chart does not grant.
+default values (namespace scope, leader election). A token for the chart's ServiceAccount is
+minted through the TokenRequest API (`kubectl create token`), and `kvtopo-operator` runs as a
+local process with a kubeconfig holding only that token and exactly the arguments of the
+chart's Deployment (`--leader-elect` included; local paths and loopback ports swapped in),
+reading the worker token from the chart's generated Secret.
+
+Every verb used is granted: the operator creates the absent Lease and renews it, two engine
+pods backed by real `kvtopo-worker` processes get connected (Ready=True, pairs 1/1), and
+deleting one is evicted and reported by an Event the operator creates, with no refusal in
+its log nor in the API server's audit log. Every verb granted is used: the (resource, verb)
+pairs of the requests the ServiceAccount made over the operator's whole life, read from tier
+a's audit log (which records ServiceAccounts' requests), equal the pairs the chart's rendered
+Role rules grant it. `kubectl auth can-i` (impersonating the ServiceAccount) shows the
+grants and the denials that must hold.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import json
 import re
 import socket
 import subprocess
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,11 +34,13 @@ from typing import Any
 import pytest
 import yaml
 
+from kvtopo import launch
+from kvtopo.cluster.deadlines import wait_until
 from kvtopo.cluster.local_cluster import LocalCluster
 from kvtopo.drill import manifests
 from tests.cluster.kube import apply, create_namespace, get_json
 from tests.e2e.harness import OperatorHarness
-from tests.helm.chart import CHART, Helm, binary, parse
+from tests.helm.chart import CHART, Helm, binary, can_i, parse, rules_set
 from tests.worker.workers import WorkerProcess, start_worker, stop_operator_and_workers
 
 pytestmark = pytest.mark.nixl
@@ -42,6 +52,12 @@ GRACE = 1
 # The operator turns kopf's cluster-wide scanning of namespaces and CRDs off, so with the
 # chart's grants it meets no refusal at all.
 READY_TIMEOUT_S = 60
+AUDIT_TIMEOUT_S = 30
+# The test's own requests as the ServiceAccount (whoami, the refused Secret read) are made
+# with kubectl; the operator's come from kopf and the kubernetes client.
+TEST_USER_AGENT = "kubectl/"
+
+Grant = tuple[str, str, str, str]  # (apiGroup, resource[/subresource], resourceName or *, verb)
 
 
 def free_port() -> int:
@@ -104,13 +120,35 @@ class Installed(OperatorHarness):
         path.write_bytes(base64.b64decode(secret["data"]["token"]))
         return path
 
+    def manifest(self) -> list[dict[str, Any]]:
+        return parse(self.helm.run("get", "manifest", RELEASE, "-n", self.namespace).stdout)
+
     def deployment_args(self) -> list[str]:
-        manifest = self.helm.run("get", "manifest", RELEASE, "-n", self.namespace).stdout
-        deploy = next(d for d in parse(manifest) if d["kind"] == "Deployment")
+        deploy = next(d for d in self.manifest() if d["kind"] == "Deployment")
         (c,) = deploy["spec"]["template"]["spec"]["containers"]
         assert c["command"] == ["kvtopo-operator"]
         args: list[str] = c["args"]
         return args
+
+    def granted(self) -> set[Grant]:
+        """What the release grants its ServiceAccount: the rules of every Role and ClusterRole
+        of the release that a binding of the release binds to it, flattened."""
+        docs = self.manifest()
+        roles = {(d["kind"], d["metadata"]["name"]): d for d in docs if d["kind"].endswith("Role")}
+        out: set[Grant] = set()
+        for binding in docs:
+            if not binding["kind"].endswith("RoleBinding"):
+                continue
+            subject = {
+                "kind": "ServiceAccount",
+                "name": SERVICE_ACCOUNT,
+                "namespace": self.namespace,
+            }
+            if subject not in binding["subjects"]:
+                continue
+            ref = binding["roleRef"]
+            out |= rules_set(roles[(ref["kind"], ref["name"])]["rules"])
+        return out
 
 
 @pytest.fixture
@@ -133,6 +171,27 @@ def peers(w: WorkerProcess) -> set[str]:
 
 def ready(st: dict[str, Any]) -> str:
     return next((c["status"] for c in st.get("conditions", []) if c["type"] == "Ready"), "")
+
+
+def audited(event: dict[str, Any]) -> Grant:
+    """An audit event as the grant it needed: watch, list and get are the verbs the API
+    server records for watch, collection and single-object reads; PUT is update."""
+    ref = event["objectRef"]
+    resource = ref["resource"] + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+    return (ref.get("apiGroup", ""), resource, ref.get("name", "*"), event["verb"])
+
+
+def operator_requests(cluster: LocalCluster, user: str) -> list[dict[str, Any]]:
+    """The audit events of `user`'s resource requests but the test's own (kubectl)."""
+    return [
+        e
+        for e in cluster.audit_events(user)
+        if "objectRef" in e and not e.get("userAgent", "").startswith(TEST_USER_AGENT)
+    ]
+
+
+def without_names(grants: set[Grant]) -> set[tuple[str, str, str]]:
+    return {(group, resource, verb) for group, resource, _, verb in grants}
 
 
 def refusals(log: str) -> set[str]:
@@ -182,7 +241,13 @@ def test_operator_as_the_chart_service_account_reconciles_end_to_end(
         args.append(f"{key}={swapped[key]}" if key in swapped else arg)
     assert f"--namespace={env.namespace}" in args
     assert not any(a.startswith("--all-namespaces") for a in args)
+    assert "--leader-elect" in args and f"--leader-elect-namespace={env.namespace}" in args
+    lease = next(a.split("=", 1)[1] for a in args if a.startswith("--leader-elect-lease-name="))
     args.append(f"--kubeconfig={kubeconfig}")
+    # No Lease yet: the operator must create it (and then renew it: get + update).
+    absent = cluster.kubectl("get", "lease", lease, "-n", env.namespace, check=False)
+    assert absent.returncode != 0 and "NotFound" in absent.stderr, absent.stderr
+    check_can_i(cluster, user, env.namespace, lease)
 
     for name, role in (("p0", "prefill"), ("d0", "decode")):
         env.pod(
@@ -243,6 +308,45 @@ def test_operator_as_the_chart_service_account_reconciles_end_to_end(
     assert event["source"]["component"] == "kvtopo-operator"
     assert event["involvedObject"]["kind"] == "KVTopology"
 
+    # Leader election: the operator holds the Lease it created.
+    held = get_json(cluster, "lease", lease, "-n", env.namespace)["spec"]
+    assert held["holderIdentity"] and held["leaseDurationSeconds"] == 15, held
+
+    # Every granted verb gets used: wait until the audit log shows each (the Lease's update
+    # comes with the first renewal, a retry period after its creation), then stop the
+    # operator, so that the log holds everything it did in its life.
+    granted = env.granted()
+
+    def unused() -> list[tuple[str, str, str]]:
+        seen = without_names({audited(e) for e in operator_requests(cluster, user)})
+        return sorted(without_names(granted) - seen)
+
+    wait_until(
+        lambda: not unused(),
+        AUDIT_TIMEOUT_S,
+        "the audit log to show every granted verb used",
+        interval_s=0.5,
+        describe_last=lambda: f"not used yet: {unused()}\n{env.operator_tail(40)}",
+    )
+    assert env.operator is not None
+    assert launch.stop_process(env.operator, 15) == 0, env.operator_tail(40)
+    # An answered request's audit line is written as its handler returns, which may be a
+    # moment after the client saw the answer.
+    time.sleep(0.5)
+    events = operator_requests(cluster, user)
+    used = {audited(e) for e in events}
+    print_grants(granted, used)
+    others = [e for e in cluster.audit_events(user) if e not in events]
+    own = sorted({audited(e) for e in others if "objectRef" in e})
+    discovery = sum("objectRef" not in e for e in others)
+    print(f"not counted: the test's own kubectl requests {own}, {discovery} discovery GETs")
+    print("the operator's user agents:", sorted({e.get("userAgent", "") for e in events}))
+
+    # Every used verb was granted: no refusal, neither in the audit log nor in its own log.
+    denied_requests = sorted(
+        {audited(e) for e in events if e.get("responseStatus", {}).get("code") == 403}
+    )
+    assert not denied_requests, f"the API server refused the operator {denied_requests}"
     log = env.operator_log.read_text(errors="replace") if env.operator_log else ""
     refused = refusals(log)
     assert not refused, (
@@ -250,3 +354,61 @@ def test_operator_as_the_chart_service_account_reconciles_end_to_end(
         f"something it needs\n{env.operator_tail(60)}"
     )
     assert "Traceback" not in log, env.operator_tail(80)
+    # ... and every granted verb was used: the same (resource, verb) pairs both ways, and
+    # each rule limited to one object name (the Lease's get/update) was used on that object.
+    assert without_names(used) == without_names(granted), (
+        f"granted but never used: {sorted(without_names(granted) - without_names(used))}; "
+        f"used but not granted: {sorted(without_names(used) - without_names(granted))}"
+    )
+    for group, resource, name, verb in granted:
+        if name != "*":
+            names = {n for g, r, n, v in used if (g, r, v) == (group, resource, verb)}
+            assert names == {name}, (group, resource, verb, names)
+    assert {v for _, r, _, v in used if r == "leases"} == {"get", "create", "update"}
+
+
+def print_grants(granted: set[Grant], used: set[Grant]) -> None:
+    """Both sets in the test's output (shown with -s or on failure)."""
+    for title, grants in (("granted", granted), ("used (audit log)", used)):
+        rows = [f"  {g or 'core'} {r} {n} {v}" for g, r, n, v in sorted(grants)]
+        print(f"{title}:", *rows, sep="\n")
+
+
+def check_can_i(cluster: LocalCluster, sa: str, namespace: str, lease: str) -> None:
+    """`kubectl auth can-i` as the ServiceAccount: the trimmed grants, and what stays denied."""
+    n = ("-n", namespace)
+    own_lease = f"leases.coordination.k8s.io/{lease}"
+    allowed: list[tuple[str, ...]] = [
+        ("list", "pods", *n),
+        ("watch", "pods", *n),
+        ("get", "kvtopologies.kvtopo.dev", *n),
+        ("list", "kvtopologies.kvtopo.dev", *n),
+        ("watch", "kvtopologies.kvtopo.dev", *n),
+        ("create", "events", *n),
+        ("create", "leases.coordination.k8s.io", *n),
+        ("get", own_lease, *n),
+        ("update", own_lease, *n),
+    ]
+    for verb, resource, *where in allowed:
+        assert can_i(cluster, sa, verb, resource, *where), (verb, resource)
+    assert can_i(cluster, sa, "patch", "kvtopologies.kvtopo.dev", *n, subresource="status")
+    denied: list[tuple[str, ...]] = [
+        ("get", "secrets", *n),
+        ("list", "secrets", *n),
+        ("get", "pods", *n),
+        ("create", "pods", *n),
+        ("patch", "pods", *n),
+        ("delete", "pods", *n),
+        ("patch", "kvtopologies.kvtopo.dev", *n),
+        ("update", "kvtopologies.kvtopo.dev", *n),
+        ("delete", "kvtopologies.kvtopo.dev", *n),
+        ("patch", "events", *n),
+        ("list", "leases.coordination.k8s.io", *n),
+        ("patch", own_lease, *n),
+        ("delete", own_lease, *n),
+        ("get", "leases.coordination.k8s.io/another-lease", *n),
+    ]
+    for verb, resource, *where in denied:
+        assert not can_i(cluster, sa, verb, resource, *where), (verb, resource)
+    for verb in ("get", "update"):
+        assert not can_i(cluster, sa, verb, "kvtopologies.kvtopo.dev", *n, subresource="status")

@@ -525,14 +525,26 @@ def test_example_deployments_are_selected_by_their_role(deployment: dict[str, An
     [container] = pod["containers"]
     assert container["image"] == "ghcr.io/kvtopo/worker:0.1.0"
     command = container["command"] + container["args"]
-    assert command[:5] == ["kvtopo-worker", "--role", role, "--token-file", "/var/run/kvtopo/token"]
+    assert command[:3] == ["kvtopo-worker", "--role", role]
+    flags = dict(zip(command[3::2], command[4::2], strict=True))
+    # Bound to the pod IP at the control port, with both credentials, told its pod.
+    assert flags["--host"] == "$(POD_IP)" and flags["--port"] == "8975"
     assert {"name": "kvtopo-control", "containerPort": 8975, "protocol": "TCP"} in container[
         "ports"
     ]
-    [mount] = container["volumeMounts"]
-    assert mount["mountPath"] == "/var/run/kvtopo"
-    [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
-    assert volume["secret"]["secretName"] == "kvtopo-worker-token"
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
+    assert env == {
+        "POD_IP": "status.podIP",
+        "KVTOPO_POD_NAMESPACE": "metadata.namespace",
+        "KVTOPO_POD_NAME": "metadata.name",
+        "KVTOPO_POD_UID": "metadata.uid",
+    }
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"]}
+    by_flag = {"--token-file": "kvtopo-worker-token", "--peer-token-file": "kvtopo-peer-token"}
+    for flag, secret in by_flag.items():
+        [volume] = [name for name, s in secrets.items() if s == secret]
+        assert flags[flag] == f"{mounts[volume]}/token", flag
     # Generic for real clusters: nothing of the local kwok drill.
     assert "nodeSelector" not in pod
     assert "tolerations" not in pod

@@ -78,6 +78,13 @@ The worker token Secret: the chart's own ("<fullname>-worker-token") or an exist
 {{- default (printf "%s-worker-token" (include "kvtopo.fullname" .)) .Values.workerToken.existingSecret }}
 {{- end }}
 
+{{/*
+The peer token Secret: the chart's own ("<fullname>-peer-token") or an existing one.
+*/}}
+{{- define "kvtopo.peerTokenSecretName" -}}
+{{- default (printf "%s-peer-token" (include "kvtopo.fullname" .)) .Values.peerToken.existingSecret }}
+{{- end }}
+
 {{- define "kvtopo.peeringName" -}}
 {{- default (include "kvtopo.fullname" .) .Values.peering.name }}
 {{- end }}
@@ -124,26 +131,29 @@ matchExpressions:
 
 {{/*
 The permissions the operator needs, in every namespace it watches (Role) or cluster-wide
-(ClusterRole). Nothing else: no Secrets (the worker token is a mounted file), no writes to
-pods, no nodes.
-  - pods: the engine-pod watch (kopf list + watch; get for single reads).
-  - kvtopologies: kopf's watch; patch is what kopf uses to store its own bookkeeping.
-  - kvtopologies/status: the single status writer (merge patch through the subresource).
-  - events: the operator's and kopf's Events (create; patch aggregates repeats).
+(ClusterRole). Exactly the verbs the operator calls (tests/helm/test_rbac_e2e.py compares
+them with the API server's audit log of a real run), nothing else: no Secrets (the worker
+token is a mounted file), no writes to pods, no nodes.
+  - pods: the engine-pod watch (kopf's list + watch; pods are never read one by one).
+  - kvtopologies: kopf's list + watch; get for the fresh read before each status write.
+    kopf stores nothing on them (only event and index handlers, no finalizers): no patch.
+  - kvtopologies/status: the single status writer (merge patch through the subresource,
+    conditional on the resourceVersion read).
+  - events: the operator's and kopf's Events (always created, never patched).
 */}}
 {{- define "kvtopo.rbacRules" -}}
 - apiGroups: [""]
   resources: [pods]
-  verbs: [get, list, watch]
+  verbs: [list, watch]
 - apiGroups: [kvtopo.dev]
   resources: [kvtopologies]
-  verbs: [get, list, watch, patch]
+  verbs: [get, list, watch]
 - apiGroups: [kvtopo.dev]
   resources: [kvtopologies/status]
-  verbs: [get, patch]
+  verbs: [patch]
 - apiGroups: [""]
   resources: [events]
-  verbs: [create, patch]
+  verbs: [create]
 {{- end }}
 
 {{/*
