@@ -88,7 +88,7 @@ class Fleet:
         self.tasks.add(task)  # held until done, so the loop cannot drop it
         task.add_done_callback(self.tasks.discard)
 
-    def http(self) -> aiohttp.ClientSession:
+    def _http(self) -> aiohttp.ClientSession:
         if self.session is None:
             self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
         return self.session
@@ -103,7 +103,7 @@ class Fleet:
         tokens = self._auth.candidates()
         for i, token in enumerate(tokens):
             headers = {"Authorization": f"Bearer {token}"}
-            async with self.http().request(method, url, json=body, headers=headers) as resp:
+            async with self._http().request(method, url, json=body, headers=headers) as resp:
                 if resp.status == 401 and i + 1 < len(tokens):
                     self.auth_fallbacks += 1
                     continue

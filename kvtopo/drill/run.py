@@ -600,9 +600,10 @@ class Drill:
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
             try:
-                async with self.fleet.http().get(f"http://{prefill.endpoint}/v1/state") as resp:
-                    state = await resp.json()
-            except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+                status, state = await self.fleet.call("GET", f"http://{prefill.endpoint}/v1/state")
+            except (aiohttp.ClientError, TimeoutError, OSError):
+                status, state = 0, None
+            if status != 200 or not isinstance(state, dict):
                 state = {"peers": []}
             for peer in state["peers"]:
                 if peer["engine_id"] == decode_id and peer["transfers_in_flight"] > 0:

@@ -84,3 +84,25 @@ def test_a_frozen_decode_or_a_killed_prefill_at_tp2_breaks_no_invariant(
         assert report[key] == 0, (key, report["offending_requests"])
     assert report["outcome_mismatch"] == 0, report["offending_requests"]["outcome_mismatch"]
     assert report["verified_bytes"] == report["completed"] * 4 * 64 * 1024 * 2
+
+
+@pytest.mark.parametrize("chaos", ["leader-kill", "rotate-credentials"])
+def test_a_killed_leader_or_a_credential_rotation_costs_no_request(
+    tmp_path: Path, chaos: str
+) -> None:
+    # leader-kill: two operator replicas elect on a Lease; the holder is SIGKILLed
+    # mid-rollout and the standby must have every pair connected within the Lease + 5 s.
+    # rotate-credentials: both Secrets change pod by pod (new + old, then new) under traffic.
+    out, report = drill(tmp_path, "--chaos", chaos)
+    assert out.returncode == 0, out.stdout[-3000:]
+    struck = [m["label"] for m in report["marks"] if m["kind"] == "chaos"]
+    for key in ("lost", "false_failures", "duplicate_failure_reports", "corrupted"):
+        assert report[key] == 0, (key, report["offending_requests"])
+    assert report["failed_by_reason"] == {}, "neither fault may fail a request"
+    assert report["stale_peers_at_end"] == 0
+    if chaos == "leader-kill":
+        assert any(label.startswith("SIGKILL the leader") for label in struck), struck
+        (took,) = report["leader_takeover_s"]
+        assert took <= report["lease_s"] + 5, struck
+    else:
+        assert any("old tokens dropped" in label for label in struck), struck

@@ -42,7 +42,10 @@ class Sink:
             def _record(self) -> None:
                 auth = self.headers.get("Authorization", "")
                 sink.requests.append((self.command, self.path, auth))
-                self.send_response(200)
+                # A redirect to a place of the sink's own: a client following it would
+                # show up as a second request.
+                self.send_response(302)
+                self.send_header("Location", f"http://127.0.0.1:{sink.port}/redirected")
                 self.end_headers()
                 self.wfile.write(b"sink")
 
@@ -159,12 +162,12 @@ def test_a_worker_refuses_to_fetch_from_an_endpoint_that_is_not_ip_port(
         status, body = w.call("PUT", "/v1/peers/p-evil", {"endpoint": endpoint, "role": "prefill"})
         assert status == 400 and "endpoint refused" in body["message"], (endpoint, body)
     assert sink.requests == []
-    # A well-formed endpoint that is not a worker (the sink) is dialled, refuses to be one,
-    # and no redirect or error body gets the worker anywhere else.
+    # A well-formed endpoint that is not a worker (the sink) is dialled once: its redirect is
+    # not followed, and the handshake fails saying so.
     status, body = w.call(
         "PUT", "/v1/peers/p-evil", {"endpoint": f"127.0.0.1:{sink.port}", "role": "prefill"}
     )
-    assert status == 502, body
+    assert status == 502 and "HTTP 302" in body["message"], body
     assert [(m, p) for m, p, _ in sink.requests] == [("GET", "/v1/metadata?rank=0")]
 
 

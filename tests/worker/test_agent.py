@@ -25,7 +25,13 @@ from hypothesis import strategies as st
 from kvtopo_worker.agent import ControlServer, LocalEngine
 from kvtopo_worker.credentials import TokenSource
 from kvtopo_worker.metrics import WorkerMetrics
-from kvtopo_worker.protocol import CompatInfo, EngineMetadata, Envelope, compat_hash
+from kvtopo_worker.protocol import (
+    CompatInfo,
+    EngineMetadata,
+    Envelope,
+    PodIdentity,
+    compat_hash,
+)
 from kvtopo_worker.registry import EngineRegistry
 from tests.worker.fakes import FakeTransport, MetadataPeer
 
@@ -49,6 +55,8 @@ def make_node(
     model_id: str = "m",
     token: str | TokenSource = TOKEN,
     peer_token: TokenSource | None = None,
+    pod: PodIdentity | None = None,
+    incarnation: str = "",
 ) -> Node:
     """An in-process worker control API over a fake transport; `token` is its operator
     credential (a token or a source), `peer_token` its peer credential (default: the same)."""
@@ -65,6 +73,8 @@ def make_node(
         block_len=64,
         compat=compat,
         compat_hash=compat_hash(compat),
+        pod=pod,
+        incarnation=incarnation,
     )
     server = ControlServer(
         engine=LocalEngine(engine_id, role, meta, time.time()),  # type: ignore[arg-type]
@@ -392,3 +402,39 @@ def test_a_peer_that_answers_an_endless_error_body_fails_the_handshake_promptly(
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
         serving.join(5)
+
+
+def test_a_peer_must_be_the_pod_and_process_the_operator_names() -> None:
+    """The operator tells a worker which pod uid and incarnation a peer it adds must have:
+    metadata from another pod or another process is refused, and a peer held under an older
+    incarnation has its agents replaced."""
+    pod = PodIdentity(namespace="ns", name="p0", uid="uid-p0")
+    p = make_node("pre-id", "prefill", pod=pod, incarnation="boot-1")
+    d = make_node("dec-id", "decode")
+    try:
+        url = f"{d.url}/v1/peers/pre-id"
+        body = {"endpoint": p.server.endpoint, "role": "prefill"}
+        for wrong in ({"pod_uid": "uid-other"}, {"incarnation": "boot-0"}):
+            status, answer = call("PUT", url, {**body, **wrong})
+            assert status == 409 and "not" in str(answer["message"]), (wrong, answer)
+        assert "pre-id" not in d.registry
+        status, answer = call("PUT", url, {**body, "pod_uid": "uid-p0", "incarnation": "boot-1"})
+        assert (status, answer["result"]) == (200, "added"), answer
+        assert d.registry.incarnation("pre-id") == "boot-1"
+        state = call("GET", f"{p.url}/v1/state")[1]
+        assert state["incarnation"] == "boot-1" and state["pod"]["uid"] == "uid-p0"
+    finally:
+        p.server.stop()
+    # The prefill restarts under the same engine id: a new process at a new endpoint.
+    p2 = make_node("pre-id", "prefill", pod=pod, incarnation="boot-2")
+    try:
+        body = {"endpoint": p2.server.endpoint, "role": "prefill", "incarnation": "boot-2"}
+        status, answer = call("PUT", f"{d.url}/v1/peers/pre-id", body)
+        assert (status, answer["result"]) == (200, "added"), answer
+        assert d.registry.incarnation("pre-id") == "boot-2"
+        assert d.transport.removed, "the old incarnation's agent was torn down"
+        metrics = d.server.metrics
+        assert metrics.evictions_total.labels("evicted")._value.get() == 1
+    finally:
+        p2.server.stop()
+        d.server.stop()
