@@ -4,15 +4,19 @@ Owns the pydantic models of the custom resource, the condition types and reasons
 states and the closed set of failure types the status counts. The CRD schema
 (`crds/kvtopology.yaml`, `kvtopo crds`) is generated from these models; CEL rules, bounds and
 printer columns ride along in `json_schema_extra`. Field names are camelCase on the wire.
+Also owns reading objects tolerantly (`read_tolerant`): what a newer CRD or operator wrote
+and this version does not know is ignored and reported, never a reason to skip a topology
+or to forget its status.
 Imported by every other operator layer; imports nothing of kubernetes, kopf, nixl or torch.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any, Literal
+import types
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
 GROUP = "kvtopo.dev"
@@ -169,7 +173,36 @@ class RoleSpec(_Model):
     )
 
 
-Backend = Literal["UCX", "GDS", "POSIX", "LIBFABRIC", "MOONCAKE"]
+# What the workers implement. The enums keep the other names (NIXL's backends, the pull
+# mode) so that a CEL rule, not a bare "Unsupported value", says they are not implemented
+# (an enum violation stops the API server before any CEL rule runs), and so that objects
+# stored before the rules existed still read.
+SUPPORTED_MODE = "push"
+SUPPORTED_BACKEND = "UCX"
+PULL_REFUSED = (
+    "pull is not implemented: push (the prefill writes KV blocks into the decode's memory) "
+    "is the only transfer mode"
+)
+BACKEND_REFUSED = (
+    "is not implemented: the workers create their NIXL agents with UCX, the only backend "
+    "they support"
+)
+
+Backend = Annotated[
+    Literal["UCX", "GDS", "POSIX", "LIBFABRIC", "MOONCAKE"],
+    Field(
+        json_schema_extra={
+            "maxLength": 16,  # bounds the CEL cost of the message below
+            **_cel(
+                {
+                    "rule": f"self == '{SUPPORTED_BACKEND}'",
+                    "message": f"this backend {BACKEND_REFUSED}",
+                    "messageExpression": f"'backend ' + self + ' {BACKEND_REFUSED}'",
+                }
+            ),
+        }
+    ),
+]
 
 
 def _default_backends() -> list[Backend]:
@@ -178,13 +211,17 @@ def _default_backends() -> list[Backend]:
 
 class TransferSpec(_Model):
     mode: Literal["push", "pull"] = Field(
-        default="push", description="push: prefill writes KV blocks to decode; pull: decode reads."
+        default="push",
+        description="push (the only mode implemented): the prefill engine writes the KV blocks "
+        "into the decode engine's memory. pull is refused.",
+        json_schema_extra=_cel({"rule": f"self == '{SUPPORTED_MODE}'", "message": PULL_REFUSED}),
     )
     backends: list[Backend] = Field(
         default_factory=_default_backends,
         min_length=1,
         max_length=4,
-        description="NIXL backends, in order of preference; no duplicates.",
+        description="NIXL backends, in order of preference; no duplicates. Only UCX is "
+        "implemented (the workers create their NIXL agents with it); the others are refused.",
         json_schema_extra={"x-kubernetes-list-type": "set"},
     )
 
@@ -203,7 +240,12 @@ class PairingSpec(_Model):
 
 class HandshakeSpec(_Model):
     timeout_seconds: int = Field(
-        default=5, ge=1, le=60, description="Deadline of one NIXL handshake."
+        default=5,
+        ge=1,
+        le=60,
+        description="Deadline of one handshake: the operator sends it with every batch of "
+        "peers it asks a worker to add, and the worker bounds each peer's metadata fetch and "
+        "NIXL agent add by it (instead of its own default).",
     )
     max_concurrent: int = Field(
         default=64, ge=1, le=1024, description="Handshakes the operator drives at once."
@@ -223,7 +265,10 @@ class EvictionSpec(_Model):
         ge=0,
         le=86400,
         alias="idleTTLSeconds",
-        description="In-worker idle backstop (vLLM's engine_ttl); 0 turns it off.",
+        description="In-worker idle backstop (vLLM's engine_ttl): a worker evicts a peer "
+        "that carried no transfer for this long (one the topology still pairs is added back "
+        "at the operator's next round). The operator sets it on every worker it manages, "
+        "overriding the worker's --idle-ttl; 0 turns it off.",
     )
 
 
@@ -277,6 +322,7 @@ class Reason(enum.StrEnum):
     WORKER_UNREACHABLE = "WorkerUnreachable"
     ENDPOINT_REFUSED = "EndpointRefused"
     IDENTITY_MISMATCH = "IdentityMismatch"
+    INVALID_SPEC = "InvalidSpec"
     HEALTHY = "Healthy"
     FIRST_RECONCILE = "FirstReconcile"
 
@@ -486,3 +532,87 @@ class KVTopology(_Model):
 def dump(model: BaseModel) -> dict[str, Any]:
     """The wire form: camelCase keys, no Nones."""
     return model.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+# --- tolerant reading ----------------------------------------------------------------------
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    """The model class an annotation names (directly or as `Model | None`), else None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if get_origin(annotation) in (Union, types.UnionType):
+        models = [a for a in get_args(annotation) if _model_of(a) is not None]
+        return models[0] if len(models) == 1 else None
+    return None
+
+
+def _prune(model: type[BaseModel], data: Any, path: str, dropped: list[str]) -> Any:
+    """`data` without the keys `model` does not know (recursively through nested models and
+    lists of them); the paths of what was dropped are appended to `dropped`."""
+    if not isinstance(data, dict):
+        return data
+    known: dict[str, Any] = {}
+    for name, info in model.model_fields.items():
+        known[name] = info.annotation
+        if info.alias:
+            known[info.alias] = info.annotation
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in known:
+            dropped.append(f"{path}.{key}")
+            continue
+        annotation = known[key]
+        inner = _model_of(annotation)
+        if inner is not None:
+            out[key] = _prune(inner, value, f"{path}.{key}", dropped)
+        elif get_origin(annotation) is list and isinstance(value, list):
+            (item,) = get_args(annotation) or (Any,)
+            item_model = _model_of(item)
+            out[key] = [
+                _prune(item_model, v, f"{path}.{key}[{i}]", dropped) if item_model else v
+                for i, v in enumerate(value)
+            ]
+        else:
+            out[key] = value
+    return out
+
+
+def read_tolerant(
+    model: type[M], data: Any, path: str = "", *, drop_invalid: bool = True
+) -> tuple[M, list[str]]:
+    """Reads what a newer CRD or a newer operator may have written: fields this version does
+    not know are ignored, and (`drop_invalid`) a list item or an optional field that does not
+    validate (say an engine state added later) is left out, so the rest is kept; what was
+    ignored is said in the returned list (JSON paths). Raises pydantic's ValidationError when
+    what is left does not validate. A spec is read without `drop_invalid`: a value this
+    operator cannot act on makes the spec invalid, never silently the default."""
+    dropped: list[str] = []
+    pruned = _prune(model, data if data is not None else {}, path, dropped)
+    try:
+        return model.model_validate(pruned), dropped
+    except ValidationError:
+        if not drop_invalid or not isinstance(pruned, dict):
+            raise
+    # Leave out what does not validate: a list item, or an optional field, at a time.
+    required = {
+        (info.alias or name) for name, info in model.model_fields.items() if info.is_required()
+    }
+    for _ in range(64):
+        try:
+            return model.model_validate(pruned), dropped
+        except ValidationError as exc:
+            loc = exc.errors()[0]["loc"]
+            key = str(loc[0]) if loc else ""
+            value = pruned.get(key)
+            if len(loc) >= 2 and isinstance(value, list) and isinstance(loc[1], int):
+                dropped.append(f"{path}.{key}[{loc[1]}]")
+                pruned = {**pruned, key: [v for i, v in enumerate(value) if i != loc[1]]}
+            elif key in pruned and key not in required:
+                dropped.append(f"{path}.{key}")
+                pruned = {k: v for k, v in pruned.items() if k != key}
+            else:
+                raise
+    return model.model_validate(pruned), dropped

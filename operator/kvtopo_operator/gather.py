@@ -105,6 +105,15 @@ class WorkerViews:
                 ),
             )
 
+    def view(self, pod: str) -> Seen | None:
+        """The last view of the worker of `pod` (None when it was never read)."""
+        entry = self._entries.get(pod)
+        return entry.view if entry is not None else None
+
+    def idle_ttl_set(self, pod: str, idle_ttl_s: float) -> None:
+        """The worker of `pod` answered that its idle TTL is now `idle_ttl_s`."""
+        self._update(pod, lambda v: dataclasses.replace(v, idle_ttl_s=idle_ttl_s))
+
     def mark_dirty(self, pod: str) -> None:
         """A call to the worker of `pod` failed: read it again next round."""
         entry = self._entries.get(pod)

@@ -200,6 +200,9 @@ async def topology_changed(**kwargs: Any) -> None:
     if reconciler is None or not _state.get("leading"):
         return
     if kwargs["type"] == "DELETED":
+        # Deleting a KVTopology stops its management; its engines keep their connections
+        # (docs/install.md, "Deleting a KVTopology").
         reconciler.forget(key)
+        log.info("%s/%s: deleted; its engines are left as they are", *key)
     else:
         reconciler.ensure(key, generation)

@@ -3,9 +3,10 @@
 Owns `evaluate()`: which prefill/decode pairs must be connected, which engines are gone
 (pod deleted, not Ready, replaced, or restarted with a new engine id), when a gone engine
 is evicted from its peers (after `eviction.graceSeconds`), which pairs are incompatible,
-how worker failure counters accumulate into totals that survive restarts, and the whole
-status (conditions, summary, engines). No I/O, no clock of its own: the same observed state
-and time always give the same plan. Called by `kvtopo_operator.reconcile`.
+which workers' idle TTL differs from `eviction.idleTTLSeconds`, how worker failure counters
+accumulate into totals that survive restarts, and the whole status (conditions, summary,
+engines). No I/O, no clock of its own: the same observed state and time always give the
+same plan. Called by `kvtopo_operator.reconcile`.
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ class WorkerView:
     incarnation: str = ""  # the worker process's boot id
     pod_uid: str = ""  # the pod uid the worker says it runs in ("" when it does not say)
     peer_incarnations: Mapping[str, str] = field(default_factory=dict)  # held peer -> its
+    # The worker's settings; None from a worker that predates them (it must not be sent them).
+    handshake_timeout_s: float | None = None  # its default; it takes one per batch
+    idle_ttl_s: float | None = None  # its idle-TTL backstop (0: off); PUT /v1/settings
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,15 @@ class Eviction:
     engine_id: str
 
 
+@dataclass(frozen=True, order=True)
+class SetIdleTTL:
+    """Set the idle-TTL backstop of the worker at `endpoint` (pod `pod`) to `idle_ttl_s`."""
+
+    pod: str
+    endpoint: str
+    idle_ttl_s: float
+
+
 @dataclass(frozen=True)
 class Event:
     type: str  # "Normal" | "Warning"
@@ -133,6 +146,7 @@ class Plan:
     expected_pairs: frozenset[tuple[str, str]]
     connected_pairs: frozenset[tuple[str, str]]
     wake_in_s: float | None = None  # when the next eviction falls due, if one is waiting
+    idle_ttls: tuple[SetIdleTTL, ...] = ()  # workers whose idle TTL differs from the spec's
 
 
 # --- helpers -----------------------------------------------------------------------------
@@ -552,6 +566,13 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
         engines=engines,
         failures=Failures(counts=counts, last=last),
     )
+    # Settings: eviction.idleTTLSeconds on every usable worker that reports another value.
+    ttl = float(spec.eviction.idle_ttl_seconds)
+    idle_ttls = [
+        SetIdleTTL(e.pod.name, e.pod.endpoint, ttl)
+        for e in live.values()
+        if e.worker.idle_ttl_s is not None and e.worker.idle_ttl_s != ttl
+    ]
     return Plan(
         handshakes=tuple(sorted(handshakes)),
         evictions=tuple(sorted(evictions)),
@@ -560,7 +581,36 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
         expected_pairs=frozenset(expected),
         connected_pairs=frozenset(connected),
         wake_in_s=min(due_in) if due_in else None,
+        idle_ttls=tuple(sorted(idle_ttls)),
     )
+
+
+def invalid_spec(
+    previous: KVTopologyStatus, generation: int, message: str, now: datetime
+) -> tuple[KVTopologyStatus, tuple[Event, ...]]:
+    """The status of a topology whose spec this operator cannot read (a CRD of another
+    version let it through): the conditions say so (Ready=False, Progressing=False,
+    Degraded=True, reason InvalidSpec) and everything else is kept as it was (engines,
+    counters): nothing is decided or done until the spec is fixed. An Event on the way in."""
+    prev = {c.type.value: c for c in previous.conditions}
+    text = f"the spec cannot be read by this operator: {message}"
+    conditions = [
+        _condition(prev, ConditionType.READY, "False", Reason.INVALID_SPEC, text, generation, now),
+        _condition(
+            prev, ConditionType.PROGRESSING, "False", Reason.INVALID_SPEC, text, generation, now
+        ),
+        _condition(
+            prev, ConditionType.DEGRADED, "True", Reason.INVALID_SPEC, text, generation, now
+        ),
+    ]
+    was = prev.get(ConditionType.DEGRADED.value)
+    events: tuple[Event, ...] = ()
+    if was is None or was.reason != Reason.INVALID_SPEC.value:
+        events = (Event("Warning", Reason.INVALID_SPEC.value, text[:1024]),)
+    status = previous.model_copy(
+        update={"observed_generation": generation, "conditions": conditions}
+    )
+    return status, events
 
 
 def record_operator_failures(

@@ -18,10 +18,17 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 from pydantic import ValidationError
 
-from kvtopo_operator.api import KVTopologySpec, KVTopologyStatus, LastFailure, dump
+from kvtopo_operator.api import (
+    KVTopologySpec,
+    KVTopologyStatus,
+    LastFailure,
+    dump,
+    read_tolerant,
+)
 from kvtopo_operator.gather import WorkerViews
 from kvtopo_operator.kube import KubeClient
 from kvtopo_operator.logic import (
@@ -31,7 +38,10 @@ from kvtopo_operator.logic import (
     Observed,
     Plan,
     PodView,
+    SetIdleTTL,
+    WorkerView,
     evaluate,
+    invalid_spec,
     pods_of,
     record_operator_failures,
     rfc3339,
@@ -63,6 +73,7 @@ class _Loop:
     generation: int = -1
     failed_rounds: int = 0
     connected_at: dict[str, float] = field(default_factory=dict)
+    ignored: list[str] = field(default_factory=list)  # unknown fields last reported
 
 
 class Reconciler:
@@ -161,15 +172,28 @@ class Reconciler:
             return False, None
         generation = int(body["metadata"].get("generation", 0))
         loop.generation = generation
+        # Read tolerantly: what a newer CRD or operator wrote and this one does not know is
+        # ignored (and logged once), never a reason to skip the topology or forget its status.
         try:
-            spec = KVTopologySpec.model_validate(body.get("spec") or {})
+            previous, ignored = read_tolerant(KVTopologyStatus, body.get("status"), ".status")
+        except ValidationError as exc:  # nothing of it could be kept
+            log.warning("%s/%s: the status cannot be read, starting afresh: %s", *key, exc)
+            previous, ignored = KVTopologyStatus(), [".status"]
+        try:
+            spec, ignored_spec = read_tolerant(
+                KVTopologySpec, body.get("spec"), ".spec", drop_invalid=False
+            )
         except ValidationError as exc:
-            log.error("%s/%s has a spec the CRD should have refused: %s", namespace, name, exc)
+            await self._invalid_spec(key, body, previous, generation, exc)
             return False, None
-        try:
-            previous = KVTopologyStatus.model_validate(body.get("status") or {})
-        except ValidationError:
-            previous = KVTopologyStatus()
+        ignored = ignored_spec + ignored
+        if ignored and ignored != loop.ignored:
+            log.warning(
+                "%s/%s: ignoring fields this operator does not know: %s",
+                *key,
+                ", ".join(ignored[:20]),
+            )
+        loop.ignored = ignored
 
         pods = pods_of(spec, self.pods(namespace, spec.control_port))
         sem = asyncio.Semaphore(spec.handshake.max_concurrent)
@@ -200,6 +224,26 @@ class Reconciler:
         self._observe(key, loop, plan, pods, time.monotonic() - started)
         return acted, plan.wake_in_s
 
+    async def _invalid_spec(
+        self,
+        key: TopologyKey,
+        body: dict[str, Any],
+        previous: KVTopologyStatus,
+        generation: int,
+        exc: ValidationError,
+    ) -> None:
+        """A spec this operator cannot read: say so in the conditions (and an Event), keep
+        everything else, act on nothing."""
+        problems = "; ".join(
+            f"spec.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:5]
+        )
+        status, events = invalid_spec(previous, generation, problems, self.clock())
+        if dump(status) != dump(previous):
+            await self.kube.patch_status(*key, dump(status), body["metadata"]["resourceVersion"])
+        for event in events:
+            await self.kube.record_event(body, event.type, event.reason, event.message)
+        log.error("%s/%s: %s", *key, problems)
+
     async def _act(
         self,
         plan: Plan,
@@ -209,7 +253,9 @@ class Reconciler:
         now: datetime,
     ) -> tuple[bool, list[Event], list[tuple[str, LastFailure]]]:
         """Makes the plan's handshakes and evictions: one call per worker (a batch of its
-        adds and evictions), at most `sem` at once; records each outcome in `views`."""
+        adds and evictions, the adds bounded by `call_timeout`, the handshake deadline), and
+        sets the idle TTL of the workers the plan names, at most `sem` calls at once; records
+        each outcome in `views`."""
         events: list[Event] = []
         failures: list[tuple[str, LastFailure]] = []
         by_worker: dict[tuple[str, str], tuple[list[Handshake], list[Eviction]]] = {}
@@ -254,8 +300,12 @@ class Reconciler:
             return False
 
         async def one_worker(
-            endpoint: str, adds: list[Handshake], evicts: list[Eviction]
+            pod: str, endpoint: str, adds: list[Handshake], evicts: list[Eviction]
         ) -> list[bool]:
+            # The batch's handshake deadline goes only to a worker that reports one (an
+            # older worker refuses the field, and keeps its own default).
+            view = views.view(pod)
+            takes_deadline = isinstance(view, WorkerView) and view.handshake_timeout_s is not None
             done: list[bool] = []
             items: list[Handshake | Eviction] = [*adds, *evicts]
             for start in range(0, len(items), BATCH_LIMIT):
@@ -277,13 +327,29 @@ class Reconciler:
                         ],
                         [e.engine_id for e in ev_part],
                         call_timeout,
+                        handshake_timeout_s=call_timeout if takes_deadline else None,
                     )
                 done.extend(handshake_done(h, results[("add", h.peer_engine_id)]) for h in add_part)
                 done.extend(eviction_done(e, results[("evict", e.engine_id)]) for e in ev_part)
             return done
 
-        results = await asyncio.gather(
-            *(one_worker(ep, adds, evicts) for (_, ep), (adds, evicts) in by_worker.items())
+        async def set_idle_ttl(change: SetIdleTTL) -> None:
+            async with sem:
+                res = await self.workers.set_idle_ttl(
+                    change.endpoint, change.idle_ttl_s, call_timeout
+                )
+            if res.ok:
+                views.idle_ttl_set(change.pod, change.idle_ttl_s)
+                log.info("%s: idle TTL set to %gs", change.pod, change.idle_ttl_s)
+            else:
+                views.mark_dirty(change.pod)
+                log.warning("%s: setting the idle TTL: %s", change.pod, res.message)
+
+        results, _ = await asyncio.gather(
+            asyncio.gather(
+                *(one_worker(*key, adds, evicts) for key, (adds, evicts) in by_worker.items())
+            ),
+            asyncio.gather(*map(set_idle_ttl, plan.idle_ttls)),
         )
         return any(ok for worker in results for ok in worker), events, failures
 

@@ -1,14 +1,14 @@
 """The operator's client for the worker control API (`kvtopo_worker.agent`).
 
 Owns the HTTP calls the operator makes to engine pods: read `/v1/state`, and add and evict
-peers, all of one worker's in one call (`PATCH /v1/peers`), each with the operator
-credential, a timeout and a shared connection pool. Only endpoints that are ip:port are
-dialled (`kvtopo_worker.endpoints`), no redirect is followed, and answers are read up to a
-bound. Decodes answers with the worker's wire protocol (`kvtopo_worker.protocol`, which
-imports neither torch nor nixl) and reads the credential as the worker does
-(`kvtopo_worker.credentials`: a file that holds no token fails the call, naming the file;
-during a rotation a call refused with the current token is retried once with the previous
-one). Called by `reconcile`.
+peers, all of one worker's in one call (`PATCH /v1/peers`), and set its idle TTL (`PUT
+/v1/settings`), each with the operator credential, a timeout and a shared connection pool.
+Only endpoints that are ip:port are dialled (`kvtopo_worker.endpoints`), no redirect is
+followed, and answers are read up to a bound. Decodes answers with the worker's wire
+protocol (`kvtopo_worker.protocol`, which imports neither torch nor nixl) and reads the
+credential as the worker does (`kvtopo_worker.credentials`: a file that holds no token
+fails the call, naming the file; during a rotation a call refused with the current token is
+retried once with the previous one). Called by `reconcile`.
 """
 
 from __future__ import annotations
@@ -24,12 +24,70 @@ from kvtopo_worker.credentials import TokenError, TokenSource
 from kvtopo_worker.endpoints import EndpointError, parse_endpoint
 from kvtopo_worker.protocol import (
     PEER_BATCH_CONCURRENCY,
-    ErrorBody,
     PeerAddItem,
     PeerChanges,
-    PeerChangesResult,
-    WorkerState,
+    WorkerSettings,
 )
+
+# --- what the operator reads of workers' answers ---------------------------------------------
+# Tolerant views of the worker's wire types: only the fields the operator uses, with open
+# strings where the worker has enums (a newer worker may count a failure type this operator
+# has never heard of), and unknown fields ignored. A newer worker is read, never called
+# unreachable for saying more. (The worker's own types stay strict for what it accepts.)
+
+
+class _FailureView(msgspec.Struct, frozen=True):
+    time: float
+    type: str
+    request_id: str = ""
+    engine_id: str = ""
+    message: str = ""
+
+
+class _PodView(msgspec.Struct, frozen=True):
+    uid: str = ""
+
+
+class _PeerView(msgspec.Struct, frozen=True):
+    engine_id: str
+    eviction_pending: bool = False
+    incarnation: str = ""
+
+
+class _StateView(msgspec.Struct, frozen=True):
+    engine_id: str
+    role: str
+    compat_hash: str
+    peers: list[_PeerView] = []
+    failures: dict[str, int] = {}
+    last_failure: _FailureView | None = None
+    incarnation: str = ""
+    pod: _PodView | None = None
+    handshake_timeout_s: float | None = None  # None: predates the per-batch deadline
+    idle_ttl_s: float | None = None  # None: predates PUT /v1/settings
+
+
+class _SettingsView(msgspec.Struct, frozen=True):
+    idle_ttl_s: float | None = None
+
+
+class _OutcomeView(msgspec.Struct, frozen=True):
+    engine_id: str
+    op: str
+    status: int
+    result: str = ""
+    error: str = ""
+    message: str = ""
+
+
+class _ChangesView(msgspec.Struct, frozen=True):
+    results: list[_OutcomeView]
+
+
+class _ErrorView(msgspec.Struct, frozen=True):
+    error: str = ""
+    message: str = ""
+
 
 MAX_STATE_BYTES = 64 << 20
 """The most of a worker's answer the operator reads (a worker holding a thousand peers
@@ -123,7 +181,7 @@ class WorkerClient:
                 return WorkerUnreachable(f"HTTP {status}: {body[:200]!r}")
             if len(body) > MAX_STATE_BYTES:
                 return WorkerUnreachable(f"state answer exceeds {MAX_STATE_BYTES} bytes")
-            st = msgspec.json.decode(body, type=WorkerState)
+            st = msgspec.json.decode(body, type=_StateView)
         except EndpointError as exc:
             return WorkerUnreachable(f"endpoint refused: {exc}")
         except TokenError as exc:
@@ -140,10 +198,12 @@ class WorkerClient:
             failures=dict(st.failures),
             last_failure=None
             if lf is None
-            else FailureView(lf.time, lf.type.value, lf.request_id, lf.engine_id, lf.message),
+            else FailureView(lf.time, lf.type, lf.request_id, lf.engine_id, lf.message),
             incarnation=st.incarnation,
             pod_uid=st.pod.uid if st.pod is not None else "",
             peer_incarnations={p.engine_id: p.incarnation for p in st.peers},
+            handshake_timeout_s=st.handshake_timeout_s,
+            idle_ttl_s=st.idle_ttl_s,
         )
 
     async def change_peers(
@@ -152,10 +212,13 @@ class WorkerClient:
         adds: list[PeerAdd],
         evicts: list[str],
         timeout_s: float,
+        handshake_timeout_s: float | None = None,
     ) -> dict[tuple[str, str], CallResult]:
         """Adds peers and evicts peers (engine id) on one worker in one call; the result of
         each, keyed by ("add" | "evict", engine id). A failed call fails every item with its
-        reason."""
+        reason. `handshake_timeout_s`, when set and there are adds, is sent as the batch's
+        handshake deadline (only to a worker whose state reports one: an older worker
+        refuses the field)."""
         body = msgspec.json.encode(
             PeerChanges(
                 add=[
@@ -169,6 +232,7 @@ class WorkerClient:
                     for a in adds
                 ],
                 evict=evicts,
+                handshake_timeout_s=handshake_timeout_s if adds else None,
             )
         )
         keys = [("add", a.engine_id) for a in adds] + [("evict", e) for e in evicts]
@@ -188,7 +252,7 @@ class WorkerClient:
             failed = CallResult(False, status, _error_message(data))
             return dict.fromkeys(keys, failed)
         try:
-            answer = msgspec.json.decode(data, type=PeerChangesResult)
+            answer = msgspec.json.decode(data, type=_ChangesView)
         except msgspec.DecodeError as exc:
             return dict.fromkeys(keys, CallResult(False, 502, f"bad batch answer: {exc}"))
         out: dict[tuple[str, str], CallResult] = {}
@@ -200,10 +264,33 @@ class WorkerClient:
             out.setdefault(key, CallResult(False, 502, "the worker's answer left it out"))
         return out
 
+    async def set_idle_ttl(self, endpoint: str, idle_ttl_s: float, timeout_s: float) -> CallResult:
+        """Sets the worker's idle-TTL backstop (`PUT /v1/settings`); ok once the worker
+        answers that it holds `idle_ttl_s`."""
+        body = msgspec.json.encode(WorkerSettings(idle_ttl_s=idle_ttl_s))
+        try:
+            url = parse_endpoint(endpoint).url("/v1/settings")
+            status, data = await self._call("PUT", url, timeout_s, body)
+        except EndpointError as exc:
+            return CallResult(False, 0, f"endpoint refused: {exc}")
+        except TokenError as exc:
+            return CallResult(False, 0, str(exc)[:300])
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            return CallResult(False, 0, f"{type(exc).__name__}: {exc}"[:300])
+        if status != 200:
+            return CallResult(False, status, _error_message(data))
+        try:
+            answer = msgspec.json.decode(data, type=_SettingsView)
+        except msgspec.DecodeError as exc:
+            return CallResult(False, 502, f"bad settings answer: {exc}")
+        if answer.idle_ttl_s != idle_ttl_s:
+            return CallResult(False, 502, f"the worker holds idle_ttl_s {answer.idle_ttl_s}")
+        return CallResult(True, status, "")
+
 
 def _error_message(data: bytes) -> str:
     try:
-        err = msgspec.json.decode(data, type=ErrorBody)
+        err = msgspec.json.decode(data, type=_ErrorView)
         return f"{err.error}: {err.message}"
     except msgspec.DecodeError:
         return data[:300].decode(errors="replace")

@@ -261,3 +261,31 @@ def test_operator_help_mentions_scope() -> None:
     assert (
         out.returncode == 0 and "--namespace" in out.stdout and "--worker-token-file" in out.stdout
     )
+
+
+def test_deleting_a_topology_leaves_its_engines_connected(env: Env) -> None:
+    """The documented behaviour (docs/install.md, "Deleting a KVTopology"): the operator
+    stops managing the engines and leaves their connections as they are; engines that go
+    afterwards are no longer evicted by kvtopo (their workers' idle TTL is the backstop)."""
+    env.pod("p0", "prefill", env.worker("prefill"))
+    env.pod("d0", "decode", env.worker("decode"))
+    env.pod("d1", "decode", env.worker("decode"))
+    env.topology()
+    env.start_operator()
+    env.wait("connected", lambda: env.status().get("summary", {}).get("pairs") == "2/2")
+    p0 = env.workers["p0"]
+    env.cluster.kubectl("delete", "kvt", "llama", "-n", env.namespace, "--wait=true")
+    gone = env.workers["d1"].engine_id
+    env.delete_pod("d1")
+    # The operator notices the deletion (its log) and from then on acts on nothing.
+    env.wait(
+        "the operator forgot the topology",
+        lambda: f"{env.namespace}/llama: deleted" in env.operator_tail(200),
+    )
+    # Absence of an action has no event to wait on: poll the real state through the
+    # deleted engine's grace and well beyond; it must stay held all along.
+    held = {env.workers["d0"].engine_id, gone}
+    deadline = time.monotonic() + GRACE + 4
+    while time.monotonic() < deadline:
+        assert peers(p0) == held, "nothing evicted, nothing added after the deletion"
+        time.sleep(0.25)

@@ -399,9 +399,18 @@ def test_spec_requires_roles_and_carries_the_cel_rules(openapi: dict[str, Any]) 
     assert pairing["x-kubernetes-list-type"] == "set"
     assert pairing["items"]["maxLength"] == 317
     assert "self.matches(" in pairing["items"]["x-kubernetes-validations"][0]["rule"]
-    assert (
-        spec["properties"]["transfer"]["properties"]["backends"]["x-kubernetes-list-type"] == "set"
-    )
+    transfer = spec["properties"]["transfer"]["properties"]
+    assert transfer["backends"]["x-kubernetes-list-type"] == "set"
+    # Only what the workers implement: the enums keep the other names, CEL rules refuse them.
+    assert transfer["mode"]["enum"] == ["push", "pull"]
+    [push_only] = transfer["mode"]["x-kubernetes-validations"]
+    assert push_only["rule"] == "self == 'push'"
+    assert push_only["message"].startswith("pull is not implemented")
+    backend = transfer["backends"]["items"]
+    assert backend["enum"] == ["UCX", "GDS", "POSIX", "LIBFABRIC", "MOONCAKE"]
+    [ucx_only] = backend["x-kubernetes-validations"]
+    assert ucx_only["rule"] == "self == 'UCX'" and backend["maxLength"] == 16
+    assert "' is not implemented: the workers" in ucx_only["messageExpression"]
     conditions = openapi["properties"]["status"]["properties"]["conditions"]
     assert conditions["x-kubernetes-list-type"] == "map"
     assert conditions["x-kubernetes-list-map-keys"] == ["type"]
@@ -426,6 +435,20 @@ def test_schema_defaults_agree_with_pydantic(openapi: dict[str, Any]) -> None:
     assert drop_empty(defaulted) == drop_empty(dump(KVTopologySpec.model_validate(minimal)))
     status_schema = openapi["properties"]["status"]
     assert drop_empty(apply_defaults(status_schema, {})) == drop_empty(dump(KVTopologyStatus()))
+
+
+def test_the_models_still_read_values_the_crd_now_refuses() -> None:
+    # The rules refusing pull and other backends are the CRD's (CEL), as are the label
+    # syntax and distinct-selector rules: an object stored before them (and kept through
+    # updates by validation ratcheting) still reads, and is reconciled as it always was.
+    spec = KVTopologySpec.model_validate(
+        {
+            "prefill": {"selector": {"matchLabels": {ROLE_LABEL: "prefill"}}},
+            "decode": {"selector": {"matchLabels": {ROLE_LABEL: "decode"}}},
+            "transfer": {"mode": "pull", "backends": ["GDS", "UCX"]},
+        }
+    )
+    assert (spec.transfer.mode, spec.transfer.backends) == ("pull", ["GDS", "UCX"])
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -21,6 +22,7 @@ from kvtopo_operator.logic import (
     Handshake,
     Observed,
     PodView,
+    SetIdleTTL,
     WorkerUnreachable,
     WorkerView,
     evaluate,
@@ -371,3 +373,23 @@ def test_the_plan_says_when_the_next_eviction_falls_due() -> None:
     later = evaluate(observe(pods2, workers2, plan.status), T0 + timedelta(seconds=7.5))
     assert later.wake_in_s == pytest.approx(3.5) and later.evictions == ()
     assert evaluate(observe(pods, workers), T0).wake_in_s is None
+
+
+def test_the_idle_ttl_is_set_on_usable_workers_that_report_another_value() -> None:
+    pods, workers = full_mesh()
+    spec = SPEC.model_copy(
+        update={"eviction": SPEC.eviction.model_copy(update={"idle_ttl_seconds": 30})}
+    )
+    workers["p0"] = dataclasses.replace(workers["p0"], idle_ttl_s=0.0)  # type: ignore[type-var]
+    workers["p1"] = dataclasses.replace(workers["p1"], idle_ttl_s=30.0)  # type: ignore[type-var]
+    workers["d0"] = dataclasses.replace(workers["d0"], idle_ttl_s=86400.0)  # type: ignore[type-var]
+    # d1 predates the setting (None): it is never sent one. d2's worker is another pod's.
+    workers["d2"] = dataclasses.replace(workers["d2"], idle_ttl_s=0.0, pod_uid="x")  # type: ignore[type-var]
+    obs = dataclasses.replace(observe(pods, workers), spec=spec)
+    plan = evaluate(obs, T0)
+    assert plan.idle_ttls == (
+        SetIdleTTL("d0", pods[2].endpoint, 30.0),
+        SetIdleTTL("p0", pods[0].endpoint, 30.0),
+    )
+    # The default spec (0: off) turns the backstop off where a worker has it on.
+    assert [s.pod for s in evaluate(observe(pods, workers), T0).idle_ttls] == ["d0", "p1"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from kvtopo_operator.logic import WorkerUnreachable
+from kvtopo_operator.logic import WorkerUnreachable, WorkerView
 from kvtopo_operator.workers import CallResult, PeerAdd, WorkerClient
 from kvtopo_worker.credentials import TokenError
 
@@ -163,5 +163,108 @@ def test_a_failed_batch_fails_every_item_with_its_reason() -> None:
                 )
         finally:
             await client.close()
+
+    run(body)
+
+
+def test_a_batch_with_adds_carries_the_handshake_deadline_it_is_given() -> None:
+    seen: list[dict[str, object]] = []
+
+    async def patch(request: web.Request) -> web.Response:
+        seen.append(json.loads(await request.read()))
+        return web.json_response({"results": []})
+
+    async def body() -> None:
+        app = web.Application()
+        app.router.add_patch("/v1/peers", patch)
+        runner, endpoint = await serve(app)
+        client = WorkerClient(None, token="tok")
+        add = PeerAdd("p1", "10.0.0.1:1", "prefill")
+        try:
+            await client.change_peers(endpoint, [add], [], 7.0, handshake_timeout_s=7.0)
+            await client.change_peers(endpoint, [], ["p0"], 7.0, handshake_timeout_s=7.0)
+            await client.change_peers(endpoint, [add], [], 7.0)  # a worker that predates it
+        finally:
+            await client.close()
+            await runner.cleanup()
+        item = {"engine_id": "p1", "endpoint": "10.0.0.1:1", "role": "prefill"}
+        assert seen == [
+            {"add": [item], "handshake_timeout_s": 7.0},
+            {"evict": ["p0"]},  # no adds: no handshake to bound
+            {"add": [item]},
+        ]
+
+    run(body)
+
+
+def test_the_idle_ttl_is_set_with_put_settings_and_confirmed_by_the_answer() -> None:
+    seen: list[tuple[str, dict[str, object]]] = []
+    answers: list[web.Response] = []
+
+    async def put(request: web.Request) -> web.Response:
+        seen.append((request.headers["Authorization"], json.loads(await request.read())))
+        return answers.pop(0)
+
+    async def body() -> None:
+        app = web.Application()
+        app.router.add_put("/v1/settings", put)
+        runner, endpoint = await serve(app)
+        client = WorkerClient(None, token="tok")
+        answers.extend(
+            [
+                web.json_response({"idle_ttl_s": 30.0}),
+                web.json_response({"error": "bad_request", "message": "no"}, status=400),
+                web.json_response({"idle_ttl_s": 0.0}),  # it holds something else
+            ]
+        )
+        try:
+            got = [await client.set_idle_ttl(endpoint, 30.0, 1.0) for _ in range(3)]
+            with socket.socket() as s:  # a port nobody listens on
+                s.bind(("127.0.0.1", 0))
+                dead = f"127.0.0.1:{s.getsockname()[1]}"
+            unreachable = await client.set_idle_ttl(dead, 30.0, 1.0)
+        finally:
+            await client.close()
+            await runner.cleanup()
+        assert seen == [("Bearer tok", {"idle_ttl_s": 30.0})] * 3
+        assert got[0] == CallResult(True, 200, "")
+        assert got[1] == CallResult(False, 400, "bad_request: no")
+        assert not got[2].ok and "holds idle_ttl_s 0.0" in got[2].message
+        assert not unreachable.ok and unreachable.status == 0
+
+    run(body)
+
+
+def test_the_state_says_which_settings_the_worker_takes() -> None:
+    base = {
+        "engine_id": "e1",
+        "role": "decode",
+        "compat_hash": "h",
+        "protocol_version": 4,
+        "peers": [],
+        "failures": {},
+        "requests_done": 0,
+        "requests_failed": 0,
+        "requests_in_flight": 0,
+        "started_at": 0.0,
+    }
+    answers = [{**base, "handshake_timeout_s": 5.0, "idle_ttl_s": 30.0}, base]
+
+    async def state(request: web.Request) -> web.Response:
+        return web.json_response(answers.pop(0))
+
+    async def body() -> None:
+        app = web.Application()
+        app.router.add_get("/v1/state", state)
+        runner, endpoint = await serve(app)
+        client = WorkerClient(None, token="tok")
+        try:
+            new, old = [await client.state(endpoint, 1.0) for _ in range(2)]
+        finally:
+            await client.close()
+            await runner.cleanup()
+        assert isinstance(new, WorkerView) and isinstance(old, WorkerView)
+        assert (new.handshake_timeout_s, new.idle_ttl_s) == (5.0, 30.0)
+        assert (old.handshake_timeout_s, old.idle_ttl_s) == (None, None)  # predates them
 
     run(body)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.server
 import itertools
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -124,18 +125,24 @@ class FakeTransport:
 
 class MetadataPeer:
     """A peer's control API on loopback that answers every GET with the bytes the test
-    sets (`payload`): garbage, or metadata crafted to lie."""
+    sets (`payload`): garbage, or metadata crafted to lie; `delay_s` after the request
+    arrived (a slow or hanging peer)."""
 
     def __init__(self) -> None:
         self.payload = b""
+        self.delay_s = 0.0
         peer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(peer.payload)))
-                self.end_headers()
-                self.wfile.write(peer.payload)
+                time.sleep(peer.delay_s)
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(peer.payload)))
+                    self.end_headers()
+                    self.wfile.write(peer.payload)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the caller gave up waiting
 
             def log_message(self, *args: object) -> None:
                 pass

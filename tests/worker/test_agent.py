@@ -31,6 +31,7 @@ from kvtopo_worker.protocol import (
     Envelope,
     PodIdentity,
     compat_hash,
+    encode_metadata,
 )
 from kvtopo_worker.registry import EngineRegistry
 from tests.worker.fakes import FakeTransport, MetadataPeer
@@ -438,3 +439,95 @@ def test_a_peer_must_be_the_pod_and_process_the_operator_names() -> None:
     finally:
         p2.server.stop()
         d.server.stop()
+
+
+@pytest.fixture
+def slow_peer() -> Iterator[MetadataPeer]:
+    """A prefill engine's real metadata, served only `delay_s` after it is asked for."""
+    p = make_node("pre-slow", "prefill")
+    p.server.stop()
+    peer = MetadataPeer()
+    peer.payload = encode_metadata(p.server.engine.metadata)
+    yield peer
+    peer.close()
+
+
+def test_a_batch_handshake_deadline_bounds_its_handshakes_not_the_worker_default(
+    slow_peer: MetadataPeer,
+) -> None:
+    """`handshake_timeout_s` of a `PATCH /v1/peers` bounds that batch's metadata fetches
+    (and NIXL adds) both ways: longer than the worker's default, and shorter. Without it,
+    and on the single-peer route, the worker's default still holds."""
+    d = make_node("dec-slow", "decode")
+    add = {"engine_id": "pre-slow", "endpoint": slow_peer.endpoint, "role": "prefill"}
+    try:
+        slow_peer.delay_s = 1.5
+        d.server.handshake_timeout_s = 0.5
+        status, body = call("PATCH", f"{d.url}/v1/peers", {"add": [add]})
+        assert status == 200 and body["results"][0]["status"] == 502, body  # type: ignore[index]
+        assert "TimeoutError" in body["results"][0]["message"], body  # type: ignore[index]
+        status, body = call(
+            "PUT", f"{d.url}/v1/peers/pre-slow", {"endpoint": add["endpoint"], "role": "prefill"}
+        )
+        assert status == 502 and "TimeoutError" in str(body["message"]), body
+        # A longer deadline than the worker's own: the slow peer is added.
+        status, body = call("PATCH", f"{d.url}/v1/peers", {"add": [add], "handshake_timeout_s": 5})
+        assert status == 200, body
+        assert body["results"][0]["result"] == "added", body  # type: ignore[index]
+        assert d.registry.engine_ids() == ["pre-slow"]
+        call("DELETE", f"{d.url}/v1/peers/pre-slow")
+        # A shorter one: the peer that answers in 1.5 s fails at 0.3 s, not at the
+        # worker's 30 s (nor when the peer answers).
+        d.server.handshake_timeout_s = 30
+        t0 = time.monotonic()
+        status, body = call(
+            "PATCH", f"{d.url}/v1/peers", {"add": [add], "handshake_timeout_s": 0.3}
+        )
+        elapsed = time.monotonic() - t0
+        assert status == 200 and body["results"][0]["status"] == 502, body  # type: ignore[index]
+        assert "TimeoutError" in body["results"][0]["message"], body  # type: ignore[index]
+        assert elapsed < 1.2, elapsed
+        assert d.registry.engine_ids() == []
+        state = call("GET", f"{d.url}/v1/state")[1]
+        assert state["handshake_timeout_s"] == 30
+    finally:
+        d.server.stop()
+
+
+@pytest.mark.parametrize("bad", [0, -1, 300.5, 1e400, "5", True])
+def test_a_batch_handshake_deadline_out_of_bounds_is_refused_whole(
+    pair: tuple[Node, Node], bad: object
+) -> None:
+    p, d = pair
+    add = {"engine_id": "pre-1", "endpoint": p.server.endpoint, "role": "prefill"}
+    raw = json.dumps({"add": [add], "handshake_timeout_s": bad}).replace("Infinity", "1e400")
+    status, body = call("PATCH", f"{d.url}/v1/peers", raw=raw.encode())
+    assert status == 400, body
+    assert "handshake_timeout_s" in str(body["message"]), body
+    assert d.registry.engine_ids() == []
+    status, body = call("PATCH", f"{d.url}/v1/peers", {"add": [add], "handshake_timeout_s": 300})
+    assert status == 200 and body["results"][0]["result"] == "added", body  # type: ignore[index]
+
+
+def test_the_operator_sets_the_idle_ttl_and_the_state_reports_it(pair: tuple[Node, Node]) -> None:
+    _, d = pair
+    assert d.registry.idle_ttl_s == 0
+    assert call("GET", f"{d.url}/v1/state")[1]["idle_ttl_s"] == 0
+    assert call("PUT", f"{d.url}/v1/settings", {"idle_ttl_s": 30}, token=None)[0] == 401
+    status, body = call("PUT", f"{d.url}/v1/settings", {"idle_ttl_s": 30})
+    assert (status, body) == (200, {"idle_ttl_s": 30})
+    assert d.registry.idle_ttl_s == 30
+    assert call("GET", f"{d.url}/v1/state")[1]["idle_ttl_s"] == 30
+    # A body that names nothing changes nothing; 0 turns the backstop off.
+    assert call("PUT", f"{d.url}/v1/settings", {}) == (200, {"idle_ttl_s": 30})
+    assert call("PUT", f"{d.url}/v1/settings", {"idle_ttl_s": 0}) == (200, {"idle_ttl_s": 0})
+    assert d.registry.idle_ttl_s == 0
+    for bad, fragment in (
+        ({"idle_ttl_s": -1}, "idle_ttl_s must be 0..86400"),
+        ({"idle_ttl_s": 86401}, "idle_ttl_s must be 0..86400"),
+        ({"idle_ttl_s": "5"}, "$.idle_ttl_s"),
+        ({"idle_ttl": 5}, "unknown field"),
+    ):
+        status, body = call("PUT", f"{d.url}/v1/settings", bad)
+        assert status == 400 and fragment in str(body["message"]), (bad, body)
+    assert d.registry.idle_ttl_s == 0

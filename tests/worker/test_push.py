@@ -477,3 +477,28 @@ def test_arriving_registrations_count_as_use_for_the_idle_backstop(
         assert registry.evict_idle() == [DECODE]
     finally:
         prefill.stop()
+
+
+def test_an_idle_ttl_set_at_runtime_is_applied_by_the_running_progress_loop(
+    transport: FakeTransport, clock: FakeClock
+) -> None:
+    # The operator sets the TTL while the engine runs (PUT /v1/settings assigns
+    # registry.idle_ttl_s): the progress loop's backstop check reads it on every pass, so
+    # turning it on, from off, evicts an idle peer without a restart.
+    registry = EngineRegistry(remove_agent=transport.remove_remote, clock=clock)
+    decode = make_connector("decode", transport, registry, clock)
+    add_engine(transport, registry, PREFILL)
+    decode.start()
+    try:
+        clock.advance(120)
+        time.sleep(0.3)  # several passes with the backstop off
+        assert PREFILL in registry
+        registry.idle_ttl_s = 60
+        clock.advance(1)  # the loop checks the TTL once per (its clock's) second
+        deadline = time.monotonic() + 5
+        while PREFILL in registry and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert PREFILL not in registry
+        assert transport.removed == [f"agent-{PREFILL}"]
+    finally:
+        decode.stop()

@@ -9,9 +9,14 @@ Owns the aiohttp server that runs inside the engine process on its own thread an
     DELETE /v1/peers/{engine_id}[?rank=R]
                                    evict the peer (or its rank R; deferred while transfers
                                    are in flight)
-    PATCH  /v1/peers               {add: [{engine_id, endpoint, role}], evict: [engine_id]}:
-                                   many of the above in one call, an outcome per item
-    GET    /v1/state               WorkerState JSON: peers, failure counters, request counts
+    PATCH  /v1/peers               {add: [{engine_id, endpoint, role}], evict: [engine_id]
+                                   [, handshake_timeout_s]}: many of the above in one call,
+                                   an outcome per item (the adds bounded by the batch's
+                                   handshake deadline, when given, not the worker's default)
+    PUT    /v1/settings            {idle_ttl_s}: set the idle-TTL backstop (0: off); answers
+                                   the effective WorkerSettings
+    GET    /v1/state               WorkerState JSON: peers, failure counters, request counts,
+                                   settings
     GET    /metrics                Prometheus text (no token)
     GET    /healthz                liveness (no token)
 
@@ -47,7 +52,9 @@ from kvtopo_worker.credentials import TokenError, TokenSource
 from kvtopo_worker.endpoints import Endpoint, EndpointError, parse_endpoint
 from kvtopo_worker.metrics import WorkerMetrics
 from kvtopo_worker.protocol import (
+    MAX_HANDSHAKE_TIMEOUT_S,
     MAX_ID_LEN,
+    MAX_IDLE_TTL_S,
     MAX_PEER_CHANGES,
     PEER_BATCH_CONCURRENCY,
     EngineMetadata,
@@ -63,6 +70,7 @@ from kvtopo_worker.protocol import (
     PeerResult,
     ProtocolError,
     Role,
+    WorkerSettings,
     WorkerState,
     decode_json_body,
     decode_metadata,
@@ -200,6 +208,7 @@ class ControlServer:
         self.app.router.add_put("/v1/peers/{engine_id}", self._put_peer)
         self.app.router.add_delete("/v1/peers/{engine_id}", self._delete_peer)
         self.app.router.add_patch("/v1/peers", self._patch_peers)
+        self.app.router.add_put("/v1/settings", self._put_settings)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
@@ -354,6 +363,8 @@ class ControlServer:
             tp_size=len(self.transports),
             incarnation=self.engine.metadata.incarnation,
             pod=self.engine.metadata.pod,
+            handshake_timeout_s=self.handshake_timeout_s,
+            idle_ttl_s=self.registry.idle_ttl_s,
         )
 
     async def _get_state(self, request: web.Request) -> web.Response:
@@ -365,6 +376,23 @@ class ControlServer:
         if not 0 < len(engine_id) <= MAX_ID_LEN:
             raise MalformedMessage(f"engine_id must be 1..{MAX_ID_LEN} characters")
         return engine_id
+
+    def settings(self) -> WorkerSettings:
+        return WorkerSettings(idle_ttl_s=self.registry.idle_ttl_s)
+
+    async def _put_settings(self, request: web.Request) -> web.Response:
+        """`PUT /v1/settings`: sets what the body names (nothing else changes); answers the
+        effective settings. The idle TTL is read by the connectors' progress loops on every
+        check, so a new value takes effect within a second."""
+        body = decode_json_body(await request.read(), WorkerSettings)
+        ttl = body.idle_ttl_s
+        if ttl is not None:
+            if not 0 <= ttl <= MAX_IDLE_TTL_S:
+                raise MalformedMessage(f"idle_ttl_s must be 0..{MAX_IDLE_TTL_S:g} s (0: off)")
+            if ttl != self.registry.idle_ttl_s:
+                log.info("idle TTL set to %gs (was %gs)", ttl, self.registry.idle_ttl_s)
+            self.registry.idle_ttl_s = ttl
+        return _json(self.settings())
 
     async def _put_peer(self, request: web.Request) -> web.Response:
         engine_id = self._path_engine_id(request)
@@ -382,11 +410,13 @@ class ControlServer:
         rank: int | None = None,
         pod_uid: str = "",
         incarnation: str = "",
+        timeout_s: float | None = None,
     ) -> tuple[int, PeerResult | ErrorBody]:
         """Adds one peer: each of its TP ranks (or only `rank`) to our rank of the same
         number, fetching each rank's metadata from `endpoint`; the HTTP status and body of
         the answer. Raises MalformedMessage for a request that makes no sense (an endpoint
-        that is not ip:port is never dialled).
+        that is not ip:port is never dialled). `timeout_s` bounds each metadata fetch and
+        the NIXL add (default: the worker's `handshake_timeout_s`).
 
         `pod_uid` and `incarnation`, when given, are what the peer must be: metadata from
         another pod or process is refused (409), and a peer held under an older incarnation
@@ -401,6 +431,7 @@ class ControlServer:
             raise MalformedMessage(f"pod_uid and incarnation must be 0..{MAX_ID_LEN} characters")
         if engine_id == self.engine.engine_id:
             raise MalformedMessage("an engine cannot be its own peer")
+        timeout = self.handshake_timeout_s if timeout_s is None else timeout_s
         if role == self.engine.role:
             raise MalformedMessage(f"a {role} engine pairs with the other role, not itself")
         local_tp = len(self.transports)
@@ -419,7 +450,7 @@ class ControlServer:
         metas: list[EngineMetadata] = []
         for r in sorted(wanted - set(present)):
             fetched = await self._fetch_rank(
-                engine_id, peer_endpoint, role, r, local_tp, pod_uid, incarnation
+                engine_id, peer_endpoint, role, r, local_tp, pod_uid, incarnation, timeout
             )
             if isinstance(fetched, tuple):
                 return fetched
@@ -432,7 +463,7 @@ class ControlServer:
                 owner = self.registry.agent_owner(meta.agent_name)
                 if owner is not None and owner != engine_id:
                     raise AgentConflict(f"agent {meta.agent_name} belongs to engine {owner}")
-                if not self.registry.wait_released(meta.agent_name, self.handshake_timeout_s):
+                if not self.registry.wait_released(meta.agent_name, timeout):
                     raise TimeoutError(f"agent {meta.agent_name} is still being torn down")
                 # Our rank r pairs with the peer's rank r (homogeneous TP).
                 added[meta.tp_rank] = self.transports[meta.tp_rank].add_remote_peer(meta)
@@ -441,7 +472,7 @@ class ControlServer:
 
         fut = self.registry.handshake(engine_id, lambda: self.nixl_executor.submit(add))
         try:
-            agents = await asyncio.wait_for(asyncio.wrap_future(fut), self.handshake_timeout_s)
+            agents = await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
         except (AgentConflict, TransportError) as exc:
             if isinstance(exc, TransportError) and exc.kind != "identity":
                 msg = f"adding the NIXL agent of {engine_id}: {exc}"
@@ -492,12 +523,14 @@ class ControlServer:
         local_tp: int,
         pod_uid: str = "",
         incarnation: str = "",
+        timeout_s: float | None = None,
     ) -> EngineMetadata | tuple[int, ErrorBody]:
         """The peer's metadata for one rank, checked against what the caller says the peer
         is (engine id, role, TP size, and when given its pod uid and incarnation); or the
-        answer to give when it is not."""
+        answer to give when it is not. The fetch takes at most `timeout_s` (default: the
+        worker's `handshake_timeout_s`)."""
         try:
-            raw = await self._fetch_metadata(endpoint, rank)
+            raw = await self._fetch_metadata(endpoint, rank, timeout_s)
             meta = decode_metadata(raw, self.engine.compat_hash)
         except IncompatibleEngine as exc:
             self.metrics.handshakes_total.labels("incompatible").inc()
@@ -552,6 +585,11 @@ class ControlServer:
         body = decode_json_body(await request.read(), PeerChanges)
         if len(body.add) + len(body.evict) > MAX_PEER_CHANGES:
             raise MalformedMessage(f"at most {MAX_PEER_CHANGES} adds and evictions per call")
+        timeout = body.handshake_timeout_s
+        if timeout is not None and not 0 < timeout <= MAX_HANDSHAKE_TIMEOUT_S:
+            raise MalformedMessage(
+                f"handshake_timeout_s must be more than 0 and at most {MAX_HANDSHAKE_TIMEOUT_S:g} s"
+            )
         sem = asyncio.Semaphore(PEER_BATCH_CONCURRENCY)
 
         async def add(item: PeerAddItem) -> PeerOutcome:
@@ -564,6 +602,7 @@ class ControlServer:
                         item.rank,
                         item.pod_uid,
                         item.incarnation,
+                        timeout,
                     )
                 except ProtocolError as exc:
                     self.metrics.reject("control")
@@ -589,13 +628,17 @@ class ControlServer:
         self.metrics.record_failure(failure, {"engine_id": engine_id, "msg": message})
         return status, ErrorBody(error="handshake_failed", message=message, failure_type=failure)
 
-    async def _fetch_metadata(self, endpoint: Endpoint, rank: int = 0) -> bytes:
-        """GET the peer's metadata: no redirect is followed (a 3xx is a failure), and every
-        read is bounded."""
+    async def _fetch_metadata(
+        self, endpoint: Endpoint, rank: int = 0, timeout_s: float | None = None
+    ) -> bytes:
+        """GET the peer's metadata within `timeout_s` (default: the worker's
+        `handshake_timeout_s`): no redirect is followed (a 3xx is a failure), and every read
+        is bounded."""
         if self._session is None:
             self._session = aiohttp.ClientSession()
         url = endpoint.url(f"/v1/metadata?rank={rank}")
-        timeout = aiohttp.ClientTimeout(total=self.handshake_timeout_s)
+        total = self.handshake_timeout_s if timeout_s is None else timeout_s
+        timeout = aiohttp.ClientTimeout(total=total)
         tokens = self.peer_token.candidates()
         for i, token in enumerate(tokens):
             headers = {"Authorization": f"Bearer {token}"}

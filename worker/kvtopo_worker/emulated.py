@@ -671,7 +671,14 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="S",
         help="a WRITE not done within S is aborted (the smaller of both sides' values)",
     )
-    p.add_argument("--idle-ttl", type=float, default=0.0, metavar="S", help="0: off")
+    p.add_argument(
+        "--idle-ttl",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="evict a peer that carried no transfer for S (0: off); the operator sets it "
+        "from the KVTopology's eviction.idleTTLSeconds (PUT /v1/settings)",
+    )
     p.add_argument(
         "--drain-timeout",
         type=float,

@@ -29,6 +29,12 @@ import msgspec
 #      uid) and its incarnation (a boot id, new on every start even under a pinned engine
 #      id); a peer add may say which pod uid and incarnation to expect, and the worker
 #      refuses a peer that does not match, and replaces the agents of an older incarnation.
+#      Later, within 4 (optional control-API fields with defaults, so a worker of 4 without
+#      them reads an operator's bodies that leave them out, and an operator reads its state;
+#      a worker of 4 that predates them refuses a body carrying them as unknown fields, so
+#      the operator sends them only to a worker whose state reports them):
+#      `PATCH /v1/peers` may carry `handshake_timeout_s`, the deadline of that batch's
+#      handshakes; `PUT /v1/settings` sets `idle_ttl_s`; WorkerState reports both.
 PROTOCOL_VERSION = 4
 
 REG_PREFIX = b"PUSH_REG:"
@@ -363,6 +369,8 @@ class PeerAddRequest(
 
 
 MAX_PEER_CHANGES = 1024  # adds plus evictions in one `PATCH /v1/peers`
+MAX_HANDSHAKE_TIMEOUT_S = 300.0  # the longest handshake deadline a batch may ask for
+MAX_IDLE_TTL_S = 86400.0  # the longest idle TTL the operator may set (a day)
 # Adds of one `PATCH /v1/peers` the worker handshakes at once; the operator sizes the call's
 # timeout by it (each round of adds may take the worker its handshake timeout).
 PEER_BATCH_CONCURRENCY = 16
@@ -381,13 +389,18 @@ class PeerAddItem(
     incarnation: str = ""
 
 
-class PeerChanges(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class PeerChanges(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True
+):
     """`PATCH /v1/peers`: several peer adds and evictions in one call (the operator sends
     one per worker per round, so a rollout costs calls per worker, not per pair). Each item
-    is handled exactly as its single-peer route would handle it."""
+    is handled exactly as its single-peer route would handle it, except that
+    `handshake_timeout_s`, when set (0 < s <= MAX_HANDSHAKE_TIMEOUT_S), bounds this batch's
+    handshakes (each metadata fetch and NIXL agent add) instead of the worker's default."""
 
     add: list[PeerAddItem] = []
     evict: list[str] = []
+    handshake_timeout_s: float | None = None
 
 
 class PeerOutcome(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -449,8 +462,23 @@ class FailureRecord(msgspec.Struct, frozen=True, kw_only=True):
     message: str = ""
 
 
+class WorkerSettings(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True
+):
+    """`PUT /v1/settings`: the worker settings the operator sets; a field left out is left
+    as it is. The answer is the same struct with every field set (the effective values).
+
+    `idle_ttl_s`: the registry's idle-TTL backstop (0..MAX_IDLE_TTL_S; 0 turns it off): a
+    peer that carried no transfer for that long is evicted."""
+
+    idle_ttl_s: float | None = None
+
+
 class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
-    """`GET /v1/state`: what the operator gathers from each worker."""
+    """`GET /v1/state`: what the operator gathers from each worker. `handshake_timeout_s`
+    (the worker's default handshake deadline) and `idle_ttl_s` (its idle-TTL backstop, 0:
+    off) are None from a worker that predates `PUT /v1/settings` and the per-batch deadline,
+    which then must not be sent them."""
 
     engine_id: str
     role: Role
@@ -466,6 +494,8 @@ class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
     tp_size: int = 1
     incarnation: str = ""
     pod: PodIdentity | None = None
+    handshake_timeout_s: float | None = None
+    idle_ttl_s: float | None = None
 
 
 class SubmitRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -57,7 +57,8 @@ class EngineRegistry:
 
     `remove_agent` is called (outside the lock) once for every agent that leaves the
     registry; `clock` is injectable for tests; `idle_ttl_s` > 0 turns on the idle backstop
-    (same meaning as vLLM's `engine_ttl`), 0 leaves eviction to the operator.
+    (same meaning as vLLM's `engine_ttl`), 0 leaves eviction to the operator. It may be
+    changed while the engine runs (`PUT /v1/settings`): `evict_idle` reads it on every call.
     """
 
     def __init__(
