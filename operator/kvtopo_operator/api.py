@@ -250,6 +250,14 @@ class HandshakeSpec(_Model):
     max_concurrent: int = Field(
         default=64, ge=1, le=1024, description="Handshakes the operator drives at once."
     )
+    progress_deadline_seconds: int = Field(
+        default=30,
+        ge=1,
+        le=3600,
+        description="A pair whose handshake has kept failing this long makes the topology "
+        "Degraded=True with reason HandshakeFailed (as a Deployment's progress deadline), "
+        "naming the pod, its peer and the last error.",
+    )
 
 
 class EvictionSpec(_Model):
@@ -306,6 +314,7 @@ class ConditionType(enum.StrEnum):
     READY = "Ready"
     PROGRESSING = "Progressing"
     DEGRADED = "Degraded"
+    CONFLICT = "Conflict"
 
 
 class Reason(enum.StrEnum):
@@ -323,8 +332,11 @@ class Reason(enum.StrEnum):
     ENDPOINT_REFUSED = "EndpointRefused"
     IDENTITY_MISMATCH = "IdentityMismatch"
     INVALID_SPEC = "InvalidSpec"
+    ENGINES_UNPAIRED = "EnginesUnpaired"
     HEALTHY = "Healthy"
     FIRST_RECONCILE = "FirstReconcile"
+    PODS_CLAIMED_ELSEWHERE = "PodsClaimedElsewhere"
+    NO_CONFLICT = "NoConflict"
 
 
 class EngineState(enum.StrEnum):
@@ -343,7 +355,9 @@ class Condition(_Model):
     type: ConditionType = Field(
         description="Ready: every expected prefill/decode pair is Connected. Progressing: "
         "handshakes are to be made or gone engines are draining. Degraded: an engine is "
-        "incompatible or its worker unreachable."
+        "incompatible or its worker unreachable. Conflict: pods this topology selects are "
+        "managed by an older KVTopology of the namespace (a pod belongs to at most one), "
+        "which the message names with the pods."
     )
     status: Literal["True", "False", "Unknown"] = Field(
         description="Whether the condition holds: True, False or Unknown."
@@ -352,7 +366,7 @@ class Condition(_Model):
         max_length=128,
         description="Why the condition has its status, one CamelCase word (e.g. "
         "AllPairsConnected, PairsMissing, NoEngines, Handshaking, Draining, Stable, "
-        "Incompatible, WorkerUnreachable, Healthy).",
+        "Incompatible, WorkerUnreachable, Healthy, PodsClaimedElsewhere, NoConflict).",
     )
     message: str = Field(
         default="",
@@ -372,17 +386,20 @@ class Condition(_Model):
 
 
 class Summary(_Model):
-    """Counts at a glance ("usable/total"), shown by `kubectl get kvt`."""
+    """Counts at a glance ("connected/total"), shown by `kubectl get kvt`. Pods managed by
+    an older topology (see the Conflict condition) are not counted."""
 
     prefill: str = Field(
         default="0/0",
         max_length=MAX_SUMMARY,
-        description="Usable prefill engines (pod Ready, worker read) / prefill pods selected.",
+        description="Prefill engines connected to every partner they must have (at least "
+        "one) / prefill pods selected.",
     )
     decode: str = Field(
         default="0/0",
         max_length=MAX_SUMMARY,
-        description="Usable decode engines (pod Ready, worker read) / decode pods selected.",
+        description="Decode engines connected to every partner they must have (at least "
+        "one) / decode pods selected.",
     )
     pairs: str = Field(
         default="0/0",
@@ -500,18 +517,20 @@ class KVTopologyStatus(_Model):
     conditions: list[Condition] = Field(
         default_factory=list,
         max_length=8,
-        description="Ready, Progressing and Degraded, one of each.",
+        description="Ready, Progressing, Degraded and Conflict, one of each.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     summary: Summary = Field(
         default_factory=Summary,
-        description="Usable engines and connected pairs at a glance (the printer columns).",
+        description="Usable engines and connected pairs at a glance (the printer columns); "
+        "pods managed by an older topology (see the Conflict condition) are not counted.",
     )
     engines: list[EngineStatus] = Field(
         default_factory=list,
         max_length=MAX_ENGINES_IN_STATUS,
         description="Every selected engine with its state, ordered by role and pod, "
-        "recently evicted ones last; at most 2048.",
+        "recently evicted ones last; at most 2048. The engines of pods managed by an older "
+        "topology (see the Conflict condition) are not listed.",
     )
     failures: Failures = Field(
         default_factory=Failures,

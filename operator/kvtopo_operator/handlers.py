@@ -1,10 +1,14 @@
 """Thin kopf handlers: watches in, pokes out. No decisions are made here.
 
 Owns the kopf registrations: the engine-pod index (pods filtered server-side on the
-`kvtopo.dev/role` label, grouped by namespace), the pod and KVTopology event handlers that
-poke the per-topology loops of `reconcile.Reconciler`, and start-up/clean-up. The operator's
-configuration arrives in kopf's `memo` (see `main`). Handlers never return values (kopf
-would store them in `status.<handler>`) and add no finalizers.
+`kvtopo.dev/role` label, grouped by namespace), the KVTopology index (each topology's name,
+creation time and spec, grouped by namespace: what the claim of a pod by at most one
+topology needs, see `logic.owned_pods`), the pod and KVTopology event handlers that poke the
+per-topology loops of `reconcile.Reconciler`, and start-up/clean-up. kopf fills every index
+from its initial listing before any handler runs, so no loop starts before it knows the
+other topologies of its namespace. The operator's configuration arrives in kopf's `memo`
+(see `main`). Handlers never return values (kopf would store them in `status.<handler>`)
+and add no finalizers.
 
 With leader election (`memo.election`, see `leader`) kopf runs on every replica, so each one's
 pod index and its set of known KVTopology keys (with generations) stay current, but loops run
@@ -20,11 +24,20 @@ from datetime import datetime
 from typing import Any
 
 import kopf
+from pydantic import ValidationError
 
-from kvtopo_operator.api import ENDPOINT_ANNOTATION, GROUP, PLURAL, ROLE_LABEL, VERSION
+from kvtopo_operator.api import (
+    ENDPOINT_ANNOTATION,
+    GROUP,
+    PLURAL,
+    ROLE_LABEL,
+    VERSION,
+    KVTopologySpec,
+    read_tolerant,
+)
 from kvtopo_operator.kube import ClusterApi, KubeClient, LeaseClient
 from kvtopo_operator.leader import LeaderElector
-from kvtopo_operator.logic import PodView
+from kvtopo_operator.logic import PodView, TopologyView
 from kvtopo_operator.reconcile import Reconciler, Settings
 from kvtopo_operator.workers import WorkerClient
 from kvtopo_worker.endpoints import pod_endpoint
@@ -102,6 +115,27 @@ def _pod_source(namespace: str, control_port: int) -> Iterable[PodView]:
     return out
 
 
+@kopf.index(GROUP, VERSION, PLURAL)
+def kv_topologies(**kwargs: Any) -> dict[str, TopologyView]:
+    """Index: namespace -> the KVTopologies in it, as the claim sees them (name, creation
+    time, spec; a spec this operator cannot read claims nothing)."""
+    try:
+        spec: KVTopologySpec | None = read_tolerant(
+            KVTopologySpec, dict(kwargs["spec"]), ".spec", drop_invalid=False
+        )[0]
+    except ValidationError:
+        spec = None
+    created = str(kwargs["meta"].get("creationTimestamp") or "")
+    return {kwargs["namespace"]: TopologyView(kwargs["name"], created, spec)}
+
+
+def _topology_source(namespace: str) -> Iterable[TopologyView]:
+    index = _state.get("kv_topologies")
+    if index is None:  # never so once a loop runs: kopf fills its indexes before handlers
+        raise RuntimeError("the KVTopology index is not filled yet")
+    return list(index[namespace]) if namespace in index else []
+
+
 @kopf.on.startup()
 async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.posting.level = logging.WARNING
@@ -115,6 +149,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
         kube=KubeClient(memo.get("kubeconfig")),
         workers=WorkerClient(memo.get("token_file"), memo.get("token")),
         pods=_pod_source,
+        topologies=_topology_source,
         metrics=memo["metrics"],
         settings=Settings(resync_s=memo.get("resync_s", 2.0)),
     )
@@ -181,6 +216,7 @@ async def stop(**_: Any) -> None:
 @kopf.on.event("pods", labels={ROLE_LABEL: kopf.PRESENT})
 async def pod_changed(**kwargs: Any) -> None:
     _state["engine_pods"] = kwargs["engine_pods"]
+    _state["kv_topologies"] = kwargs["kv_topologies"]
     reconciler = _state.get("reconciler")
     if reconciler is not None:
         reconciler.poke_namespace(kwargs["namespace"])
@@ -189,9 +225,13 @@ async def pod_changed(**kwargs: Any) -> None:
 @kopf.on.event(GROUP, VERSION, PLURAL)
 async def topology_changed(**kwargs: Any) -> None:
     _state["engine_pods"] = kwargs["engine_pods"]
+    _state["kv_topologies"] = kwargs["kv_topologies"]
     key = (kwargs["namespace"], kwargs["name"])
     known: dict[tuple[str, str], int] = _state.setdefault("known", {})
     generation = int(kwargs["meta"].get("generation", 0))
+    # A topology that comes, goes or changes its spec may change which pods the others of
+    # its namespace own (a status write changes nothing of it).
+    claim_changed = kwargs["type"] == "DELETED" or known.get(key) != generation
     if kwargs["type"] == "DELETED":
         known.pop(key, None)
     else:  # remembered as a standby too: a new leader starts its loop at once
@@ -206,3 +246,5 @@ async def topology_changed(**kwargs: Any) -> None:
         log.info("%s/%s: deleted; its engines are left as they are", *key)
     else:
         reconciler.ensure(key, generation)
+    if claim_changed:
+        reconciler.poke_namespace(kwargs["namespace"])

@@ -5,12 +5,15 @@ Owns `evaluate()`: which prefill/decode pairs must be connected, which engines a
 is evicted from its peers (after `eviction.graceSeconds`), which pairs are incompatible,
 which workers' idle TTL differs from `eviction.idleTTLSeconds`, how worker failure counters
 accumulate into totals that survive restarts, and the whole status (conditions, summary,
-engines). No I/O, no clock of its own: the same observed state and time always give the
-same plan. Called by `kvtopo_operator.reconcile`.
+engines). Also owns the claim (`owned_pods`): a pod belongs to at most one topology, the
+oldest of its namespace that selects it; the others leave it alone and report a Conflict.
+No I/O, no clock of its own: the same observed state and time always give the same plan.
+Called by `kvtopo_operator.reconcile`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -94,6 +97,9 @@ class Observed:
     pods: tuple[PodView, ...]
     workers: Mapping[str, WorkerView | WorkerUnreachable]  # by pod name
     previous: KVTopologyStatus
+    # Pods the spec selects but an older topology owns (`owned_pods`): pod -> that topology.
+    # They are left alone, not counted, not listed, and reported by the Conflict condition.
+    claimed: Mapping[str, str] = field(default_factory=dict)
 
 
 # --- the plan ----------------------------------------------------------------------------
@@ -110,6 +116,30 @@ class Handshake:
     peer_role: Role
     peer_pod_uid: str = ""  # the worker refuses a peer of another pod
     peer_incarnation: str = ""  # ... or of another process (an older one is replaced)
+    engine_id: str = ""  # the engine of `pod` (which pair the handshake is half of)
+
+    @property
+    def pair(self) -> tuple[str, str]:
+        """(prefill engine id, decode engine id) of the pair this handshake is half of."""
+        if self.peer_role == "decode":
+            return (self.engine_id, self.peer_engine_id)
+        return (self.peer_engine_id, self.engine_id)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What the conditions are computed from: before acting (in the plan) and again after
+    acting, with the handshakes made and the failures that persist (`settle`)."""
+
+    expected: frozenset[tuple[str, str]] = frozenset()
+    connected: frozenset[tuple[str, str]] = frozenset()
+    unpaired: tuple[str, ...] = ()  # pods of usable engines with no partner to pair with
+    handshakes_left: int = 0
+    draining: int = 0
+    incompatible: int = 0
+    unreachable: tuple[tuple[str, Reason], ...] = ()  # (pod, why), sorted
+    failing: tuple[str, ...] = ()  # handshakes failing past the progress deadline, described
+    claimed: tuple[tuple[str, str], ...] = ()  # (pod, older topology owning it): Conflict
 
 
 @dataclass(frozen=True, order=True)
@@ -147,6 +177,7 @@ class Plan:
     connected_pairs: frozenset[tuple[str, str]]
     wake_in_s: float | None = None  # when the next eviction falls due, if one is waiting
     idle_ttls: tuple[SetIdleTTL, ...] = ()  # workers whose idle TTL differs from the spec's
+    progress: Progress = Progress()  # what the conditions were computed from, before acting
 
 
 # --- helpers -----------------------------------------------------------------------------
@@ -188,13 +219,91 @@ def selector_matches(selector: LabelSelector, labels: Mapping[str, str]) -> bool
 
 
 def pods_of(spec: KVTopologySpec, pods: Iterable[PodView]) -> tuple[PodView, ...]:
-    """The pods this topology owns: role label and the role's selector both match."""
+    """The pods this topology selects: role label and the role's selector both match (which
+    of them it owns: `owned_pods`)."""
     out = []
     for pod in pods:
         role_spec = spec.prefill if pod.role == "prefill" else spec.decode
         if pod.role in ("prefill", "decode") and selector_matches(role_spec.selector, pod.labels):
             out.append(pod)
     return tuple(sorted(out, key=lambda p: p.name))
+
+
+# --- ownership: a pod belongs to at most one topology ------------------------------------
+
+
+@dataclass(frozen=True)
+class TopologyView:
+    """A KVTopology of the namespace as the claim sees it: its name, when it was created
+    and its spec (None when this operator cannot read the spec: such a topology acts on
+    nothing, so it claims nothing)."""
+
+    name: str
+    created: str  # metadata.creationTimestamp (RFC 3339); "" sorts after every stamp
+    spec: KVTopologySpec | None
+
+
+_NEVER = datetime.max.replace(tzinfo=UTC)
+
+
+def claim_order(topology: TopologyView) -> tuple[datetime, str]:
+    """The claim's order: the oldest topology first (metadata.creationTimestamp, which has
+    a resolution of one second), ties broken by name (unique in a namespace)."""
+    try:
+        created = parse_time(topology.created) if topology.created else _NEVER
+    except ValueError:
+        created = _NEVER
+    return created, topology.name
+
+
+def owned_pods(
+    me: TopologyView, others: Iterable[TopologyView], pods: Iterable[PodView]
+) -> tuple[tuple[PodView, ...], dict[str, str]]:
+    """The claim: among the topologies of a namespace whose role selector matches a pod
+    (`pods_of`), the oldest (`claim_order`) owns it, and only the owner acts on it.
+
+    Returns (the pods `me` selects and owns, sorted by name; pod name -> the owning topology
+    for the pods `me` selects but an older topology owns). `others` are the namespace's other
+    topologies (one named as `me` is skipped: `me`, as read fresh, stands for it). The claim
+    depends only on the topologies' creation times, names and selectors and on the pods'
+    labels: never on timing, so two topologies never take turns."""
+    if me.spec is None:
+        return (), {}
+    mine = pods_of(me.spec, pods)
+    rank = claim_order(me)
+    older = sorted(
+        (t for t in others if t.name != me.name and t.spec is not None and claim_order(t) < rank),
+        key=claim_order,
+    )
+    owned: list[PodView] = []
+    elsewhere: dict[str, str] = {}
+    for pod in mine:
+        owner = next((t.name for t in older if t.spec is not None and pods_of(t.spec, [pod])), None)
+        if owner is None:
+            owned.append(pod)
+        else:
+            elsewhere[pod.name] = owner
+    return tuple(owned), elsewhere
+
+
+def conflict_of(claimed: Iterable[tuple[str, str]]) -> tuple[str, Reason, str]:
+    """The Conflict condition (status, reason, message) of a topology, given the pods it
+    selects that older topologies own, as (pod, owner). Always present: False without any."""
+    by_owner: dict[str, list[str]] = {}
+    for pod, owner in sorted(claimed):
+        by_owner.setdefault(owner, []).append(pod)
+    if not by_owner:
+        return "False", Reason.NO_CONFLICT, "no pod selected here belongs to another KVTopology"
+    n = sum(len(pods) for pods in by_owner.values())
+    parts = []
+    for owner, pods in sorted(by_owner.items()):
+        more = f" and {len(pods) - 20} more" if len(pods) > 20 else ""
+        parts.append(f"{', '.join(pods[:20])}{more} (owned by KVTopology {owner})")
+    message = (
+        f"{n} selected pod(s) belong to an older KVTopology (the oldest selecting a pod owns "
+        f"it, ties by name) and are left alone here: {'; '.join(parts)}"
+    )
+    return "True", Reason.PODS_CLAIMED_ELSEWHERE, message
 
 
 def _paired(spec: KVTopologySpec, p: PodView, d: PodView) -> bool:
@@ -246,7 +355,7 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
     """Gather -> **evaluate** -> act: everything the operator decides, as data."""
     spec = obs.spec
     prev_engines = {e.engine_id: e for e in obs.previous.engines if e.engine_id}
-    pods = pods_of(spec, obs.pods)
+    pods = tuple(p for p in pods_of(spec, obs.pods) if p.name not in obs.claimed)
     grace = timedelta(seconds=spec.eviction.grace_seconds)
 
     live: dict[str, _Live] = {}  # engine_id -> usable engine
@@ -319,6 +428,7 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
                         "decode",
                         d.pod.uid,
                         d.worker.incarnation,
+                        pid,
                     )
                 )
             if not d_has:
@@ -331,14 +441,18 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
                         "prefill",
                         p.pod.uid,
                         p.worker.incarnation,
+                        did,
                     )
                 )
 
     # Gone engines: known before (or held as a peer somewhere) but not live now.
     gone: dict[str, tuple[str, str, str, datetime]] = {}  # id -> (pod, role, endpoint, since)
+    held = {peer for e in live.values() for peer in e.worker.peers - e.worker.evicting}
     for eid, prev in prev_engines.items():
         if eid in live or prev.state == EngineState.EVICTED:
             continue
+        if prev.pod in obs.claimed and eid not in held:
+            continue  # handed over to the older topology that owns its pod: not gone
         if prev.pod in pods_with_unreachable_worker and prev.state != EngineState.DRAINING:
             continue  # cannot tell: keep it as it was until its worker answers again
         since = parse_time(prev.since) if prev.state == EngineState.DRAINING else now
@@ -503,6 +617,7 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
     for old in obs.previous.engines:
         if (
             old.state == EngineState.EVICTED
+            and old.pod not in obs.claimed
             and old.engine_id not in gone
             and old.engine_id not in live
             and now - parse_time(old.since) < EVICTED_RETENTION
@@ -517,46 +632,46 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
             Event("Warning", "TransferFailures", f"new failures reported by workers: {desc}")
         )
 
+    # Conflict: pods selected here that an older topology owns (`owned_pods`) are left to it;
+    # a Warning Event when that begins (the condition: `conditions_of`, `conflict_of`).
+    claimed = tuple(sorted(obs.claimed.items()))
+    was_conflict = next(
+        (c for c in obs.previous.conditions if c.type == ConditionType.CONFLICT), None
+    )
+    if claimed and (was_conflict is None or was_conflict.status != "True"):
+        events.append(Event("Warning", ConditionType.CONFLICT.value, conflict_of(claimed)[2]))
+
     # Conditions.
-    prev_conds = {c.type.value: c for c in obs.previous.conditions}
+    unpaired = tuple(
+        sorted(
+            e.pod.name
+            for eid, e in live.items()
+            if eid not in incompatible and not any(eid in pair for pair in expected)
+        )
+    )
+    progress = Progress(
+        expected=frozenset(expected),
+        connected=frozenset(connected),
+        unpaired=unpaired,
+        handshakes_left=len(handshakes),
+        draining=sum(1 for e in engines if e.state == EngineState.DRAINING),
+        incompatible=len(incompatible),
+        unreachable=tuple(sorted((name, why) for name, (_, _, why) in unreachable.items())),
+        claimed=claimed,
+    )
+    conditions = conditions_of(progress, obs.previous.conditions, obs.generation, now)
     n_exp, n_conn = len(expected), len(connected)
-    draining = [e for e in engines if e.state == EngineState.DRAINING]
-    if n_exp == 0:
-        ready = ("False", Reason.NO_ENGINES, "no prefill/decode pair to connect")
-    elif n_conn == n_exp:
-        ready = ("True", Reason.ALL_PAIRS_CONNECTED, f"{n_conn}/{n_exp} pairs connected")
-    else:
-        ready = ("False", Reason.PAIRS_MISSING, f"{n_conn}/{n_exp} pairs connected")
-    if handshakes:
-        progressing = ("True", Reason.HANDSHAKING, f"{len(handshakes)} handshake(s) to make")
-    elif draining:
-        progressing = ("True", Reason.DRAINING, f"{len(draining)} engine(s) draining")
-    else:
-        progressing = ("False", Reason.STABLE, "nothing to do")
-    if incompatible:
-        degraded = ("True", Reason.INCOMPATIBLE, f"{len(incompatible)} engine(s) incompatible")
-    elif unreachable:
-        order = [Reason.ENDPOINT_REFUSED, Reason.IDENTITY_MISMATCH, Reason.WORKER_UNREACHABLE]
-        worst = min((why for _, _, why in unreachable.values()), key=order.index)
-        names = ", ".join(sorted(unreachable))
-        label = {
-            Reason.ENDPOINT_REFUSED: "engines with a refused endpoint or unreachable workers",
-            Reason.IDENTITY_MISMATCH: "engines whose worker is not their pod's, or unreachable",
-        }.get(worst, "unreachable workers")
-        degraded = ("True", worst, f"{label}: {names}")
-    else:
-        degraded = ("False", Reason.HEALTHY, "")
-    conditions = [
-        _condition(prev_conds, ConditionType.READY, *ready, obs.generation, now),
-        _condition(prev_conds, ConditionType.PROGRESSING, *progressing, obs.generation, now),
-        _condition(prev_conds, ConditionType.DEGRADED, *degraded, obs.generation, now),
-    ]
 
     def ready_of(role: str) -> str:
         total = sum(1 for p in pods if p.role == role)
-        usable = sum(1 for e in live.values() if e.pod.role == role)
-        return f"{usable}/{total}"
+        done = sum(
+            1
+            for e in engines
+            if e.role == role and e.state == EngineState.CONNECTED and e.pod in live_pods
+        )
+        return f"{done}/{total}"
 
+    live_pods = {e.pod.name for e in live.values()}
     status = KVTopologyStatus(
         observed_generation=obs.generation,
         conditions=conditions,
@@ -580,9 +695,177 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
         events=tuple(events),
         expected_pairs=frozenset(expected),
         connected_pairs=frozenset(connected),
+        progress=progress,
         wake_in_s=min(due_in) if due_in else None,
         idle_ttls=tuple(sorted(idle_ttls)),
     )
+
+
+def conditions_of(
+    progress: Progress, previous: Iterable[Condition], generation: int, now: datetime
+) -> list[Condition]:
+    """Ready, Progressing and Degraded, told as they are.
+
+    Ready is True only when every pair is connected and every usable engine has a partner
+    (an engine with none is not ready to move KV, whatever the pair count says). Degraded
+    names the worst problem: incompatible engines, engines that cannot be acted on, then
+    handshakes failing past the progress deadline (`HandshakeFailed`)."""
+    prev = {c.type.value: c for c in previous}
+    n_exp, n_conn = len(progress.expected), len(progress.connected)
+    pairs = f"{n_conn}/{n_exp} pairs connected"
+    lonely = ""
+    if progress.unpaired:
+        names = ", ".join(progress.unpaired[:10])
+        more = f" and {len(progress.unpaired) - 10} more" if len(progress.unpaired) > 10 else ""
+        lonely = f"{len(progress.unpaired)} engine(s) with no partner to pair with: {names}{more}"
+    if n_exp == 0:
+        message = "no prefill/decode pair to connect" + (f"; {lonely}" if lonely else "")
+        if progress.claimed:
+            message += (
+                f"; {len(progress.claimed)} selected pod(s) belong to an older KVTopology "
+                "(see the Conflict condition)"
+            )
+        ready = ("False", Reason.NO_ENGINES, message)
+    elif lonely:
+        ready = ("False", Reason.ENGINES_UNPAIRED, f"{lonely}; {pairs}")
+    elif n_conn == n_exp:
+        ready = ("True", Reason.ALL_PAIRS_CONNECTED, pairs)
+    else:
+        ready = ("False", Reason.PAIRS_MISSING, pairs)
+    if progress.failing and progress.handshakes_left:
+        progressing = (
+            "True",
+            Reason.HANDSHAKING,
+            f"{progress.handshakes_left} handshake(s) to make, "
+            f"{len(progress.failing)} failing past the progress deadline",
+        )
+    elif progress.handshakes_left:
+        progressing = (
+            "True",
+            Reason.HANDSHAKING,
+            f"{progress.handshakes_left} handshake(s) to make",
+        )
+    elif progress.draining:
+        progressing = ("True", Reason.DRAINING, f"{progress.draining} engine(s) draining")
+    else:
+        progressing = ("False", Reason.STABLE, "nothing to do")
+    if progress.incompatible:
+        degraded = ("True", Reason.INCOMPATIBLE, f"{progress.incompatible} engine(s) incompatible")
+    elif progress.unreachable:
+        order = [Reason.ENDPOINT_REFUSED, Reason.IDENTITY_MISMATCH, Reason.WORKER_UNREACHABLE]
+        worst = min((why for _, why in progress.unreachable), key=order.index)
+        names = ", ".join(name for name, _ in progress.unreachable)
+        label = {
+            Reason.ENDPOINT_REFUSED: "engines with a refused endpoint or unreachable workers",
+            Reason.IDENTITY_MISMATCH: "engines whose worker is not their pod's, or unreachable",
+        }.get(worst, "unreachable workers")
+        degraded = ("True", worst, f"{label}: {names}")
+    elif progress.failing:
+        shown = "; ".join(progress.failing[:5])
+        more = f" (and {len(progress.failing) - 5} more)" if len(progress.failing) > 5 else ""
+        degraded = (
+            "True",
+            Reason.HANDSHAKE_FAILED,
+            f"{len(progress.failing)} handshake(s) failing past the progress deadline: "
+            f"{shown}{more}",
+        )
+    else:
+        degraded = ("False", Reason.HEALTHY, "")
+    return [
+        _condition(prev, ConditionType.READY, *ready, generation, now),
+        _condition(prev, ConditionType.PROGRESSING, *progressing, generation, now),
+        _condition(prev, ConditionType.DEGRADED, *degraded, generation, now),
+        _condition(prev, ConditionType.CONFLICT, *conflict_of(progress.claimed), generation, now),
+    ]
+
+
+@dataclass(frozen=True)
+class FailingHandshake:
+    """A handshake that has failed in every round since `since` (the operator's memory)."""
+
+    since: datetime
+    message: str
+
+
+def settle(
+    plan: Plan,
+    made: Iterable[Handshake],
+    failing: Mapping[Handshake, FailingHandshake],
+    previous: KVTopologyStatus,
+    generation: int,
+    deadline: timedelta,
+    now: datetime,
+) -> tuple[KVTopologyStatus, tuple[Event, ...]]:
+    """The plan's status after acting: pairs whose missing halves were all made are
+    connected, their engines too, and the conditions are computed from that and from the
+    handshakes failing past `deadline` (one Warning Event when that first happens)."""
+    made_set = set(made)
+    missing: dict[tuple[str, str], list[Handshake]] = {}
+    for h in plan.handshakes:
+        missing.setdefault(h.pair, []).append(h)
+    connected = set(plan.progress.connected) | {
+        pair
+        for pair, halves in missing.items()
+        if pair in plan.progress.expected and all(h in made_set for h in halves)
+    }
+    late = [
+        f"{h.pod} adding {h.peer_role} {h.peer_engine_id}: {f.message}"[:300]
+        for h, f in sorted(failing.items())
+        if now - f.since >= deadline
+    ]
+    progress = dataclasses.replace(
+        plan.progress,
+        connected=frozenset(connected),
+        handshakes_left=len(plan.handshakes) - len(made_set & set(plan.handshakes)),
+        failing=tuple(late),
+    )
+    per_engine: dict[str, tuple[int, int]] = {}
+    for pair in progress.expected:
+        for eid in pair:
+            ok, total = per_engine.get(eid, (0, 0))
+            per_engine[eid] = (ok + (pair in connected), total + 1)
+    engines = []
+    for entry in plan.status.engines:
+        ok, total = per_engine.get(entry.engine_id, (0, 0))
+        settled = entry
+        if entry.state in (EngineState.HANDSHAKING, EngineState.CONNECTED) and total:
+            state = EngineState.CONNECTED if ok == total else EngineState.HANDSHAKING
+            if state != entry.state:
+                was = next((x for x in previous.engines if x.engine_id == entry.engine_id), None)
+                since = was.since if was is not None and was.state == state else precise(now)
+                message = f"{ok}/{total} pairs connected"
+                settled = entry.model_copy(
+                    update={"state": state, "since": since, "message": message}
+                )
+        engines.append(settled)
+    conditions = conditions_of(progress, previous.conditions, generation, now)
+    summary = plan.status.summary.model_copy(
+        update={
+            "pairs": f"{len(connected)}/{len(progress.expected)}",
+            **{
+                role: _connected_of(engines, role, getattr(plan.status.summary, role))
+                for role in ("prefill", "decode")
+            },
+        }
+    )
+    events: tuple[Event, ...] = ()
+    was_degraded = next((c for c in previous.conditions if c.type == ConditionType.DEGRADED), None)
+    now_degraded = next(c for c in conditions if c.type == ConditionType.DEGRADED)
+    if now_degraded.reason == Reason.HANDSHAKE_FAILED.value and (
+        was_degraded is None or was_degraded.reason != Reason.HANDSHAKE_FAILED.value
+    ):
+        events = (Event("Warning", Reason.HANDSHAKE_FAILED.value, now_degraded.message),)
+    status = plan.status.model_copy(
+        update={"conditions": conditions, "engines": engines, "summary": summary}
+    )
+    return status, events
+
+
+def _connected_of(engines: Iterable[EngineStatus], role: str, before: str) -> str:
+    """The summary's "connected/total" for `role`, the total kept from `before`."""
+    total = before.split("/", 1)[1] if "/" in before else "0"
+    done = sum(1 for e in engines if e.role == role and e.state == EngineState.CONNECTED)
+    return f"{done}/{total}"
 
 
 def invalid_spec(
@@ -591,7 +874,8 @@ def invalid_spec(
     """The status of a topology whose spec this operator cannot read (a CRD of another
     version let it through): the conditions say so (Ready=False, Progressing=False,
     Degraded=True, reason InvalidSpec) and everything else is kept as it was (engines,
-    counters): nothing is decided or done until the spec is fixed. An Event on the way in."""
+    counters, the Conflict condition): nothing is decided or done until the spec is fixed
+    (nor does such a topology claim any pod). An Event on the way in."""
     prev = {c.type.value: c for c in previous.conditions}
     text = f"the spec cannot be read by this operator: {message}"
     conditions = [
@@ -602,6 +886,7 @@ def invalid_spec(
         _condition(
             prev, ConditionType.DEGRADED, "True", Reason.INVALID_SPEC, text, generation, now
         ),
+        *[c for c in previous.conditions if c.type == ConditionType.CONFLICT],
     ]
     was = prev.get(ConditionType.DEGRADED.value)
     events: tuple[Event, ...] = ()

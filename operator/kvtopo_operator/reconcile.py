@@ -2,10 +2,11 @@
 
 Owns one asyncio task per KVTopology. Each task waits for a poke (a pod or spec change) or
 its resync period, then reconciles: reads the topology fresh, takes its pods from the pod
-index, gathers the workers' `/v1/state` (incrementally: `gather.WorkerViews` re-reads only
-new, failed or stale workers), asks `logic.evaluate` for a plan, makes the handshakes and
-evictions (one batched call per worker, bounded concurrency, timeouts), writes the status
-once (only when it changed) and records Events and metrics. A topology's reconciles never
+index (those it owns: `logic.owned_pods`, against the namespace's other topologies from the
+topology source), gathers the workers' `/v1/state` (incrementally: `gather.WorkerViews`
+re-reads only new, failed or stale workers), asks `logic.evaluate` for a plan, makes the
+handshakes and evictions (one batched call per worker, bounded concurrency, timeouts), writes
+the status once (only when it changed) and records Events and metrics. A topology's reconciles never
 overlap because only its own task runs them. Called by `handlers` (kopf).
 """
 
@@ -17,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pydantic import ValidationError
@@ -34,17 +35,20 @@ from kvtopo_operator.kube import KubeClient
 from kvtopo_operator.logic import (
     Event,
     Eviction,
+    FailingHandshake,
     Handshake,
     Observed,
     Plan,
     PodView,
     SetIdleTTL,
+    TopologyView,
     WorkerView,
     evaluate,
     invalid_spec,
-    pods_of,
+    owned_pods,
     record_operator_failures,
     rfc3339,
+    settle,
 )
 from kvtopo_operator.metrics import OperatorMetrics
 from kvtopo_operator.workers import CallResult, PeerAdd, WorkerClient
@@ -53,6 +57,8 @@ log = logging.getLogger(__name__)
 
 TopologyKey = tuple[str, str]  # (namespace, name)
 PodSource = Callable[[str, int], Iterable[PodView]]  # (namespace, control port) -> pods
+# namespace -> the KVTopologies in it (for the claim: a pod belongs to at most one)
+TopologySource = Callable[[str], Iterable[TopologyView]]
 
 
 @dataclass
@@ -74,6 +80,18 @@ class _Loop:
     failed_rounds: int = 0
     connected_at: dict[str, float] = field(default_factory=dict)
     ignored: list[str] = field(default_factory=list)  # unknown fields last reported
+    failing: dict[Handshake, FailingHandshake] = field(default_factory=dict)
+
+
+@dataclass
+class _Outcome:
+    """What acting on a plan did."""
+
+    acted: bool  # something changed (run again soon)
+    events: list[Event]
+    failures: list[tuple[str, LastFailure]]  # seen by the operator itself (unreachable)
+    made: list[Handshake]
+    failed: dict[Handshake, str]  # handshake -> why it failed
 
 
 class Reconciler:
@@ -85,6 +103,7 @@ class Reconciler:
         kube: KubeClient,
         workers: WorkerClient,
         pods: PodSource,
+        topologies: TopologySource = lambda namespace: (),
         metrics: OperatorMetrics,
         settings: Settings | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
@@ -92,6 +111,7 @@ class Reconciler:
         self.kube = kube
         self.workers = workers
         self.pods = pods
+        self.topologies = topologies
         self.metrics = metrics
         self.settings = settings or Settings()
         self.clock = clock
@@ -195,7 +215,12 @@ class Reconciler:
             )
         loop.ignored = ignored
 
-        pods = pods_of(spec, self.pods(namespace, spec.control_port))
+        # The claim: of the pods this spec selects, those an older topology of the namespace
+        # selects too are that one's; they are left alone (`logic.owned_pods`).
+        me = TopologyView(name, str(body["metadata"].get("creationTimestamp") or ""), spec)
+        pods, claimed = owned_pods(
+            me, self.topologies(namespace), self.pods(namespace, spec.control_port)
+        )
         sem = asyncio.Semaphore(spec.handshake.max_concurrent)
         timeout = float(spec.handshake.timeout_seconds)
         reads = loop.views.reads
@@ -206,12 +231,34 @@ class Reconciler:
         now = self.clock()
         plan = evaluate(
             Observed(
-                generation=generation, spec=spec, pods=pods, workers=workers, previous=previous
+                generation=generation,
+                spec=spec,
+                pods=pods,
+                workers=workers,
+                previous=previous,
+                claimed=claimed,
             ),
             now,
         )
-        acted, act_events, operator_failures = await self._act(plan, loop.views, sem, timeout, now)
-        status = record_operator_failures(plan.status, operator_failures)
+        out = await self._act(plan, loop.views, sem, timeout, now, set(loop.failing))
+        # Handshakes failing round after round: since when (the progress deadline counts
+        # from there); one that succeeded or is no longer wanted is forgotten.
+        loop.failing = {
+            h: FailingHandshake(loop.failing[h].since if h in loop.failing else now, message)
+            for h, message in out.failed.items()
+        }
+        # The conditions are those of the outcome of acting, not of the plan.
+        status, settle_events = settle(
+            plan,
+            out.made,
+            loop.failing,
+            previous,
+            generation,
+            timedelta(seconds=spec.handshake.progress_deadline_seconds),
+            now,
+        )
+        status = record_operator_failures(status, out.failures)
+        acted, act_events = out.acted, [*out.events, *settle_events]
         new, old = dump(status), dump(previous)
         if new != old:
             written = await self.kube.patch_status(
@@ -251,13 +298,16 @@ class Reconciler:
         sem: asyncio.Semaphore,
         call_timeout: float,
         now: datetime,
-    ) -> tuple[bool, list[Event], list[tuple[str, LastFailure]]]:
+        failing_before: set[Handshake] | None = None,
+    ) -> _Outcome:
         """Makes the plan's handshakes and evictions: one call per worker (a batch of its
         adds and evictions, the adds bounded by `call_timeout`, the handshake deadline), and
         sets the idle TTL of the workers the plan names, at most `sem` calls at once; records
         each outcome in `views`."""
         events: list[Event] = []
         failures: list[tuple[str, LastFailure]] = []
+        made: list[Handshake] = []
+        failed: dict[Handshake, str] = {}
         by_worker: dict[tuple[str, str], tuple[list[Handshake], list[Eviction]]] = {}
         for h in plan.handshakes:
             by_worker.setdefault((h.pod, h.endpoint), ([], []))[0].append(h)
@@ -269,10 +319,13 @@ class Reconciler:
             self.metrics.handshakes.labels(outcome).inc()
             if res.ok:
                 views.peer_added(h.pod, h.peer_engine_id, h.peer_incarnation)
+                made.append(h)
                 return True
             views.mark_dirty(h.pod)
+            failed[h] = res.message[:300]
             msg = f"{h.pod}: adding {h.peer_role} engine {h.peer_engine_id}: {res.message}"
-            events.append(Event("Warning", "HandshakeFailed", msg))
+            if h not in (failing_before or set()):  # an Event when it starts failing only
+                events.append(Event("Warning", "HandshakeFailed", msg))
             if res.status == 0:  # the worker never saw it, so it could not count it
                 failures.append(
                     (
@@ -351,7 +404,8 @@ class Reconciler:
             ),
             asyncio.gather(*map(set_idle_ttl, plan.idle_ttls)),
         )
-        return any(ok for worker in results for ok in worker), events, failures
+        acted = any(ok for worker in results for ok in worker)
+        return _Outcome(acted, events, failures, made, failed)
 
     def _observe(
         self, key: TopologyKey, loop: _Loop, plan: Plan, pods: tuple[PodView, ...], seconds: float

@@ -431,7 +431,11 @@ def test_schema_defaults_agree_with_pydantic(openapi: dict[str, Any]) -> None:
     assert defaulted["controlPort"] == 8975
     assert defaulted["eviction"] == {"graceSeconds": 10, "idleTTLSeconds": 0}
     assert defaulted["transfer"] == {"mode": "push", "backends": ["UCX"]}
-    assert defaulted["handshake"] == {"timeoutSeconds": 5, "maxConcurrent": 64}
+    assert defaulted["handshake"] == {
+        "timeoutSeconds": 5,
+        "maxConcurrent": 64,
+        "progressDeadlineSeconds": 30,
+    }
     assert drop_empty(defaulted) == drop_empty(dump(KVTopologySpec.model_validate(minimal)))
     status_schema = openapi["properties"]["status"]
     assert drop_empty(apply_defaults(status_schema, {})) == drop_empty(dump(KVTopologyStatus()))

@@ -229,7 +229,11 @@ def test_server_applies_the_schema_defaults(cluster_a: LocalCluster, namespace: 
     assert stored["controlPort"] == 8975
     assert stored["eviction"] == {"graceSeconds": 10, "idleTTLSeconds": 0}
     assert stored["transfer"] == {"mode": "push", "backends": ["UCX"]}
-    assert stored["handshake"] == {"timeoutSeconds": 5, "maxConcurrent": 64}
+    assert stored["handshake"] == {
+        "timeoutSeconds": 5,
+        "maxConcurrent": 64,
+        "progressDeadlineSeconds": 30,
+    }
     # The server's defaults are pydantic's.
     assert KVTopologySpec.model_validate(stored) == KVTopologySpec.model_validate(MINIMAL)
     expected = dump(KVTopologySpec.model_validate(MINIMAL))

@@ -113,7 +113,12 @@ class RecordingReconciler:
 
 async def event(kind: str | None, name: str, generation: int) -> None:
     await handlers.topology_changed(
-        type=kind, namespace="ns", name=name, meta={"generation": generation}, engine_pods={}
+        type=kind,
+        namespace="ns",
+        name=name,
+        meta={"generation": generation},
+        engine_pods={},
+        kv_topologies={},
     )
 
 
@@ -136,7 +141,7 @@ async def test_handlers_remember_topologies_as_standby_and_act_only_while_leadin
     await event("MODIFIED", "b", 3)
     await event("ADDED", "c", 1)
     await event("DELETED", "c", 1)
-    await handlers.pod_changed(namespace="ns", engine_pods={})
+    await handlers.pod_changed(namespace="ns", engine_pods={}, kv_topologies={})
     assert handlers._state["known"] == {("ns", "a"): 1, ("ns", "b"): 3}
     assert [c for c in rec.calls if c[0] != "poke"] == []
 
@@ -145,10 +150,20 @@ async def test_handlers_remember_topologies_as_standby_and_act_only_while_leadin
     assert gauge() == 1.0 and handlers._state["leading"] is True
     assert rec.calls[-2:] == [("ensure", ("ns", "a"), 1), ("ensure", ("ns", "b"), 3)]
 
-    # While leading, events act directly.
+    # While leading, events act directly; one that may change which pods the namespace's
+    # topologies own (one comes, goes or changes its spec) pokes them all, a status write not.
+    n = len(rec.calls)
     await event("ADDED", "d", 1)
     await event("DELETED", "a", 1)
-    assert rec.calls[-2:] == [("ensure", ("ns", "d"), 1), ("forget", ("ns", "a"))]
+    assert rec.calls[n:] == [
+        ("ensure", ("ns", "d"), 1),
+        ("poke", "ns"),
+        ("forget", ("ns", "a")),
+        ("poke", "ns"),
+    ]
+    n = len(rec.calls)
+    await event("MODIFIED", "d", 1)
+    assert rec.calls[n:] == [("ensure", ("ns", "d"), 1)]
     assert handlers._state["known"] == {("ns", "b"): 3, ("ns", "d"): 1}
 
     # Leadership lost: every loop cancelled at once; events only update what is known.

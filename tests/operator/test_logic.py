@@ -18,6 +18,7 @@ from kvtopo_operator.api import (
 )
 from kvtopo_operator.logic import (
     Eviction,
+    FailingHandshake,
     FailureView,
     Handshake,
     Observed,
@@ -28,6 +29,7 @@ from kvtopo_operator.logic import (
     evaluate,
     precise,
     rfc3339,
+    settle,
 )
 
 T0 = datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)
@@ -112,8 +114,10 @@ def test_fresh_engines_get_both_directions_of_every_pair() -> None:
     bare = {k: worker(v.engine_id, v.role) for k, v in workers.items()}  # type: ignore[attr-defined]
     plan = evaluate(observe(pods, bare), T0)
     assert len(plan.handshakes) == 12
-    assert Handshake("p0", pods[0].endpoint, "D2", pods[4].endpoint, "decode") in plan.handshakes
-    assert Handshake("d2", pods[4].endpoint, "P0", pods[0].endpoint, "prefill") in plan.handshakes
+    p0_d2 = Handshake("p0", pods[0].endpoint, "D2", pods[4].endpoint, "decode", engine_id="P0")
+    assert p0_d2 in plan.handshakes and p0_d2.pair == ("P0", "D2")
+    d2_p0 = Handshake("d2", pods[4].endpoint, "P0", pods[0].endpoint, "prefill", engine_id="D2")
+    assert d2_p0 in plan.handshakes and d2_p0.pair == ("P0", "D2")
     assert cond(plan.status, "Ready") == ("False", "PairsMissing")
     assert cond(plan.status, "Progressing") == ("True", "Handshaking")
 
@@ -338,7 +342,9 @@ def test_plans_are_sane(
     connected, expected = (int(x) for x in plan.status.summary.pairs.split("/"))
     assert 0 <= connected <= expected
     ready = next(c for c in plan.status.conditions if c.type.value == "Ready")
-    assert (ready.status == "True") == (expected > 0 and connected == expected)
+    # Ready: every pair connected, and every usable engine has a partner.
+    unpaired = bool(plan.progress.unpaired)
+    assert (ready.status == "True") == (expected > 0 and connected == expected and not unpaired)
     assert all(v >= 0 for v in plan.status.failures.counts.values())
 
 
@@ -393,3 +399,54 @@ def test_the_idle_ttl_is_set_on_usable_workers_that_report_another_value() -> No
     )
     # The default spec (0: off) turns the backstop off where a worker has it on.
     assert [s.pod for s in evaluate(observe(pods, workers), T0).idle_ttls] == ["d0", "p1"]
+
+
+# --- conditions that tell the truth ---------------------------------------------------------
+
+
+def test_an_engine_with_no_partner_keeps_ready_false_and_is_named() -> None:
+    """One v1 pair plus decodes of v2 with no v2 prefill: the pair count alone (1/1) would
+    say Ready; the unpaired engines say otherwise."""
+    pods = [pod("p0", "prefill"), pod("d0", "decode")]
+    pods += [pod(f"d{i}", "decode", version="v2") for i in range(1, 5)]
+    workers: dict[str, object] = {"p0": worker("P0", "prefill", {"D0"})}
+    workers["d0"] = worker("D0", "decode", {"P0"})
+    for i in range(1, 5):
+        workers[f"d{i}"] = worker(f"D{i}", "decode")
+    plan = evaluate(observe(pods, workers), T0)
+    ready = next(c for c in plan.status.conditions if c.type.value == "Ready")
+    assert (ready.status, ready.reason) == ("False", "EnginesUnpaired")
+    assert "4 engine(s) with no partner to pair with: d1, d2, d3, d4" in ready.message
+    assert plan.status.summary.model_dump() == {"prefill": "1/1", "decode": "1/5", "pairs": "1/1"}
+
+
+def test_conditions_are_those_of_the_outcome_of_acting() -> None:
+    pods, workers = full_mesh()
+    bare = {k: worker(v.engine_id, v.role) for k, v in workers.items()}  # type: ignore[attr-defined]
+    plan = evaluate(observe(pods, bare), T0)
+    deadline = timedelta(seconds=30)
+    # Every handshake made: Ready at once, not a round later.
+    status, events = settle(plan, plan.handshakes, {}, KVTopologyStatus(), 3, deadline, T0)
+    assert cond(status, "Ready") == ("True", "AllPairsConnected")
+    assert cond(status, "Progressing") == ("False", "Stable")
+    assert {e.state for e in status.engines} == {EngineState.CONNECTED}
+    assert status.summary.model_dump() == {"prefill": "2/2", "decode": "3/3", "pairs": "6/6"}
+    assert events == ()
+    # One half of one pair failing: that pair is not connected, the rest are.
+    bad = next(h for h in plan.handshakes if h.pod == "d2" and h.peer_engine_id == "P0")
+    made = [h for h in plan.handshakes if h != bad]
+    young = {bad: FailingHandshake(T0 - timedelta(seconds=5), "HTTP 401 from the peer")}
+    status, events = settle(plan, made, young, KVTopologyStatus(), 3, deadline, T0)
+    assert cond(status, "Ready") == ("False", "PairsMissing")
+    assert cond(status, "Progressing") == ("True", "Handshaking")
+    assert cond(status, "Degraded") == ("False", "Healthy")
+    assert status.summary.pairs == "5/6" and events == ()
+    # The same failure past the progress deadline: Degraded names it, one Event.
+    old = {bad: FailingHandshake(T0 - timedelta(seconds=31), "HTTP 401 from the peer")}
+    status, events = settle(plan, made, old, KVTopologyStatus(), 3, deadline, T0)
+    degraded = next(c for c in status.conditions if c.type.value == "Degraded")
+    assert (degraded.status, degraded.reason) == ("True", "HandshakeFailed")
+    assert "d2 adding prefill P0: HTTP 401 from the peer" in degraded.message
+    assert [e.reason for e in events] == ["HandshakeFailed"]
+    _, events = settle(plan, made, old, status, 3, deadline, T0 + timedelta(seconds=2))
+    assert events == (), "an Event when it turns Degraded, not every round"
