@@ -91,6 +91,22 @@ class WorkerUnreachable:
 
 
 @dataclass(frozen=True)
+class Memory:
+    """What the operator remembers of a topology between rounds, whether or not its status
+    was written (a write refused by 403, 429 or a webhook) and beyond the status's 2,048
+    engines: when each gone engine was first seen gone (its eviction timer), the failure
+    counters last read from each engine (the baselines of the deltas, kept while an engine
+    blips NotReady), and the totals. Empty after an operator restart: the status is then the
+    only record, and `evaluate` falls back to it."""
+
+    gone_since: Mapping[str, datetime] = field(default_factory=dict)
+    baselines: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    seen_at: Mapping[str, datetime] = field(default_factory=dict)  # when a baseline was read
+    counts: Mapping[str, int] | None = None  # None: take the status's
+    last: LastFailure | None = None
+
+
+@dataclass(frozen=True)
 class Observed:
     generation: int
     spec: KVTopologySpec
@@ -100,6 +116,7 @@ class Observed:
     # Pods the spec selects but an older topology owns (`owned_pods`): pod -> that topology.
     # They are left alone, not counted, not listed, and reported by the Conflict condition.
     claimed: Mapping[str, str] = field(default_factory=dict)
+    memory: Memory = field(default_factory=Memory)
 
 
 # --- the plan ----------------------------------------------------------------------------
@@ -178,6 +195,7 @@ class Plan:
     wake_in_s: float | None = None  # when the next eviction falls due, if one is waiting
     idle_ttls: tuple[SetIdleTTL, ...] = ()  # workers whose idle TTL differs from the spec's
     progress: Progress = Progress()  # what the conditions were computed from, before acting
+    memory: Memory | None = None  # what to remember for the next round (see `Memory`)
 
 
 # --- helpers -----------------------------------------------------------------------------
@@ -456,6 +474,7 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
         if prev.pod in pods_with_unreachable_worker and prev.state != EngineState.DRAINING:
             continue  # cannot tell: keep it as it was until its worker answers again
         since = parse_time(prev.since) if prev.state == EngineState.DRAINING else now
+        since = min(since, obs.memory.gone_since.get(eid, since))
         gone[eid] = (prev.pod, prev.role, prev.endpoint, since)
     for e in live.values():
         for peer in e.worker.peers - e.worker.evicting:
@@ -464,7 +483,7 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
                 if known is not None and known.state == EngineState.EVICTED:
                     since = parse_time(known.since) - grace  # evicted before: due at once
                 else:
-                    since = now
+                    since = obs.memory.gone_since.get(peer, now)
                 role = "decode" if e.pod.role == "prefill" else "prefill"
                 gone[peer] = (
                     known.pod if known else "",
@@ -489,13 +508,17 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
             )
 
     # Failures: deltas of each worker's counters since the last time we read them.
-    counts = dict(obs.previous.failures.counts)
-    last = obs.previous.failures.last
+    memory = obs.memory
+    counts = dict(obs.previous.failures.counts if memory.counts is None else memory.counts)
+    last = obs.previous.failures.last if memory.counts is None else memory.last
     newest: tuple[float, LastFailure] | None = None
     seen_now: dict[str, dict[str, int]] = {}
     delta_total: dict[str, int] = {}
     for eid, e in live.items():
-        prev_seen = prev_engines[eid].failures_seen if eid in prev_engines else {}
+        if eid in memory.baselines:  # read before, also while it blipped NotReady
+            prev_seen = dict(memory.baselines[eid])
+        else:
+            prev_seen = prev_engines[eid].failures_seen if eid in prev_engines else {}
         seen_now[eid] = dict(e.worker.failures)
         grew = False
         for ftype, value in e.worker.failures.items():
@@ -696,8 +719,36 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
         expected_pairs=frozenset(expected),
         connected_pairs=frozenset(connected),
         progress=progress,
+        memory=_remember(memory, gone, seen_now, counts, last, now),
         wake_in_s=min(due_in) if due_in else None,
         idle_ttls=tuple(sorted(idle_ttls)),
+    )
+
+
+def _remember(
+    memory: Memory,
+    gone: Mapping[str, tuple[str, str, str, datetime]],
+    seen_now: Mapping[str, Mapping[str, int]],
+    counts: Mapping[str, int],
+    last: LastFailure | None,
+    now: datetime,
+) -> Memory:
+    """The memory after this round: gone engines' timers, baselines (kept EVICTED_RETENTION
+    after an engine was last read, so a NotReady blip does not count its counters twice)."""
+    baselines = dict(memory.baselines)
+    seen_at = dict(memory.seen_at)
+    for eid, seen in seen_now.items():
+        baselines[eid] = dict(seen)
+        seen_at[eid] = now
+    for eid in [e for e, t in seen_at.items() if now - t > EVICTED_RETENTION]:
+        baselines.pop(eid, None)
+        seen_at.pop(eid, None)
+    return Memory(
+        gone_since={eid: g[3] for eid, g in gone.items()},
+        baselines=baselines,
+        seen_at=seen_at,
+        counts=dict(counts),
+        last=last,
     )
 
 

@@ -30,6 +30,12 @@ class OperatorMetrics:
             "Worker /v1/state reads (new, failed or stale workers only).",
             registry=self.registry,
         )
+        self.status_write_failures = Counter(
+            "kvtopo_operator_status_write_failures",
+            "KVTopology status writes refused or failed (the next round writes again; "
+            "eviction timers and failure baselines do not depend on them).",
+            registry=self.registry,
+        )
         self.reconcile_seconds = Histogram(
             "kvtopo_operator_reconcile_seconds",
             "Duration of one topology reconcile.",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -37,6 +38,7 @@ from kvtopo_operator.logic import (
     Eviction,
     FailingHandshake,
     Handshake,
+    Memory,
     Observed,
     Plan,
     PodView,
@@ -81,6 +83,7 @@ class _Loop:
     connected_at: dict[str, float] = field(default_factory=dict)
     ignored: list[str] = field(default_factory=list)  # unknown fields last reported
     failing: dict[Handshake, FailingHandshake] = field(default_factory=dict)
+    memory: Memory = field(default_factory=Memory)  # see logic.Memory
 
 
 @dataclass
@@ -237,6 +240,7 @@ class Reconciler:
                 workers=workers,
                 previous=previous,
                 claimed=claimed,
+                memory=loop.memory,
             ),
             now,
         )
@@ -258,12 +262,25 @@ class Reconciler:
             now,
         )
         status = record_operator_failures(status, out.failures)
+        if plan.memory is not None:
+            # Remembered whether or not the status write below succeeds: eviction timers
+            # and failure baselines never depend on it.
+            loop.memory = dataclasses.replace(
+                plan.memory, counts=dict(status.failures.counts), last=status.failures.last
+            )
         acted, act_events = out.acted, [*out.events, *settle_events]
         new, old = dump(status), dump(previous)
         if new != old:
-            written = await self.kube.patch_status(
-                namespace, name, new, body["metadata"]["resourceVersion"]
-            )
+            try:
+                written = await self.kube.patch_status(
+                    namespace, name, new, body["metadata"]["resourceVersion"]
+                )
+            except Exception as exc:  # 403, 429, an admission webhook, a timeout
+                # The round's decisions stand and its timers are remembered (loop.memory);
+                # only the record is late: written again next round.
+                log.warning("%s/%s: the status write failed: %s", *key, exc)
+                self.metrics.status_write_failures.inc()
+                written = True  # nothing moved under us: no need to re-read at once
             if not written:
                 loop.poke.set()  # the object moved under us: read it again at once
         for event in (*plan.events, *act_events):

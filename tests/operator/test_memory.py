@@ -1,0 +1,141 @@
+"""Correctness state outlives status writes and truncation: eviction timers and failure
+baselines live in the operator's memory (`logic.Memory`), the status only records them.
+Pure tables for `evaluate`, and the real reconcile loop with a status writer that always
+fails (403)."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+from typing import Any, cast
+
+import pytest
+
+from kvtopo_operator.api import MAX_ENGINES_IN_STATUS, KVTopologyStatus, dump
+from kvtopo_operator.kube import KubeClient
+from kvtopo_operator.logic import Observed, WorkerView, evaluate
+from kvtopo_operator.metrics import OperatorMetrics
+from kvtopo_operator.reconcile import Reconciler, Settings
+from kvtopo_operator.workers import WorkerClient
+from tests.operator.test_logic import SPEC, T0, pod, worker
+from tests.operator.test_ownership import FakeKube, RecordingWorkers, body
+
+
+def observe(
+    pods: list[Any], workers: dict[str, Any], previous: KVTopologyStatus, **kw: Any
+) -> Observed:
+    return Observed(3, SPEC, tuple(pods), workers, previous, **kw)
+
+
+GRACE = timedelta(seconds=SPEC.eviction.grace_seconds)
+
+
+def test_a_gone_engine_is_evicted_after_the_grace_though_no_status_was_written() -> None:
+    both = [pod("p0", "prefill"), pod("d0", "decode")]
+    live = {"p0": worker("P0", "prefill", {"D0"}), "d0": worker("D0", "decode", {"P0"})}
+    written = evaluate(observe(both, live, KVTopologyStatus()), T0).status  # the last write
+    only_p0 = {"p0": live["p0"]}
+    # d0 is deleted; every status write fails from now on, so `previous` stays `written`.
+    first = evaluate(observe(both[:1], only_p0, written), T0 + timedelta(seconds=1))
+    assert first.evictions == () and first.memory is not None
+    later = T0 + timedelta(seconds=1) + GRACE
+    remembered = evaluate(observe(both[:1], only_p0, written, memory=first.memory), later)
+    assert [(e.pod, e.engine_id) for e in remembered.evictions] == [("p0", "D0")]
+    # Without the memory the timer restarts every round: never evicted.
+    forgetful = evaluate(observe(both[:1], only_p0, written), later)
+    assert forgetful.evictions == ()
+
+
+def test_a_readiness_blip_does_not_count_an_engines_failures_twice() -> None:
+    pods = [pod("p0", "prefill"), pod("d0", "decode")]
+    failing = worker("D0", "decode", {"P0"}, failures={"transfer_failed": 7})
+    live = {"p0": worker("P0", "prefill", {"D0"}), "d0": failing}
+    one = evaluate(observe(pods, live, KVTopologyStatus()), T0)
+    assert one.status.failures.counts == {"transfer_failed": 7}
+    blip = [pod("p0", "prefill"), pod("d0", "decode", ready=False)]  # 3 s NotReady
+    two = evaluate(
+        observe(blip, {"p0": live["p0"]}, one.status, memory=one.memory),
+        T0 + timedelta(seconds=3),
+    )
+    three = evaluate(observe(pods, live, two.status, memory=two.memory), T0 + timedelta(seconds=6))
+    assert three.status.failures.counts == {"transfer_failed": 7}, "not 14"
+    assert not any(e.reason == "TransferFailures" for e in three.events)
+    # From the status alone (the old way) the blip doubled the count.
+    two_old = evaluate(observe(blip, {"p0": live["p0"]}, one.status), T0 + timedelta(seconds=3))
+    three_old = evaluate(observe(pods, live, two_old.status), T0 + timedelta(seconds=6))
+    assert three_old.status.failures.counts == {"transfer_failed": 14}
+
+
+def test_beyond_the_status_limit_counters_do_not_grow_every_round() -> None:
+    n = MAX_ENGINES_IN_STATUS + 60
+    pods = [pod("p0", "prefill")] + [pod(f"d{i:04d}", "decode") for i in range(n)]
+    decodes = {f"d{i:04d}": f"D{i:04d}" for i in range(n)}
+    live: dict[str, Any] = {"p0": worker("P0", "prefill", set(decodes.values()))}
+    for name, eid in decodes.items():
+        live[name] = worker(eid, "decode", {"P0"}, failures={"transfer_failed": 1})
+    one = evaluate(observe(pods, live, KVTopologyStatus()), T0)
+    assert len(one.status.engines) == MAX_ENGINES_IN_STATUS
+    assert one.status.failures.counts == {"transfer_failed": n}
+    two = evaluate(observe(pods, live, one.status, memory=one.memory), T0 + timedelta(seconds=2))
+    assert two.status.failures.counts == {"transfer_failed": n}
+    assert not any(e.reason == "TransferFailures" for e in two.events)
+    # From the status alone the engines past the limit counted again every round.
+    old = evaluate(observe(pods, live, one.status), T0 + timedelta(seconds=2))
+    assert old.status.failures.counts == {"transfer_failed": n + (n - MAX_ENGINES_IN_STATUS)}
+
+
+class RefusingKube(FakeKube):
+    """Every status write is refused, as by an admission webhook or RBAC gone wrong."""
+
+    refused = 0
+
+    async def patch_status(
+        self, namespace: str, name: str, status: dict[str, Any], resource_version: str
+    ) -> bool:
+        self.refused += 1
+        raise RuntimeError("(403) Forbidden: denied by admission webhook")
+
+
+@pytest.mark.asyncio
+async def test_with_every_status_write_refused_a_gone_engine_is_still_evicted() -> None:
+    pods = [pod("p0", "prefill"), pod("d0", "decode")]
+    kube = RefusingKube({"llama": body("llama", "2026-11-30T11:00:00Z")})
+    spec = dump(
+        SPEC.model_copy(update={"eviction": SPEC.eviction.model_copy(update={"grace_seconds": 1})})
+    )
+    kube.bodies["llama"]["spec"] = spec
+    workers = RecordingWorkers(pods)
+    current = list(pods)
+    metrics = OperatorMetrics()
+    reconciler = Reconciler(
+        kube=cast(KubeClient, kube),
+        workers=cast(WorkerClient, workers),
+        pods=lambda namespace, port: current,
+        topologies=lambda namespace: [],
+        metrics=metrics,
+        settings=Settings(resync_s=0.05, retry_s=0.01),
+    )
+
+    def peers_of(name: str) -> frozenset[str]:
+        view = workers.views[next(p.endpoint for p in pods if p.name == name)]
+        assert isinstance(view, WorkerView)
+        return view.peers
+
+    try:
+        reconciler.ensure(("ns", "llama"))
+        for _ in range(400):
+            await asyncio.sleep(0.01)
+            if peers_of("p0") == {"D0"}:
+                break
+        assert peers_of("p0") == {"D0"} and kube.refused > 0
+        current.remove(pods[1])  # d0 deleted
+        loop = asyncio.get_running_loop()
+        gone_at = loop.time()
+        while peers_of("p0") and loop.time() - gone_at < 10:  # noqa: ASYNC110 - polls state
+            await asyncio.sleep(0.02)
+        took = loop.time() - gone_at
+        assert peers_of("p0") == frozenset(), "evicted although no status was ever written"
+        assert 1.0 <= took < 3.0, took
+        assert metrics.status_write_failures._value.get() == kube.refused
+    finally:
+        reconciler.cancel_all()
