@@ -102,6 +102,8 @@ class Memory:
     gone_since: Mapping[str, datetime] = field(default_factory=dict)
     baselines: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     seen_at: Mapping[str, datetime] = field(default_factory=dict)  # when a baseline was read
+    # Connections between live engines no longer paired: (holder, peer) -> since when.
+    unpairing_since: Mapping[tuple[str, str], datetime] = field(default_factory=dict)
     counts: Mapping[str, int] | None = None  # None: take the status's
     last: LastFailure | None = None
 
@@ -495,6 +497,24 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
     evictions: list[Eviction] = []
     still_held: dict[str, int] = {}
     due_in: list[float] = []
+    # Pairing is level-based both ways: a connection between two live engines that should
+    # no longer be paired (a pairing label or the spec's pairing changed, or they became
+    # incompatible) is evicted after the grace, like a gone engine.
+    partners: dict[str, set[str]] = {}
+    for pid, did in expected:
+        partners.setdefault(pid, set()).add(did)
+        partners.setdefault(did, set()).add(pid)
+    unpairing: dict[tuple[str, str], datetime] = {}  # (holder, peer) -> since
+    for eid, e in live.items():
+        for peer in sorted(e.worker.peers - e.worker.evicting):
+            if peer not in live or peer in partners.get(eid, set()):
+                continue
+            since = obs.memory.unpairing_since.get((eid, peer), now)
+            unpairing[(eid, peer)] = since
+            if now - since >= grace:
+                evictions.append(Eviction(e.pod.name, e.pod.endpoint, peer))
+            else:
+                due_in.append((since + grace - now).total_seconds())
     for eid, (_pod, _role, _ep, since) in gone.items():
         holders = [e for e in live.values() if eid in e.worker.peers]
         still_held[eid] = len(holders)
@@ -719,7 +739,9 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
         expected_pairs=frozenset(expected),
         connected_pairs=frozenset(connected),
         progress=progress,
-        memory=_remember(memory, gone, seen_now, counts, last, now),
+        memory=dataclasses.replace(
+            _remember(memory, gone, seen_now, counts, last, now), unpairing_since=unpairing
+        ),
         wake_in_s=min(due_in) if due_in else None,
         idle_ttls=tuple(sorted(idle_ttls)),
     )
@@ -769,8 +791,10 @@ def conditions_of(
         names = ", ".join(progress.unpaired[:10])
         more = f" and {len(progress.unpaired) - 10} more" if len(progress.unpaired) > 10 else ""
         lonely = f"{len(progress.unpaired)} engine(s) with no partner to pair with: {names}{more}"
-    if n_exp == 0:
-        message = "no prefill/decode pair to connect" + (f"; {lonely}" if lonely else "")
+    if n_exp == 0 and lonely:
+        ready = ("False", Reason.ENGINES_UNPAIRED, f"{lonely}; no pair to connect")
+    elif n_exp == 0:
+        message = "no prefill/decode pair to connect"
         if progress.claimed:
             message += (
                 f"; {len(progress.claimed)} selected pod(s) belong to an older KVTopology "

@@ -85,3 +85,25 @@ def test_a_handshake_that_keeps_failing_degrades_the_topology(env: Env, tmp_path
     assert len(degraded_events) == 1, events
     assert len(events) <= 3, events
     show(env)
+
+
+def test_a_pairing_label_change_removes_the_old_connection_after_the_grace(env: Env) -> None:
+    """Level-based pairing: d0 is relabelled v1 -> v2 (no v2 prefill): its connection with
+    the v1 prefill is evicted on both sides after the grace, and d0 is reported unpaired."""
+    p0 = env.pod("p0", "prefill", env.worker("prefill"))
+    d0 = env.pod("d0", "decode", env.worker("decode"))
+    env.topology()
+    env.start_operator()
+    env.wait("connected", lambda: peers(p0) == {d0.engine_id} and peers(d0) == {p0.engine_id})
+    env.cluster.kubectl("label", "pod", "d0", "-n", env.namespace, "version=v2", "--overwrite")
+    env.wait(
+        "the stale pair evicted on both sides",
+        lambda: peers(p0) == set() and peers(d0) == set(),
+        timeout=30,
+    )
+    st = env.wait(
+        "d0 reported without a partner",
+        lambda: (s := env.status()) and condition(s, "Ready")[1] == "EnginesUnpaired" and s,
+    )
+    assert "d0" in condition(st, "Ready")[2]
+    assert st["summary"]["pairs"] == "0/0"

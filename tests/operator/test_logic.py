@@ -450,3 +450,29 @@ def test_conditions_are_those_of_the_outcome_of_acting() -> None:
     assert [e.reason for e in events] == ["HandshakeFailed"]
     _, events = settle(plan, made, old, status, 3, deadline, T0 + timedelta(seconds=2))
     assert events == (), "an Event when it turns Degraded, not every round"
+
+
+# --- pairing is level-based both ways -------------------------------------------------------
+
+
+def test_a_connection_no_longer_paired_is_evicted_after_the_grace() -> None:
+    """d0's pairing label changed from v1 to v2 (or the spec's pairing did): its connection
+    with the v1 prefill is removed after the grace, like a gone engine's, both ways."""
+    pods = [pod("p0", "prefill"), pod("d0", "decode", version="v2")]
+    workers: dict[str, object] = {
+        "p0": worker("P0", "prefill", {"D0"}),
+        "d0": worker("D0", "decode", {"P0"}),
+    }
+    first = evaluate(observe(pods, workers), T0)
+    assert first.evictions == () and first.handshakes == ()
+    assert first.wake_in_s == SPEC.eviction.grace_seconds
+    assert first.memory is not None
+    later = dataclasses.replace(observe(pods, workers), memory=first.memory)
+    due = evaluate(later, T0 + timedelta(seconds=SPEC.eviction.grace_seconds))
+    assert sorted((e.pod, e.engine_id) for e in due.evictions) == [("d0", "P0"), ("p0", "D0")]
+    # Paired again before the grace ran out: nothing is evicted, the timer is dropped.
+    back = [pod("p0", "prefill"), pod("d0", "decode")]
+    again = dataclasses.replace(observe(back, workers), memory=first.memory)
+    kept = evaluate(again, T0 + timedelta(seconds=SPEC.eviction.grace_seconds))
+    assert kept.evictions == ()
+    assert kept.memory is not None and kept.memory.unpairing_since == {}
