@@ -30,6 +30,13 @@ class OperatorMetrics:
             "Worker /v1/state reads (new, failed or stale workers only).",
             registry=self.registry,
         )
+        self.events_dropped = Counter(
+            "kvtopo_operator_events_dropped",
+            "Events not posted, by why: repeat (said within the repeat window), rate (over "
+            "the object's budget), queue_full, post_failed.",
+            ["why"],
+            registry=self.registry,
+        )
         self.status_write_failures = Counter(
             "kvtopo_operator_status_write_failures",
             "KVTopology status writes refused or failed (the next round writes again; "

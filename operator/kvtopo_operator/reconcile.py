@@ -31,6 +31,7 @@ from kvtopo_operator.api import (
     dump,
     read_tolerant,
 )
+from kvtopo_operator.events import EventRecorder
 from kvtopo_operator.gather import WorkerViews
 from kvtopo_operator.kube import KubeClient
 from kvtopo_operator.logic import (
@@ -119,6 +120,8 @@ class Reconciler:
         self.settings = settings or Settings()
         self.clock = clock
         self._loops: dict[TopologyKey, _Loop] = {}
+        # Events leave the reconcile path: queued, de-duplicated and rate-limited per object.
+        self.events = EventRecorder(self._post_event, metrics)
 
     # --- loop management -----------------------------------------------------------------
 
@@ -156,8 +159,14 @@ class Reconciler:
         """How many loops run."""
         return sum(not loop.task.done() for loop in self._loops.values())
 
+    async def _post_event(
+        self, body: dict[str, Any], event_type: str, reason: str, message: str
+    ) -> None:
+        await self.kube.record_event(body, event_type, reason, message)
+
     async def stop(self) -> None:
         self.cancel_all()
+        await self.events.close()
         await self.workers.close()
 
     # --- the loop ------------------------------------------------------------------------
@@ -284,7 +293,7 @@ class Reconciler:
             if not written:
                 loop.poke.set()  # the object moved under us: read it again at once
         for event in (*plan.events, *act_events):
-            await self.kube.record_event(body, event.type, event.reason, event.message)
+            self.events.record(body, event)
         self._observe(key, loop, plan, pods, time.monotonic() - started)
         return acted, plan.wake_in_s
 
@@ -305,7 +314,7 @@ class Reconciler:
         if dump(status) != dump(previous):
             await self.kube.patch_status(*key, dump(status), body["metadata"]["resourceVersion"])
         for event in events:
-            await self.kube.record_event(body, event.type, event.reason, event.message)
+            self.events.record(body, event)
         log.error("%s/%s: %s", *key, problems)
 
     async def _act(
