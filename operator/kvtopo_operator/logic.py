@@ -159,6 +159,7 @@ class Progress:
     unreachable: tuple[tuple[str, Reason], ...] = ()  # (pod, why), sorted
     failing: tuple[str, ...] = ()  # handshakes failing past the progress deadline, described
     claimed: tuple[tuple[str, str], ...] = ()  # (pod, older topology owning it): Conflict
+    selected: tuple[int, int] = (0, 0)  # (prefill, decode) pods this topology owns
 
 
 @dataclass(frozen=True, order=True)
@@ -701,26 +702,16 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
         incompatible=len(incompatible),
         unreachable=tuple(sorted((name, why) for name, (_, _, why) in unreachable.items())),
         claimed=claimed,
+        selected=(
+            sum(1 for p in pods if p.role == "prefill"),
+            sum(1 for p in pods if p.role == "decode"),
+        ),
     )
     conditions = conditions_of(progress, obs.previous.conditions, obs.generation, now)
-    n_exp, n_conn = len(expected), len(connected)
-
-    def ready_of(role: str) -> str:
-        total = sum(1 for p in pods if p.role == role)
-        done = sum(
-            1
-            for e in engines
-            if e.role == role and e.state == EngineState.CONNECTED and e.pod in live_pods
-        )
-        return f"{done}/{total}"
-
-    live_pods = {e.pod.name for e in live.values()}
     status = KVTopologyStatus(
         observed_generation=obs.generation,
         conditions=conditions,
-        summary=Summary(
-            prefill=ready_of("prefill"), decode=ready_of("decode"), pairs=f"{n_conn}/{n_exp}"
-        ),
+        summary=summary_of(engines, progress),
         engines=engines,
         failures=Failures(counts=counts, last=last),
     )
@@ -914,15 +905,7 @@ def settle(
                 )
         engines.append(settled)
     conditions = conditions_of(progress, previous.conditions, generation, now)
-    summary = plan.status.summary.model_copy(
-        update={
-            "pairs": f"{len(connected)}/{len(progress.expected)}",
-            **{
-                role: _connected_of(engines, role, getattr(plan.status.summary, role))
-                for role in ("prefill", "decode")
-            },
-        }
-    )
+    summary = summary_of(engines, progress)
     events: tuple[Event, ...] = ()
     was_degraded = next((c for c in previous.conditions if c.type == ConditionType.DEGRADED), None)
     now_degraded = next(c for c in conditions if c.type == ConditionType.DEGRADED)
@@ -936,11 +919,19 @@ def settle(
     return status, events
 
 
-def _connected_of(engines: Iterable[EngineStatus], role: str, before: str) -> str:
-    """The summary's "connected/total" for `role`, the total kept from `before`."""
-    total = before.split("/", 1)[1] if "/" in before else "0"
-    done = sum(1 for e in engines if e.role == role and e.state == EngineState.CONNECTED)
-    return f"{done}/{total}"
+def summary_of(engines: Iterable[EngineStatus], progress: Progress) -> Summary:
+    """The printer columns: engines Connected (to every partner they must have) / pods
+    selected, per role, and connected / expected pairs."""
+    done = {"prefill": 0, "decode": 0}
+    for e in engines:
+        if e.state == EngineState.CONNECTED and e.role in done:
+            done[e.role] += 1
+    n_prefill, n_decode = progress.selected
+    return Summary(
+        prefill=f"{done['prefill']}/{n_prefill}",
+        decode=f"{done['decode']}/{n_decode}",
+        pairs=f"{len(progress.connected)}/{len(progress.expected)}",
+    )
 
 
 def invalid_spec(
