@@ -15,11 +15,14 @@ from kvtopo.cluster.pki import ClusterPki
 
 LOOPBACK = "127.0.0.1"
 SERVICE_CLUSTER_IP_RANGE = "10.0.0.0/24"
-# kwok's pod addresses: a loopback range (all of 127.0.0.0/8 is loopback on Linux), so each
+# kwok's pod addresses: a loopback /16 (all of 127.0.0.0/8 is loopback on Linux), so each
 # pod has an address of its own that a local process serving the pod can bind, and the
-# operator reaches a worker at its pod IP exactly as in a real cluster. Nothing else ever
-# listens there. The range must not overlap the service range (kwok's default does).
-FAKE_POD_CIDR = "127.244.0.0/16"
+# operator reaches a worker at its pod IP exactly as in a real cluster. Each cluster takes
+# its own /16 (127.N.0.0, N from its API server's port), so an engine left by another run on
+# this machine (or one running beside it) never holds a fresh pod's address. 127.0/16 (the
+# control plane) and 127.200/16 (tier-a tests' hand-made pod IPs) are never used. The range
+# must not overlap the service range (kwok's default does).
+FAKE_POD_SECOND_OCTETS = range(16, 200)
 # kwok's fake node address: nothing listens there, never connect to it.
 FAKE_NODE_IP = "192.0.2.1"  # TEST-NET-1 (RFC 5737): unroutable by design
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
@@ -87,6 +90,12 @@ class ControlPlaneLayout:
     @property
     def scheduler_kubeconfig(self) -> Path:
         return self.directory / "kube-scheduler.kubeconfig"
+
+    @property
+    def pod_cidr(self) -> str:
+        """kwok's pod range for this cluster (see :data:`FAKE_POD_SECOND_OCTETS`)."""
+        octets = FAKE_POD_SECOND_OCTETS
+        return f"127.{octets[self.ports.apiserver % len(octets)]}.0.0/16"
 
     @property
     def kwok_stages(self) -> Path:
@@ -211,7 +220,7 @@ def kwok_argv(binary: Path, layout: ControlPlaneLayout) -> list[str]:
         f"--kubeconfig={layout.admin_kubeconfig}",
         f"--config={layout.kwok_stages}",
         f"--manage-nodes-with-annotation-selector={KWOK_MANAGED_NODES}",
-        f"--cidr={FAKE_POD_CIDR}",
+        f"--cidr={layout.pod_cidr}",
         f"--node-ip={FAKE_NODE_IP}",
         f"--node-lease-duration-seconds={NODE_LEASE_DURATION_S}",
     ]

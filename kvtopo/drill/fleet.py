@@ -81,6 +81,8 @@ class Fleet:
 
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     auth_fallbacks: int = 0  # calls refused with the current token, let in with the previous
+    # Ready pods that have no engine, and why (shown when the drill times out).
+    waiting: dict[str, str] = field(default_factory=dict)
     _auth: TokenSource | None = None
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
@@ -119,6 +121,7 @@ class Fleet:
     async def reconcile_pods(self) -> None:
         pods = await asyncio.to_thread(self.list_pods)
         seen: set[str] = set()
+        waiting: dict[str, str] = {}
         for pod in pods:
             meta, status = pod["metadata"], pod.get("status") or {}
             uid = meta["uid"]
@@ -130,9 +133,17 @@ class Fleet:
             usable = ready and meta.get("deletionTimestamp") is None
             eng = self.engines.get(uid)
             ip = status.get("podIP") or ""
-            if eng is None and usable and ip and not self._ip_held(ip):
+            holder = self._ip_holder(ip) if ip else None
+            if eng is None and usable and ip and holder is None:
                 await self._start(meta["name"], uid, meta["labels"][ROLE_LABEL], ip)
                 self.engines[uid].version = meta["labels"].get(VERSION_LABEL, "")
+            elif eng is None and usable:
+                waiting[meta["name"]] = (
+                    f"its IP {ip} is held by the engine of pod {holder.pod}"
+                    f" (draining={holder.draining_since is not None})"
+                    if holder is not None
+                    else "no pod IP yet"
+                )
             elif eng is not None and not usable:
                 self._begin_drain(eng)
             elif eng is not None and eng.serving_at and eng.draining_since is None:
@@ -142,10 +153,15 @@ class Fleet:
         for uid, eng in list(self.engines.items()):
             if uid not in seen:
                 self._begin_drain(eng)
+        serving = {e.pod for e in self.engines.values() if e.serving_at}
+        for name, why in self.waiting.items():  # a failed start is kept until one serves
+            if why.startswith("did not start") and name not in waiting and name not in serving:
+                waiting[name] = why
+        self.waiting = waiting
 
-    def _ip_held(self, ip: str) -> bool:
-        """Whether an engine of an earlier pod still runs at `ip` (kwok reused its IP)."""
-        return any(e.pod_ip == ip and not e.stopped for e in self.engines.values())
+    def _ip_holder(self, ip: str) -> Engine | None:
+        """The engine of an earlier pod still running at `ip` (kwok reused its IP), if any."""
+        return next((e for e in self.engines.values() if e.pod_ip == ip and not e.stopped), None)
 
     def identity_args(self, pod: str, uid: str, ip: str) -> list[str]:
         """What the downward API gives a real engine: its pod IP to bind, its pod's
@@ -191,7 +207,10 @@ class Fleet:
             line = await asyncio.wait_for(eng.process.stdout.readline(), timeout=120)
             ready = parse_ready_line(line)
         except (TimeoutError, ValueError):
-            log.error("worker for %s did not start; see %s", eng.pod, self.log_dir)
+            log_path = self.log_dir / f"worker-{eng.pod}.log"
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or [""]
+            log.error("worker for %s did not start (%s); see %s", eng.pod, tail[0], log_path)
+            self.waiting[eng.pod] = f"did not start: {tail[0][:300]}"
             eng.process.kill()
             self.engines.pop(eng.uid, None)
             return

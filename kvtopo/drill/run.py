@@ -376,6 +376,8 @@ class Drill:
                     f"engine {e.pod} {e.role} {e.engine_id[:8]} serving={bool(e.serving_at)} "
                     f"draining={e.draining_since is not None} peers={len(e.peers)}"
                 )
+            for pod, why in fleet.waiting.items():
+                lines.append(f"pod {pod} has no engine: {why}")
             pairs = self.ledger.samples_pairs[-1] if self.ledger.samples_pairs else frozenset()
             lines.append(f"connected pairs in the last sample: {len(pairs)}")
             obj = kube.read_topology(self.namespace, APP) or {}

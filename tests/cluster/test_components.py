@@ -102,3 +102,22 @@ def test_kwok_manages_only_annotated_nodes_with_stages() -> None:
     pod_cidr = _flag(argv, "cidr")
     assert pod_cidr is not None
     assert not pod_cidr.startswith("10.0.0."), "must not overlap the service range"
+
+
+def test_each_cluster_gets_its_own_loopback_pod_range() -> None:
+    """Pod IPs are loopback, outside 127.0/16 (the control plane) and 127.200/16 (tier a's
+    hand-made pod IPs), and clusters on other ports get other ranges, so an engine left by
+    one run cannot hold the address of another run's pod."""
+    cidrs = set()
+    for port in range(30000, 30000 + len(components.FAKE_POD_SECOND_OCTETS)):
+        layout = ControlPlaneLayout(
+            directory=Path("/c"),
+            etcd_data=Path("/dev/shm/e"),
+            ports=ControlPlanePorts(2379, 2380, port),
+            pki=ClusterPki(Path("/c/pki")),
+        )
+        cidr = _flag(components.kwok_argv(BIN, layout), "cidr")
+        assert cidr is not None and cidr.startswith("127.") and cidr.endswith(".0.0/16")
+        assert cidr.split(".")[1] not in {"0", "200"}
+        cidrs.add(cidr)
+    assert len(cidrs) == len(components.FAKE_POD_SECOND_OCTETS)
