@@ -46,6 +46,7 @@ class WorkerReady:
 
     engine_id: str
     endpoint: str
+    incarnation: str = ""  # the worker process's boot id (new on every start)
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,11 @@ def parse_ready_line(line: str | bytes) -> WorkerReady:
     """The worker's ready line read; ValueError when `line` is not one (empty at EOF)."""
     try:
         info = json.loads(line)
-        return WorkerReady(engine_id=str(info["engine_id"]), endpoint=str(info["endpoint"]))
+        return WorkerReady(
+            engine_id=str(info["engine_id"]),
+            endpoint=str(info["endpoint"]),
+            incarnation=str(info.get("incarnation", "")),
+        )
     except (KeyError, TypeError) as exc:  # JSON, but not the ready line
         raise ValueError(f"not a worker's ready line: {line[:200]!r}") from exc
 

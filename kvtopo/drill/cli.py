@@ -52,13 +52,17 @@ def add_drill_parser(verbs: Any) -> None:
             "leader-kill",
             "freeze-decode",
             "kill-prefill",
+            "restart-engine",
         ],
         help="a fault during the run: operator-kill, apiserver-restart, rotate-credentials "
         "(both credentials replaced, pod by pod, under traffic) and leader-kill (two operator "
         "replicas with leader election; the leader is SIGKILLed) strike during the second "
         "decode rollout; freeze-decode SIGSTOPs a decode engine for twice the "
         "registration timeout while traffic flows, then SIGCONTs it; kill-prefill SIGKILLs a "
-        "prefill engine with requests in flight (its pod is then replaced)",
+        "prefill engine with requests in flight (its pod is then replaced); restart-engine "
+        "SIGKILLs a prefill engine with requests in flight and starts it again in the same "
+        "pod (same IP, port and engine id, a new incarnation: a container restart), and "
+        "reports the time until every pair is connected again (restart_recovery_s)",
     )
     p.add_argument(
         "--tp",

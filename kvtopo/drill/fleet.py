@@ -35,6 +35,7 @@ from kvtopo.drill.secrets import DrillSecrets
 from kvtopo.launch import parse_ready_line, worker_command
 from kvtopo_operator.api import ENDPOINT_ANNOTATION, ROLE_LABEL
 from kvtopo_worker.credentials import TokenSource
+from kvtopo_worker.protocol import UNHEALTHY
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +52,27 @@ class Engine:
     endpoint: str = ""
     started_at: float = 0.0
     serving_at: float = 0.0  # when the worker answered and the pod was annotated
+    pod_ready: bool = False  # its pod is Ready (with the kv-connected gate: KV can move)
+    ready_at: float = 0.0  # when its pod was first seen Ready after it served
     draining_since: float | None = None
     peers: frozenset[str] = frozenset()
+    incarnation: str = ""  # its process's boot id (new on every start, the engine id pinned)
+    peer_incarnations: dict[str, str] = field(default_factory=dict)  # held peer -> its
+    unhealthy: frozenset[str] = frozenset()  # held peers it reports dropped or failing
     in_flight: int = 0
     stopped: bool = False
     frozen: bool = False  # SIGSTOPped by the drill's fault (no traffic is sent to it)
     acked: int = 0  # the highest outcome number recorded (acknowledged on the next collect)
+
+    def holds(self, peer: Engine) -> bool:
+        """Whether it holds `peer` as it is now, as the operator counts one half of a pair:
+        not being evicted, `peer`'s current incarnation (a restarted engine keeps its id),
+        and healthy (not dropped by NIXL, its transfers not failing)."""
+        return (
+            peer.engine_id in self.peers
+            and peer.engine_id not in self.unhealthy
+            and self.peer_incarnations.get(peer.engine_id, "") == peer.incarnation
+        )
 
 
 @dataclass
@@ -126,12 +142,17 @@ class Fleet:
             meta, status = pod["metadata"], pod.get("status") or {}
             uid = meta["uid"]
             seen.add(uid)
-            ready = any(
-                c.get("type") == "Ready" and c.get("status") == "True"
-                for c in status.get("conditions") or []
-            )
-            usable = ready and meta.get("deletionTimestamp") is None
+            conditions = {c.get("type"): c.get("status") for c in status.get("conditions") or []}
+            # The kubelet's part: the containers run (ContainersReady). The pod's Ready
+            # waits for the kv-connected readiness gate, i.e. for the operator.
+            up = conditions.get("ContainersReady", conditions.get("Ready")) == "True"
+            usable = up and meta.get("deletionTimestamp") is None
             eng = self.engines.get(uid)
+            if eng is not None:
+                was, eng.pod_ready = eng.pod_ready, conditions.get("Ready") == "True"
+                if eng.pod_ready and not was and eng.serving_at and not eng.ready_at:
+                    eng.ready_at = time.monotonic()  # the first time it is seen Ready
+                    self.trace("pod_ready", pod=eng.pod, engine=eng.engine_id)
             ip = status.get("podIP") or ""
             holder = self._ip_holder(ip) if ip else None
             if eng is None and usable and ip and holder is None:
@@ -179,22 +200,29 @@ class Fleet:
             uid,
         ]
 
-    async def _start(self, pod: str, uid: str, role: str, ip: str) -> None:
+    async def _exec(self, pod: str, uid: str, role: str, ip: str) -> asyncio.subprocess.Process:
+        """Starts the worker process of a pod. Its engine id is pinned to the pod (its uid),
+        as an engine that names itself after its pod does: a container restart keeps it."""
         log_path = self.log_dir / f"worker-{pod}.log"
         mount = self.secrets.mount(pod)  # its pod's Secret volumes
         with log_path.open("ab") as log:  # the child keeps its own descriptor
-            proc = await asyncio.create_subprocess_exec(
+            return await asyncio.create_subprocess_exec(
                 *worker_command(
                     role,
                     mount.operator,
                     "--peer-token-file",
                     str(mount.peer),
+                    "--engine-id",
+                    uid.replace("-", ""),
                     *self.worker_args,
                     *self.identity_args(pod, uid, ip),
                 ),
                 stdout=asyncio.subprocess.PIPE,
                 stderr=log,
             )
+
+    async def _start(self, pod: str, uid: str, role: str, ip: str) -> None:
+        proc = await self._exec(pod, uid, role, ip)
         eng = Engine(
             pod=pod, uid=uid, role=role, process=proc, pod_ip=ip, started_at=time.monotonic()
         )
@@ -215,12 +243,37 @@ class Fleet:
             self.engines.pop(eng.uid, None)
             return
         eng.engine_id, eng.endpoint = ready.engine_id, ready.endpoint
+        eng.incarnation = ready.incarnation
         try:
             await asyncio.to_thread(self.annotate, eng.pod, str(self.control_port))
         except Exception as exc:  # the pod went away meanwhile
             log.info("could not annotate %s: %s", eng.pod, exc)
         eng.serving_at = time.monotonic()
         self.trace("serving", pod=eng.pod, engine=eng.engine_id, role=eng.role)
+
+    async def restart_engine(
+        self, eng: Engine, while_down: Callable[[], Coroutine[Any, Any, None]] | None = None
+    ) -> None:
+        """A container restart: the engine's process is SIGKILLed and started again in the
+        same pod (same pod IP and port, same engine id, a new incarnation); returns once it
+        serves again and `while_down` (run from the process's death on, alongside the
+        start) has returned. Until then it is not serving (no traffic, not collected): what
+        the dead process held ends on its peers, with a reason."""
+        eng.serving_at = 0.0
+        eng.process.kill()
+        await eng.process.wait()
+        self.trace("killed", pod=eng.pod, engine=eng.engine_id, code=eng.process.returncode)
+        down = asyncio.create_task(while_down()) if while_down is not None else None
+        try:
+            eng.process = await self._exec(eng.pod, eng.uid, eng.role, eng.pod_ip)
+            eng.started_at, eng.acked, eng.in_flight = time.monotonic(), 0, 0
+            eng.peers, eng.peer_incarnations, eng.unhealthy = frozenset(), {}, frozenset()
+            await self._await_serving(eng)
+        finally:
+            if down is not None:
+                await down
+        if not eng.serving_at:
+            raise RuntimeError(f"the engine of {eng.pod} did not start again")
 
     def _begin_drain(self, eng: Engine) -> None:
         if eng.draining_since is not None:
@@ -293,6 +346,11 @@ class Fleet:
     def serving(self) -> list[Engine]:
         return [e for e in self.engines.values() if e.serving_at and e.draining_since is None]
 
+    def routable(self) -> list[Engine]:
+        """Serving engines whose pod is Ready: what a router (a Service's endpoints) sends
+        requests to. With the kv-connected readiness gate, only engines that move KV."""
+        return [e for e in self.serving() if e.pod_ready]
+
     def all_known(self) -> list[Engine]:
         return [e for e in self.engines.values() if e.serving_at and e.endpoint]
 
@@ -304,6 +362,11 @@ class Fleet:
         if status != 200 or not isinstance(st, dict):
             return
         eng.peers = frozenset(p["engine_id"] for p in st["peers"] if not p.get("eviction_pending"))
+        eng.incarnation = str(st.get("incarnation") or eng.incarnation)
+        eng.peer_incarnations = {p["engine_id"]: str(p.get("incarnation", "")) for p in st["peers"]}
+        eng.unhealthy = frozenset(
+            p["engine_id"] for p in st["peers"] if p.get("health") in UNHEALTHY
+        )
         eng.in_flight = int(st["requests_in_flight"])
 
     async def collect(self, eng: Engine) -> None:

@@ -55,7 +55,13 @@ class Ledger:
     chaos_recovery_s: list[float] = field(default_factory=list)
     # --chaos leader-kill: from the leader's SIGKILL to the topology converged again
     leader_takeover_s: list[float] = field(default_factory=list)
+    # --chaos restart-engine: from the engine's SIGKILL (restarted at once in its pod) to
+    # every pair of the serving engines connected again (its new incarnation held both ways)
+    restart_recovery_s: list[float] = field(default_factory=list)
     stale_peers_at_end: list[str] = field(default_factory=list)  # "holder -> gone engine"
+    # The kv-connected readiness gate: (engine, seconds from serving to its pod seen Ready)
+    gate: list[tuple[str, float]] = field(default_factory=list)
+    gate_seen: set[str] = field(default_factory=set)
 
     # --- recording -------------------------------------------------------------------------
 
@@ -138,6 +144,7 @@ class Ledger:
         by_reason = Counter(str(r.decode_outcomes[0].get("reason") or "unknown") for r in failed)
         conv = sorted(s for _, s in self.convergence)
         evict = sorted(s for _, s in self.eviction)
+        gate = sorted(s for _, s in self.gate)
         return {
             "rollouts": sum(1 for m in self.marks if m.kind == "rollout"),
             "requests_total": len(self.requests),
@@ -156,9 +163,13 @@ class Ledger:
             "convergence_p99_s": round(_percentile(conv, 0.99), 3) if conv else None,
             "eviction_s": [round(s, 3) for s in evict],
             "eviction_max_s": round(max(evict), 3) if evict else None,
+            "gated_engines": len(gate),
+            "engine_up_to_gate_p99_s": round(_percentile(gate, 0.99), 3) if gate else None,
+            "engine_up_to_gate_max_s": round(max(gate), 3) if gate else None,
             "orphan_outcomes": self.orphan_outcomes,
             "chaos_recovery_s": [round(s, 3) for s in self.chaos_recovery_s],
             "leader_takeover_s": [round(s, 3) for s in self.leader_takeover_s],
+            "restart_recovery_s": [round(s, 3) for s in self.restart_recovery_s],
             "stale_peers_at_end": len(self.stale_peers_at_end),
             "stale_peer_list": self.stale_peers_at_end[:50],
             "offending_requests": {
@@ -195,6 +206,9 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[k]
 
 
+GATE_P99_LIMIT_S = 1.0
+
+
 def invariants_hold(report: dict[str, Any]) -> bool:
     keys = (
         "lost",
@@ -208,4 +222,10 @@ def invariants_hold(report: dict[str, Any]) -> bool:
     # A killed leader's standby converges the topology within the Lease duration + 5 s.
     takeover_limit = float(report.get("lease_s") or 0) + 5
     takeovers = report.get("leader_takeover_s") or []
-    return all(int(report[k]) == 0 for k in keys) and all(t <= takeover_limit for t in takeovers)
+    # The readiness gate turns True within 1 s (p99) of an engine serving.
+    gate_ok = (report.get("engine_up_to_gate_p99_s") or 0) <= GATE_P99_LIMIT_S
+    return (
+        all(int(report[k]) == 0 for k in keys)
+        and all(t <= takeover_limit for t in takeovers)
+        and gate_ok
+    )

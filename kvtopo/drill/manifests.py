@@ -16,6 +16,7 @@ from kvtopo_operator.api import (
     ENDPOINT_ANNOTATION,
     GROUP,
     KIND,
+    KV_CONNECTED_GATE,
     ROLE_LABEL,
     VERSION,
     KVTopologySpec,
@@ -32,6 +33,10 @@ ENGINE_IMAGE = "ghcr.io/kvtopo/worker:0.1.0"
 ENDPOINT_PENDING = "pending"
 """The endpoint annotation's value until a worker serves the pod; the drill and the bench then
 write the worker's port into it (the worker listens at the pod IP)."""
+
+
+READINESS_GATES: dict[str, Any] = {"readinessGates": [{"conditionType": KV_CONNECTED_GATE}]}
+"""What an engine pod spec lists to be Ready only once its engine moves KV to its partners."""
 
 
 def engine_labels(app: str, role: Role) -> dict[str, str]:
@@ -52,11 +57,14 @@ def engine_deployment(
     termination_grace_seconds: int = 5,
     endpoint: str | None = ENDPOINT_PENDING,
     namespace: str | None = None,
+    kv_gate: bool = False,
 ) -> dict[str, Any]:
     """A Deployment of engine pods on kwok's fake nodes.
 
     `version` sets the pod template's `app.kubernetes.io/version` label (None: no label);
-    `endpoint` the control-endpoint annotation (None: none, the operator would use podIP).
+    `endpoint` the control-endpoint annotation (None: none, the operator would use podIP);
+    `kv_gate` lists the readiness gate kvtopo.dev/kv-connected (a pod is Ready only once its
+    engine is connected to its partners).
     """
     labels = engine_labels(app, role)
     template_labels = dict(labels) if version is None else {**labels, VERSION_LABEL: version}
@@ -76,6 +84,7 @@ def engine_deployment(
                 **FAKE_NODE_PLACEMENT,
                 "terminationGracePeriodSeconds": termination_grace_seconds,
                 "containers": [{"name": "engine", "image": ENGINE_IMAGE}],
+                **(READINESS_GATES if kv_gate else {}),
             },
         },
     }
@@ -92,9 +101,11 @@ def engine_pod(
     endpoint: str | None = None,
     namespace: str | None = None,
     labels: Mapping[str, str] | None = None,
+    kv_gate: bool = False,
 ) -> dict[str, Any]:
     """A bare engine Pod; `endpoint` is its control-endpoint annotation (None: none, its
-    worker is reached at the pod IP on the control port)."""
+    worker is reached at the pod IP on the control port); `kv_gate`: it lists the readiness
+    gate kvtopo.dev/kv-connected."""
     metadata: dict[str, Any] = {
         "name": name,
         "labels": {**engine_labels(app, role), **(labels or {})},
@@ -107,7 +118,10 @@ def engine_pod(
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": metadata,
-        "spec": {"containers": [{"name": "engine", "image": ENGINE_IMAGE}]},
+        "spec": {
+            "containers": [{"name": "engine", "image": ENGINE_IMAGE}],
+            **(READINESS_GATES if kv_gate else {}),
+        },
     }
 
 

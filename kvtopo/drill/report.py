@@ -49,6 +49,12 @@ def render_table(report: dict[str, Any]) -> Any:
             ", ".join(f"{c:.2f}" for c in report["chaos_recovery_s"]) or "-",
             "<= 15",
         ),
+        (
+            f"engine serving -> pod Ready (kv-connected gate) p99 (s), {report['gated_engines']}"
+            " engines",
+            str(report["engine_up_to_gate_p99_s"]),
+            "<= 1",
+        ),
         ("stale peers at the end", str(report["stale_peers_at_end"]), "0"),
     ]
     if report.get("leader_takeover_s"):
@@ -58,6 +64,15 @@ def render_table(report: dict[str, Any]) -> Any:
                 "leader killed -> converged (s)",
                 ", ".join(f"{c:.2f}" for c in report["leader_takeover_s"]),
                 f"<= lease + 5 ({report.get('lease_s', '?')} + 5)",
+            ),
+        )
+    if report.get("restart_recovery_s"):
+        rows.insert(
+            -1,
+            (
+                "engine restarted in its pod -> every pair connected (s)",
+                ", ".join(f"{c:.2f}" for c in report["restart_recovery_s"]),
+                "no manual action",
             ),
         )
     for r in rows:

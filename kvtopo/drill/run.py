@@ -35,7 +35,7 @@ from kvtopo_operator.kube import ClusterApi
 
 log = logging.getLogger(__name__)
 
-ENGINE_FAULTS = ("freeze-decode", "kill-prefill")
+ENGINE_FAULTS = ("freeze-decode", "kill-prefill", "restart-engine")
 REGISTRATION_TIMEOUT_S = 5.0  # the workers' --registration-timeout, --transfer-timeout
 GIVE_UP_S = 2 * REGISTRATION_TIMEOUT_S + 2 + 1  # + the cancel margin, + slack
 
@@ -197,8 +197,10 @@ class Drill:
             ("decode", self.opts.decode),
         )
         for role, n in roles:
+            # The pods list the kv-connected readiness gate: Ready (and counted available by
+            # the rollout) only once the operator has connected their engine to its partners.
             deployment = manifests.engine_deployment(
-                role, app=APP, role=role, replicas=n, min_ready_seconds=3
+                role, app=APP, role=role, replicas=n, min_ready_seconds=3, kv_gate=True
             )
             await asyncio.to_thread(
                 kube.apps.create_namespaced_deployment, self.namespace, deployment
@@ -247,7 +249,8 @@ class Drill:
                 await self.fleet.reconcile_pods()
             except Exception as exc:  # the API server may be restarting (chaos)
                 log.info("listing pods: %s", exc)
-            await asyncio.sleep(0.25)
+            # Often enough to time engine serving -> pod Ready (the gate) to about 0.1 s.
+            await asyncio.sleep(0.1)
 
     async def sample_loop(self) -> None:
         fleet = self.fleet
@@ -263,9 +266,14 @@ class Drill:
                 if p.role == "prefill"
                 for d in serving
                 if d.role == "decode"
-                if d.engine_id in p.peers and p.engine_id in d.peers
+                if p.holds(d) and d.holds(p)  # the current incarnations, healthy
             )
             self.ledger.sample(now, pairs)
+            # The readiness gate: from the engine serving to its pod seen Ready.
+            for e in serving:
+                if e.ready_at and e.engine_id not in self.ledger.gate_seen:
+                    self.ledger.gate_seen.add(e.engine_id)
+                    self.ledger.gate.append((e.engine_id, max(0.0, e.ready_at - e.serving_at)))
             # Convergence: a serving engine with all of its pairs connected.
             for e in serving:
                 if e.engine_id in self.converged_at:
@@ -303,7 +311,8 @@ class Drill:
                 continue
             if not self.ledger.samples_pairs:
                 continue
-            serving = {e.engine_id: e for e in fleet.serving() if not e.frozen}
+            # Like a router behind a Service: only engines whose pod is Ready (the gate).
+            serving = {e.engine_id: e for e in fleet.routable() if not e.frozen}
             pairs = sorted(
                 p for p in self.ledger.samples_pairs[-1] if p[0] in serving and p[1] in serving
             )
@@ -512,7 +521,7 @@ class Drill:
         return flag.split("=", 1)[1]
 
     async def _engine_fault(self) -> None:
-        """freeze-decode or kill-prefill, struck while traffic flows."""
+        """freeze-decode, kill-prefill or restart-engine, struck while traffic flows."""
         assert self.fleet is not None and self.kube is not None
         fleet = self.fleet
         role = "decode" if self.opts.chaos == "freeze-decode" else "prefill"
@@ -533,7 +542,9 @@ class Drill:
         others = [e for e in fleet.serving() if e.role != role and not e.frozen]
         parked = await self._park(victim, others)
         t = time.monotonic()
-        if self.opts.chaos == "freeze-decode":
+        if self.opts.chaos == "restart-engine":
+            await self._restart_engine(victim, others, len(parked))
+        elif self.opts.chaos == "freeze-decode":
             freeze_s = 2 * REGISTRATION_TIMEOUT_S
             self.ledger.mark(
                 t, "chaos", f"SIGSTOP decode {victim.pod} for {freeze_s:g} s ({len(parked)} parked)"
@@ -594,6 +605,81 @@ class Drill:
         fault_over = time.monotonic()
         await self.converged()
         self.ledger.chaos_recovery_s.append(time.monotonic() - fault_over)
+
+    async def _restart_engine(self, victim: Any, others: list[Any], parked: int) -> None:
+        """restart-engine: the prefill engine's process is SIGKILLed and started again in
+        its pod (a container restart: same pod, IP, port and engine id, a new incarnation).
+        Its peers' NIXL agents of it are dead (remote disconnect): what it held fails on
+        them, with a reason, and they report it dropped; the operator must re-handshake
+        every pair of it with no manual action. Records the time from the kill to every
+        pair of the serving engines connected again (the new incarnation held both ways)."""
+        assert self.fleet is not None
+        t = time.monotonic()
+        held = victim.in_flight + parked
+        self.ledger.mark(
+            t, "chaos", f"restart prefill {victim.pod}: SIGKILL its engine ({held} held)"
+        )
+        # Its requests may fail until the last of them has been given up on its peers.
+        self.ledger.impair(victim.engine_id, t, t + GIVE_UP_S)
+        old = victim.incarnation
+
+        async def while_down() -> None:
+            # A router that has not noticed yet: requests to its decodes, whose
+            # registrations go to the dead process's agent (NIXL: remote disconnect).
+            late = await self._park(victim, others)
+            n, why = await self._peers_report_dropped(victim, others)
+            self.ledger.mark(
+                time.monotonic(),
+                "chaos",
+                f"{n}/{len(others)} of its peers report it dropped "
+                f"{time.monotonic() - t:.1f} s after the kill ({len(late)} requests sent to "
+                f"it by a router that had not noticed){': ' + why[:120] if why else ''}",
+            )
+
+        await self.fleet.restart_engine(victim, while_down)
+        serving = time.monotonic()
+        self.ledger.mark(
+            serving,
+            "chaos",
+            f"{victim.pod} serves again after {serving - t:.1f} s (engine {victim.engine_id[:8]}"
+            f", incarnation {old[:8]} -> {victim.incarnation[:8]})",
+        )
+        await self._until(
+            "every pair connected to the restarted engine's new incarnation",
+            lambda: self._caught_up(after=serving),
+            60,
+        )
+        took = time.monotonic() - t
+        self.ledger.mark(
+            time.monotonic(), "chaos", f"every pair connected {took:.1f} s after the restart"
+        )
+        self.ledger.restart_recovery_s.append(took)
+
+    async def _peers_report_dropped(self, victim: Any, peers: list[Any]) -> tuple[int, str]:
+        """Polls the peers' own state (5 s at most) until each reports `victim` dropped, or
+        no longer holds it; returns how many reported it dropped, and one's reason."""
+        assert self.fleet is not None
+        said: dict[str, str] = {}
+        pending = list(peers)
+        deadline = time.monotonic() + 5
+        while pending and time.monotonic() < deadline:
+            for peer in list(pending):
+                try:
+                    status, state = await self.fleet.call("GET", f"http://{peer.endpoint}/v1/state")
+                except (aiohttp.ClientError, TimeoutError, OSError):
+                    continue
+                held = [
+                    p
+                    for p in (state or {}).get("peers", [])
+                    if p.get("engine_id") == victim.engine_id
+                ]
+                if status != 200 or (held and held[0].get("health") != "dropped"):
+                    continue
+                pending.remove(peer)
+                if held:
+                    said[peer.engine_id] = str(held[0].get("health_reason", ""))
+            await asyncio.sleep(0.05)  # polling the peers' own health reports
+        return len(said), next(iter(said.values()), "")
 
     async def _writes_in_flight(self, prefill: Any, decode_id: str) -> int:
         """Waits (polling the prefill's own registry state, 5 s at most) until it has WRITEs

@@ -27,6 +27,9 @@ SHORT_NAME = "kvt"
 
 ROLE_LABEL = "kvtopo.dev/role"
 ENDPOINT_ANNOTATION = "kvtopo.dev/control-endpoint"
+# The pod readiness gate the operator owns: a pod listing it in spec.readinessGates becomes
+# Ready only once the operator sets this condition True (its engine moves KV to its partners).
+KV_CONNECTED_GATE = "kvtopo.dev/kv-connected"
 
 MAX_ENGINES_IN_STATUS = 2048
 MAX_LABEL_VALUE = 63
@@ -280,6 +283,20 @@ class EvictionSpec(_Model):
     )
 
 
+class ReadinessGateSpec(_Model):
+    min_connected_partners: int = Field(
+        default=1,
+        ge=0,
+        le=1024,
+        description="A pod that lists the readiness gate kvtopo.dev/kv-connected "
+        "(spec.readinessGates) gets that condition True once its engine is connected to at "
+        "least this many of its partners (to all of them when it has fewer); an engine with "
+        "no partner, or one the operator cannot reach, has it False. 0: True as soon as the "
+        "operator reaches the engine. The operator sets the condition (pods/status); the "
+        "kubelet makes the pod Ready once it and the containers are.",
+    )
+
+
 class KVTopologySpec(_Model):
     model_config = ConfigDict(
         json_schema_extra=_cel(
@@ -305,6 +322,7 @@ class KVTopologySpec(_Model):
     pairing: PairingSpec = Field(default_factory=PairingSpec)
     handshake: HandshakeSpec = Field(default_factory=HandshakeSpec)
     eviction: EvictionSpec = Field(default_factory=EvictionSpec)
+    readiness_gate: ReadinessGateSpec = Field(default_factory=ReadinessGateSpec)
 
 
 # --- status ------------------------------------------------------------------------------

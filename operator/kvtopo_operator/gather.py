@@ -82,14 +82,15 @@ class WorkerViews:
             entry.view = change(entry.view)
 
     def peer_added(self, pod: str, engine_id: str, incarnation: str = "") -> None:
-        """The worker of `pod` answered that it holds `engine_id` (added or present), of
-        its process `incarnation`."""
+        """The worker of `pod` answered that it holds `engine_id` (added, renewed or
+        present), of its process `incarnation`, healthy."""
         self._update(
             pod,
             lambda v: dataclasses.replace(
                 v,
                 peers=v.peers | {engine_id},
                 peer_incarnations={**v.peer_incarnations, engine_id: incarnation},
+                unhealthy_peers={k: w for k, w in v.unhealthy_peers.items() if k != engine_id},
             ),
         )
 

@@ -14,12 +14,24 @@ With leader election (`memo.election`, see `leader`) kopf runs on every replica,
 pod index and its set of known KVTopology keys (with generations) stay current, but loops run
 only while this replica holds the Lease: gaining it starts a loop for every known topology at
 once, losing it cancels every loop at once. Without it this replica always acts.
+
+The operator's own liveness: every `memo.relist_s` seconds the engine pods are listed afresh
+(`relist`), and an indexed pod whose UID that list no longer has is hidden from the loops
+(`LiveUids`): a watch that restarts after "410 Gone" replays only the pods still present,
+so kopf never hears of the deletions in the gap. kopf's own API calls get timeouts, as the
+operator's do (`kube.REQUEST_TIMEOUT_S`). A probe (`loops_probe`, served on kopf's
+`--liveness` endpoint) reports each loop's time since its last successful round and fails
+while a loop has not ended a round for `memo.stuck_after_s`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from collections.abc import Iterable
+import math
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -29,13 +41,14 @@ from pydantic import ValidationError
 from kvtopo_operator.api import (
     ENDPOINT_ANNOTATION,
     GROUP,
+    KV_CONNECTED_GATE,
     PLURAL,
     ROLE_LABEL,
     VERSION,
     KVTopologySpec,
     read_tolerant,
 )
-from kvtopo_operator.kube import ClusterApi, KubeClient, LeaseClient
+from kvtopo_operator.kube import REQUEST_TIMEOUT_S, ClusterApi, KubeClient, LeaseClient
 from kvtopo_operator.leader import LeaderElector
 from kvtopo_operator.logic import PodView, TopologyView
 from kvtopo_operator.reconcile import Reconciler, Settings
@@ -47,24 +60,36 @@ log = logging.getLogger(__name__)
 _state: dict[str, Any] = {}
 
 
-def _ready(status: dict[str, Any]) -> tuple[bool, float | None]:
+def _condition(status: dict[str, Any], kind: str) -> dict[str, Any] | None:
     for cond in status.get("conditions") or []:
-        if cond.get("type") == "Ready":
-            ok = cond.get("status") == "True"
-            since = cond.get("lastTransitionTime")
-            ts = None
-            if ok and since:
-                ts = datetime.fromisoformat(since.replace("Z", "+00:00")).timestamp()
-            return ok, ts
-    return False, None
+        if isinstance(cond, dict) and cond.get("type") == kind:
+            return cond
+    return None
+
+
+def _engine_up(status: dict[str, Any]) -> tuple[bool, float | None]:
+    """Whether the pod's engine is up, and since when: ContainersReady (the pod's Ready may
+    wait for the kv-connected readiness gate, which waits for the operator); a pod whose
+    status has no ContainersReady (written by a tool, not a kubelet) is judged by Ready."""
+    cond = _condition(status, "ContainersReady") or _condition(status, "Ready")
+    if cond is None:
+        return False, None
+    ok = cond.get("status") == "True"
+    since = cond.get("lastTransitionTime")
+    ts = None
+    if ok and since:
+        ts = datetime.fromisoformat(str(since).replace("Z", "+00:00")).timestamp()
+    return ok, ts
 
 
 @kopf.index("pods", labels={ROLE_LABEL: kopf.PRESENT})
 def engine_pods(**kwargs: Any) -> dict[str, dict[str, Any]]:
     """Index: namespace -> the engine pods in it (what the reconciler needs of each)."""
     labels, annotations = kwargs["labels"], kwargs["annotations"]
-    status, meta = kwargs["status"], kwargs["meta"]
-    ready, since = _ready(status)
+    status, meta, spec = kwargs["status"], kwargs["meta"], kwargs["spec"]
+    ready, since = _engine_up(status)
+    gates = spec.get("readinessGates") or []
+    gate = _condition(status, KV_CONNECTED_GATE) or {}
     return {
         kwargs["namespace"]: {
             "name": kwargs["name"],
@@ -76,6 +101,11 @@ def engine_pods(**kwargs: Any) -> dict[str, dict[str, Any]]:
             "uid": meta.get("uid") or "",
             "pod_ips": _pod_ips(status),
             "endpoint": str(annotations.get(ENDPOINT_ANNOTATION, ""))[:256],
+            "indexed_at": time.monotonic(),  # see LiveUids
+            "gated": any(
+                isinstance(g, dict) and g.get("conditionType") == KV_CONNECTED_GATE for g in gates
+            ),
+            "gate": str(gate.get("status") or ""),
         }
     }
 
@@ -94,8 +124,11 @@ def _pod_source(namespace: str, control_port: int) -> Iterable[PodView]:
     if index is None or namespace not in index:
         return []
     allow_host = bool(_state.get("allow_endpoint_host"))
+    live: LiveUids | None = _state.get("live")
     out = []
     for rec in index[namespace]:
+        if live is not None and live.gone(namespace, rec):
+            continue  # deleted while the watch was away (see `relist`)
         endpoint, refused = pod_endpoint(
             rec["pod_ips"], rec["endpoint"], control_port, allow_host=allow_host
         )
@@ -110,9 +143,93 @@ def _pod_source(namespace: str, control_port: int) -> Iterable[PodView]:
                 ready_since=rec["ready_since"],
                 uid=rec["uid"],
                 endpoint_error=refused,
+                gated=rec.get("gated", False),
+                gate=rec.get("gate", ""),
             )
         )
     return out
+
+
+class LiveUids:
+    """What the latest relist of each scope (a namespace; None: the whole cluster) found:
+    when it started (monotonic) and the UIDs of the engine pods it listed.
+
+    An engine-pod index record is gone when the latest relist covering its namespace
+    started after the record was indexed (its `indexed_at`) and did not list its UID: the
+    pod was deleted, or lost its role label, and the watch never said so. A record indexed
+    after the list started (a pod created or changed meanwhile) is kept whatever the list
+    found, and so is one of a namespace no relist has covered yet.
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[str | None, tuple[float, frozenset[str]]] = {}
+        self._gone: set[str] = set()  # the UIDs gone at the last sweep
+
+    def observe(self, scope: str | None, started: float, uids: Iterable[str]) -> None:
+        """A list of `scope` that started at `started` found `uids`."""
+        self._seen[scope] = (started, frozenset(uids))
+
+    def gone(self, namespace: str, rec: Mapping[str, Any]) -> bool:
+        seen = self._seen.get(namespace) or self._seen.get(None)
+        if seen is None:
+            return False
+        started, uids = seen
+        return rec.get("uid") not in uids and float(rec.get("indexed_at", math.inf)) < started
+
+    def sweep(self, index: Mapping[str, Iterable[Mapping[str, Any]]]) -> dict[str, list[str]]:
+        """The records of `index` gone now that were not at the last sweep: their names, by
+        namespace (each one is counted once)."""
+        gone: set[str] = set()
+        new: dict[str, list[str]] = {}
+        for namespace in index:
+            for rec in index[namespace]:
+                if self.gone(namespace, rec):
+                    gone.add(rec["uid"])
+                    if rec["uid"] not in self._gone:
+                        new.setdefault(namespace, []).append(rec["name"])
+        self._gone = gone
+        return new
+
+
+async def relist(api: ClusterApi, namespaces: Sequence[str] | None) -> dict[str, list[str]]:
+    """Lists the engine pods of each watched namespace afresh (`namespaces`; None: the whole
+    cluster, in one list; metadata only) and hides from the loops every indexed pod whose
+    UID the list did not find (`LiveUids`); pokes the loops of each namespace that lost a
+    pod. Returns the pods dropped now, by namespace. A namespace whose list fails keeps
+    what the last list of it found."""
+    live: LiveUids = _state.setdefault("live", LiveUids())
+    metrics = _state["metrics"]
+    for scope in [None] if namespaces is None else namespaces:
+        started = time.monotonic()
+        try:
+            items = await asyncio.to_thread(api.list_pods, scope, ROLE_LABEL, metadata_only=True)
+        except Exception as exc:  # 403, a timeout: the next relist tries again
+            metrics.relist_failures.inc()
+            log.warning("relisting the engine pods of %s: %s", scope or "all namespaces", exc)
+            continue
+        live.observe(scope, started, (str(i["metadata"].get("uid") or "") for i in items))
+    dropped = live.sweep(_state.get("engine_pods") or {})
+    reconciler: Reconciler | None = _state.get("reconciler")
+    for namespace, names in dropped.items():
+        metrics.stale_pods_dropped.inc(len(names))
+        log.warning(
+            "%s: dropping %d engine pods whose deletion the watch missed: %s",
+            namespace,
+            len(names),
+            ", ".join(sorted(names)[:20]),
+        )
+        if reconciler is not None:
+            reconciler.poke_namespace(namespace)
+    return dropped
+
+
+async def _relist_every(api: ClusterApi, namespaces: Sequence[str] | None, period_s: float) -> None:
+    while True:
+        await asyncio.sleep(period_s)  # the period itself, not a wait for something
+        try:
+            await relist(api, namespaces)
+        except Exception:
+            log.exception("relisting the engine pods failed")
 
 
 @kopf.index(GROUP, VERSION, PLURAL)
@@ -141,6 +258,9 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 60
     settings.watching.client_timeout = 90
+    # kopf's own API calls (and its watches' connects) give up as the operator's do.
+    settings.networking.connect_timeout = REQUEST_TIMEOUT_S
+    settings.networking.request_timeout = 3 * REQUEST_TIMEOUT_S
     # The namespaces are fixed on the command line and the CRD exists before we start: no
     # cluster-wide discovery of namespaces and CRDs, which least-privilege RBAC refuses.
     settings.scanning.disabled = True
@@ -155,6 +275,16 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     )
     _state["metrics"] = memo["metrics"]
     _state.setdefault("known", {})
+    resync_s = float(memo.get("resync_s", 2.0))
+    _state["stuck_after_s"] = float(memo.get("stuck_after_s") or max(120.0, 10 * resync_s))
+    relist_s = float(memo.get("relist_s") or 0)
+    if relist_s > 0:
+        _state["relister"] = asyncio.create_task(
+            _relist_every(
+                ClusterApi(memo.get("kubeconfig")), memo.get("watch_namespaces"), relist_s
+            ),
+            name="kvtopo-relist",
+        )
     election = memo.get("election")
     if election is None:  # standalone: this replica always acts
         _set_leading(True)
@@ -203,8 +333,39 @@ def _stop_leading() -> None:
         reconciler.cancel_all()
 
 
+@kopf.on.probe(id="loops")
+async def loops_probe(**_: Any) -> dict[str, Any]:
+    """On kopf's liveness endpoint (`--liveness`): whether this replica leads and each
+    running loop's seconds since its last successful round (null: none yet). Fails (kopf
+    answers HTTP 500) while a loop has not ended a round for `stuck_after_s`: it is wedged,
+    and the kubelet's liveness probe restarts the operator. A loop whose rounds fail is not
+    stuck (each failed round ends), nor is a standby (it runs no loops)."""
+    reconciler: Reconciler | None = _state.get("reconciler")
+    if reconciler is None:
+        return {"leading": False, "since_success_s": {}}
+    bound = float(_state.get("stuck_after_s", 120.0))
+    stuck = reconciler.stuck(bound)
+    if stuck:
+        names = ", ".join(f"{ns}/{name}" for ns, name in stuck[:20])
+        raise kopf.PermanentError(
+            f"{len(stuck)} topology loops have not ended a round for over {bound:g}s: {names}"
+        )
+    return {
+        "leading": bool(_state.get("leading")),
+        "since_success_s": {
+            f"{ns}/{name}": None if age is None else round(age, 1)
+            for (ns, name), age in sorted(reconciler.since_success().items())
+        },
+    }
+
+
 @kopf.on.cleanup()
 async def stop(**_: Any) -> None:
+    relister: asyncio.Task[None] | None = _state.pop("relister", None)
+    if relister is not None:
+        relister.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await relister
     elector: LeaderElector | None = _state.pop("elector", None)
     if elector is not None:  # stops the loops first, then releases the Lease
         await elector.stop()

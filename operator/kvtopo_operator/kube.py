@@ -7,7 +7,10 @@ optimistic-concurrency precondition, recording Events; from a worker thread, so 
 loop never blocks) and for kvtopo's tools (the drill, the benchmarks and the tests: applying
 the CRD, KVTopology objects, pods as raw JSON). `LeaseClient` reads, creates and replaces the
 one `coordination.k8s.io/v1` Lease that `leader` elects on (each call resourceVersion-conditional
-where it writes, with a request timeout). No other operator module imports `kubernetes`.
+where it writes, with a request timeout). Every call made through `ClusterApi` and
+`KubeClient` carries a request timeout (`REQUEST_TIMEOUT_S` unless the constructor is given
+another): a half-open connection fails the call instead of wedging its caller. No other
+operator module imports `kubernetes`.
 """
 
 from __future__ import annotations
@@ -29,17 +32,28 @@ log = logging.getLogger(__name__)
 
 COMPONENT = "kvtopo-operator"
 LEASE_GROUP, LEASE_VERSION, LEASE_PLURAL = "coordination.k8s.io", "v1", "leases"
+REQUEST_TIMEOUT_S = 10.0
+"""The connect and the read timeout of each API request (seconds). The client retries an
+idempotent request (GET) after a failed read at most 3 times, so a read that never answers
+fails within 4 of these; a write fails within one."""
+# Only the objects' metadata in a list (the API server's PartialObjectMetadataList).
+_METADATA_ONLY = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
 
 
 class ClusterApi:
     """The client's API groups on one connection, plus the calls kvtopo's tools share.
 
     `kubeconfig` names a kubeconfig file; without one, the in-cluster service account is used
-    where there is one, else the default kubeconfig. The client's generated models are
-    loosely typed, so the API groups are typed `Any`.
+    where there is one, else the default kubeconfig. Each call below waits at most
+    `timeout_s` to connect and `timeout_s` for each read (`request_timeout`, the client's
+    `_request_timeout`). The client's generated models are loosely typed, so the API groups
+    are typed `Any`.
     """
 
-    def __init__(self, kubeconfig: str | Path | None = None) -> None:
+    def __init__(
+        self, kubeconfig: str | Path | None = None, timeout_s: float = REQUEST_TIMEOUT_S
+    ) -> None:
+        self.request_timeout = (timeout_s, timeout_s)
         if kubeconfig:
             api_client = config.new_client_from_config(config_file=str(kubeconfig))
         else:
@@ -56,19 +70,23 @@ class ClusterApi:
     def apply_crd(self, body: dict[str, Any]) -> None:
         """Creates the CustomResourceDefinition, or replaces the one already there."""
         try:
-            self.ext.create_custom_resource_definition(body)
+            self.ext.create_custom_resource_definition(body, _request_timeout=self.request_timeout)
         except ApiException as exc:
             if exc.status != 409:
                 raise
             name = body["metadata"]["name"]
-            current = self.ext.read_custom_resource_definition(name)
+            current = self.ext.read_custom_resource_definition(
+                name, _request_timeout=self.request_timeout
+            )
             version = current.metadata.resource_version
             replacement = {**body, "metadata": {**body["metadata"], "resourceVersion": version}}
-            self.ext.replace_custom_resource_definition(name, replacement)
+            self.ext.replace_custom_resource_definition(
+                name, replacement, _request_timeout=self.request_timeout
+            )
 
     def crd_established(self, name: str) -> bool:
         """Whether the API server serves the CRD `name` (its Established condition)."""
-        crd = self.ext.read_custom_resource_definition(name)
+        crd = self.ext.read_custom_resource_definition(name, _request_timeout=self.request_timeout)
         return any(
             c.type == "Established" and c.status == "True" for c in crd.status.conditions or []
         )
@@ -76,7 +94,9 @@ class ClusterApi:
     def create_namespace(self, name: str) -> bool:
         """Creates namespace `name`; False when it exists already."""
         try:
-            self.core.create_namespace({"metadata": {"name": name}})
+            self.core.create_namespace(
+                {"metadata": {"name": name}}, _request_timeout=self.request_timeout
+            )
         except ApiException as exc:
             if exc.status != 409:
                 raise
@@ -85,37 +105,59 @@ class ClusterApi:
 
     def create_topology(self, namespace: str, body: dict[str, Any]) -> None:
         """Creates a KVTopology object."""
-        self.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
+        self.custom.create_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, body, _request_timeout=self.request_timeout
+        )
 
     def read_topology(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The KVTopology `name` as the server has it, or None when there is none."""
         try:
-            obj = self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+            obj = self.custom.get_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL, name, _request_timeout=self.request_timeout
+            )
         except ApiException as exc:
             if exc.status == 404:
                 return None
             raise
         return cast(dict[str, Any], obj)
 
-    def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+    def list_pods(
+        self, namespace: str | None, label_selector: str, *, metadata_only: bool = False
+    ) -> list[dict[str, Any]]:
         """Pods as plain JSON mappings (the client's models cost seconds of CPU per thousand
-        pods to build)."""
-        resp = self.core.list_namespaced_pod(
-            namespace, label_selector=label_selector, _preload_content=False
-        )
+        pods to build); of every namespace when `namespace` is None; with `metadata_only`,
+        each item holds only the pod's `metadata`."""
+        kwargs: dict[str, Any] = {
+            "label_selector": label_selector,
+            "_preload_content": False,
+            "_request_timeout": self.request_timeout,
+        }
+        if metadata_only:
+            kwargs["_headers"] = {"Accept": _METADATA_ONLY}
+        if namespace is None:
+            resp = self.core.list_pod_for_all_namespaces(**kwargs)
+        else:
+            resp = self.core.list_namespaced_pod(namespace, **kwargs)
         items: list[dict[str, Any]] = json.loads(resp.data)["items"]
         return items
 
     def annotate_pod(self, namespace: str, name: str, annotations: dict[str, str]) -> None:
         """Sets annotations on a pod (a merge patch)."""
-        self.core.patch_namespaced_pod(name, namespace, {"metadata": {"annotations": annotations}})
+        self.core.patch_namespaced_pod(
+            name,
+            namespace,
+            {"metadata": {"annotations": annotations}},
+            _request_timeout=self.request_timeout,
+        )
 
 
 class KubeClient:
-    """Thin async wrapper over the API calls the reconciler makes."""
+    """Thin async wrapper over the API calls the reconciler makes, each with the request
+    timeout `request_timeout` (see `ClusterApi`)."""
 
-    def __init__(self, kubeconfig: str | None = None) -> None:
-        api = ClusterApi(kubeconfig)
+    def __init__(self, kubeconfig: str | None = None, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+        api = ClusterApi(kubeconfig, timeout_s)
+        self.request_timeout = api.request_timeout
         self._api = api
         self._custom = api.custom
         self._core = api.core
@@ -134,7 +176,13 @@ class KubeClient:
                 # A dict body is sent as a JSON merge patch; the resourceVersion in it makes
                 # the write conditional on the version we read.
                 self._custom.patch_namespaced_custom_object_status(
-                    GROUP, VERSION, namespace, PLURAL, name, body
+                    GROUP,
+                    VERSION,
+                    namespace,
+                    PLURAL,
+                    name,
+                    body,
+                    _request_timeout=self.request_timeout,
                 )
             except ApiException as exc:
                 if exc.status in (404, 409):
@@ -174,11 +222,36 @@ class KubeClient:
                 reporting_instance=COMPONENT,
             )
             try:
-                self._core.create_namespaced_event(meta["namespace"], event)
+                self._core.create_namespaced_event(
+                    meta["namespace"], event, _request_timeout=self.request_timeout
+                )
             except ApiException as exc:
                 log.warning("could not record event %s on %s: %s", reason, meta["name"], exc.reason)
 
         await asyncio.to_thread(call)
+
+    async def patch_pod_condition(
+        self, namespace: str, name: str, uid: str, condition: dict[str, str]
+    ) -> bool:
+        """Sets one condition of a pod (a strategic merge patch of `pods/status`, merged by
+        condition type, so the kubelet's conditions stay as they are). The pod's uid in the
+        patch makes it fail rather than touch a new pod of the same name. False when the
+        pod is gone or is another one now."""
+
+        def call() -> bool:
+            body = {"metadata": {"uid": uid}, "status": {"conditions": [condition]}}
+            try:
+                # A dict body to a built-in kind is sent as a strategic merge patch.
+                self._core.patch_namespaced_pod_status(
+                    name, namespace, body, _request_timeout=self.request_timeout
+                )
+            except ApiException as exc:
+                if exc.status in (404, 409, 422):
+                    return False
+                raise
+            return True
+
+        return await asyncio.to_thread(call)
 
 
 class LeaseConflict(Exception):

@@ -3,6 +3,8 @@
 Owns `evaluate()`: which prefill/decode pairs must be connected, which engines are gone
 (pod deleted, not Ready, replaced, or restarted with a new engine id), when a gone engine
 is evicted from its peers (after `eviction.graceSeconds`), which pairs are incompatible,
+which held peers are re-handshaked because their holder reports them unhealthy (NIXL dropped
+them, or their transfers keep failing; the worker renews them on the add),
 which workers' idle TTL differs from `eviction.idleTTLSeconds`, how worker failure counters
 accumulate into totals that survive restarts, and the whole status (conditions, summary,
 engines). Also owns the claim (`owned_pods`): a pod belongs to at most one topology, the
@@ -35,6 +37,7 @@ from kvtopo_operator.api import (
 
 EVICTED_RETENTION = timedelta(minutes=5)
 Role = str  # "prefill" | "decode"
+PEER_UNHEALTHY = "PeerUnhealthy"  # the Event's reason when held peers are re-handshaked
 
 
 # --- observed state ----------------------------------------------------------------------
@@ -47,12 +50,16 @@ class PodView:
     name: str
     role: Role
     labels: Mapping[str, str]
+    # The engine is up: the pod's ContainersReady (its Ready waits for the kv-connected
+    # readiness gate where the pod lists it; Ready only where a pod has no ContainersReady).
     ready: bool
     deleting: bool
     endpoint: str  # the worker's control endpoint, "" when the pod has no address yet
-    ready_since: float | None = None  # when the pod became Ready (epoch seconds), for metrics
+    ready_since: float | None = None  # when the engine came up (epoch seconds), for metrics
     uid: str = ""  # the pod's metadata.uid: its worker must report the same
     endpoint_error: str = ""  # why the pod's endpoint is refused (it is then never dialled)
+    gated: bool = False  # the pod lists the readiness gate kvtopo.dev/kv-connected
+    gate: str = ""  # that condition's status now ("True", "False"; "" when not set)
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,8 @@ class WorkerView:
     incarnation: str = ""  # the worker process's boot id
     pod_uid: str = ""  # the pod uid the worker says it runs in ("" when it does not say)
     peer_incarnations: Mapping[str, str] = field(default_factory=dict)  # held peer -> its
+    # Held peers the worker reports dropped or failing: engine id -> "health: reason".
+    unhealthy_peers: Mapping[str, str] = field(default_factory=dict)
     # The worker's settings; None from a worker that predates them (it must not be sent them).
     handshake_timeout_s: float | None = None  # its default; it takes one per batch
     idle_ttl_s: float | None = None  # its idle-TTL backstop (0: off); PUT /v1/settings
@@ -104,6 +113,9 @@ class Memory:
     seen_at: Mapping[str, datetime] = field(default_factory=dict)  # when a baseline was read
     # Connections between live engines no longer paired: (holder, peer) -> since when.
     unpairing_since: Mapping[tuple[str, str], datetime] = field(default_factory=dict)
+    # (holder, peer) of live engines whose holder reported the peer unhealthy last round
+    # (a PeerUnhealthy Event is said when a pair joins).
+    unhealthy: frozenset[tuple[str, str]] = frozenset()
     counts: Mapping[str, int] | None = None  # None: take the status's
     last: LastFailure | None = None
 
@@ -160,6 +172,7 @@ class Progress:
     failing: tuple[str, ...] = ()  # handshakes failing past the progress deadline, described
     claimed: tuple[tuple[str, str], ...] = ()  # (pod, older topology owning it): Conflict
     selected: tuple[int, int] = (0, 0)  # (prefill, decode) pods this topology owns
+    live: tuple[tuple[str, str], ...] = ()  # (pod, engine id) of each usable engine, sorted
 
 
 @dataclass(frozen=True, order=True)
@@ -199,6 +212,9 @@ class Plan:
     idle_ttls: tuple[SetIdleTTL, ...] = ()  # workers whose idle TTL differs from the spec's
     progress: Progress = Progress()  # what the conditions were computed from, before acting
     memory: Memory | None = None  # what to remember for the next round (see `Memory`)
+    # (holder, peer) engine ids of expected pairs whose holder reports the peer unhealthy:
+    # their handshakes (in `handshakes`) renew the peer.
+    unhealthy_peers: frozenset[tuple[str, str]] = frozenset()
 
 
 # --- helpers -----------------------------------------------------------------------------
@@ -362,13 +378,15 @@ class _Live:
 
 
 def _holds(holder: WorkerView, peer: WorkerView) -> bool:
-    """Whether `holder` holds `peer` as it is now: its engine, not being evicted, and its
+    """Whether `holder` holds `peer` as it is now: its engine, not being evicted, its
     current incarnation (agents of a process that restarted under the same engine id are a
-    dead peer's, to be replaced)."""
+    dead peer's, to be replaced), and healthy (a peer NIXL has dropped, or whose transfers
+    keep failing, is renewed by the next add of it)."""
     return (
         peer.engine_id in holder.peers
         and peer.engine_id not in holder.evicting
         and holder.peer_incarnations.get(peer.engine_id, "") == peer.incarnation
+        and peer.engine_id not in holder.unhealthy_peers
     )
 
 
@@ -421,6 +439,8 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
     incompatible: dict[str, list[str]] = {}
     connected: set[tuple[str, str]] = set()
     handshakes: list[Handshake] = []
+    # (holder, peer) -> (holder pod, peer pod, "health: reason") of peers held unhealthy
+    unhealthy: dict[tuple[str, str], tuple[str, str, str]] = {}
     for p in prefills:
         for d in decodes:
             if not _paired(spec, p.pod, d.pod):
@@ -435,6 +455,11 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
                 incompatible.setdefault(did, []).append(msg)
                 continue
             expected.add((pid, did))
+            for a, b in ((p, d), (d, p)):
+                health = a.worker.unhealthy_peers.get(b.worker.engine_id)
+                if health is not None and b.worker.engine_id in a.worker.peers:
+                    key = (a.worker.engine_id, b.worker.engine_id)
+                    unhealthy[key] = (a.pod.name, b.pod.name, health)
             p_has = _holds(p.worker, d.worker)
             d_has = _holds(d.worker, p.worker)
             if p_has and d_has:
@@ -675,6 +700,17 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
         events.append(
             Event("Warning", "TransferFailures", f"new failures reported by workers: {desc}")
         )
+    # Peers held unhealthy are re-handshaked (the worker renews them): a Warning when a
+    # (holder, peer) starts being so, not every round.
+    fresh = sorted(k for k in unhealthy if k not in obs.memory.unhealthy)
+    if fresh:
+        said = "; ".join(
+            f"{unhealthy[k][0]} reports {unhealthy[k][1]} (engine {k[1]}) {unhealthy[k][2]}"
+            for k in fresh[:5]
+        )
+        more = f" (and {len(fresh) - 5} more)" if len(fresh) > 5 else ""
+        warning = f"re-handshaking {len(fresh)} peer(s) their holders report unhealthy: {said}"
+        events.append(Event("Warning", PEER_UNHEALTHY, warning + more))
 
     # Conflict: pods selected here that an older topology owns (`owned_pods`) are left to it;
     # a Warning Event when that begins (the condition: `conditions_of`, `conflict_of`).
@@ -706,6 +742,7 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
             sum(1 for p in pods if p.role == "prefill"),
             sum(1 for p in pods if p.role == "decode"),
         ),
+        live=tuple(sorted((e.pod.name, eid) for eid, e in live.items())),
     )
     conditions = conditions_of(progress, obs.previous.conditions, obs.generation, now)
     status = KVTopologyStatus(
@@ -731,10 +768,13 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
         connected_pairs=frozenset(connected),
         progress=progress,
         memory=dataclasses.replace(
-            _remember(memory, gone, seen_now, counts, last, now), unpairing_since=unpairing
+            _remember(memory, gone, seen_now, counts, last, now),
+            unpairing_since=unpairing,
+            unhealthy=frozenset(unhealthy),
         ),
         wake_in_s=min(due_in) if due_in else None,
         idle_ttls=tuple(sorted(idle_ttls)),
+        unhealthy_peers=frozenset(unhealthy),
     )
 
 
@@ -861,10 +901,11 @@ def settle(
     generation: int,
     deadline: timedelta,
     now: datetime,
-) -> tuple[KVTopologyStatus, tuple[Event, ...]]:
+) -> tuple[KVTopologyStatus, tuple[Event, ...], Progress]:
     """The plan's status after acting: pairs whose missing halves were all made are
     connected, their engines too, and the conditions are computed from that and from the
-    handshakes failing past `deadline` (one Warning Event when that first happens)."""
+    handshakes failing past `deadline` (one Warning Event when that first happens). Also
+    returns the progress after acting (what the readiness gate is decided from)."""
     made_set = set(made)
     missing: dict[tuple[str, str], list[Handshake]] = {}
     for h in plan.handshakes:
@@ -916,7 +957,7 @@ def settle(
     status = plan.status.model_copy(
         update={"conditions": conditions, "engines": engines, "summary": summary}
     )
-    return status, events
+    return status, events, progress
 
 
 def summary_of(engines: Iterable[EngineStatus], progress: Progress) -> Summary:

@@ -52,7 +52,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--metrics-host", default="127.0.0.1", help="bind address of /metrics")
     p.add_argument("--metrics-port", type=int, default=8080, help="0 turns the metrics server off")
     p.add_argument(
-        "--liveness", default=None, help="kopf liveness endpoint, e.g. http://0.0.0.0:8081/healthz"
+        "--liveness",
+        default=None,
+        help="kopf liveness endpoint, e.g. http://0.0.0.0:8081/healthz: reports each "
+        "topology loop's seconds since its last successful round, and answers HTTP 500 "
+        "while a loop is stuck (see --stuck-after-seconds)",
+    )
+    p.add_argument(
+        "--stuck-after-seconds",
+        type=float,
+        default=None,
+        help="a topology loop that has not ended a round (well or not) for this long is "
+        "stuck and fails the liveness endpoint (default: max(120, 10 x --resync-seconds)); "
+        "keep it above the longest wait between rounds (--resync-seconds, a failing loop's "
+        "backoff of up to 10 s) plus the longest round (e.g. many unreachable workers at "
+        "the handshake timeout each)",
+    )
+    p.add_argument(
+        "--relist-seconds",
+        type=float,
+        default=60.0,
+        help="how often the engine pods are listed afresh; an indexed pod the list no "
+        "longer has (its deletion missed by the watch, as in a relist after '410 Gone') "
+        "is dropped; 0 turns it off",
     )
     p.add_argument(
         "--resync-seconds",
@@ -113,6 +135,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error("--leader-elect-renew-seconds must be above 0 and below the lease seconds")
         if not 0 < args.leader_elect_retry_seconds < args.leader_elect_renew_seconds:
             p.error("--leader-elect-retry-seconds must be above 0 and below the renew seconds")
+    if args.relist_seconds < 0:
+        p.error("--relist-seconds must be 0 (off) or more")
+    if args.stuck_after_seconds is not None and args.stuck_after_seconds <= 0:
+        p.error("--stuck-after-seconds must be above 0")
     if not args.namespace and not args.all_namespaces:
         p.error("give --namespace NS (repeatable) or --all-namespaces")
     if args.worker_token_file is None and not os.environ.get("KVTOPO_WORKER_TOKEN"):
@@ -129,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose:
         # kopf logs every handled event at INFO; the operator's own lines are what matter.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+        # Each liveness/readiness probe runs the loops probe: only its failures matter.
+        logging.getLogger("kopf.activities.probe").setLevel(logging.WARNING)
     if args.kubeconfig:
         # Before kopf or the kubernetes client are imported: the client reads it at import.
         os.environ["KUBECONFIG"] = str(Path(args.kubeconfig).resolve())
@@ -145,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         token=os.environ.get("KVTOPO_WORKER_TOKEN"),
         metrics=metrics,
         resync_s=args.resync_seconds,
+        relist_s=args.relist_seconds,
+        stuck_after_s=args.stuck_after_seconds,
+        watch_namespaces=None if args.all_namespaces else list(args.namespace),
         allow_endpoint_host=args.allow_endpoint_host,
     )
     if args.leader_elect:

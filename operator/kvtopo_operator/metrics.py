@@ -1,8 +1,10 @@
 """The operator's Prometheus metrics, in a registry of its own (served on /metrics).
 
 Owns the counters and histograms the reconciler updates: handshakes and evictions by
-result, reconcile duration, the time from pod Ready to all of its pairs Connected, and the
-expected/connected pair gauges per topology; and the leader gauge (`handlers` sets it).
+result, readiness-gate writes, reconcile duration, the time from an engine coming up to all
+of its pairs Connected, and the expected/connected pair gauges per topology; and the leader
+gauge, the engine pods the periodic relist dropped and the relists that failed (`handlers`
+updates these).
 """
 
 from __future__ import annotations
@@ -37,6 +39,13 @@ class OperatorMetrics:
             ["why"],
             registry=self.registry,
         )
+        self.gate_writes = Counter(
+            "kvtopo_operator_gate_writes",
+            "Writes of the kvtopo.dev/kv-connected pod condition (the readiness gate), by "
+            "result: True, False, or failed (written again next round).",
+            ["result"],
+            registry=self.registry,
+        )
         self.status_write_failures = Counter(
             "kvtopo_operator_status_write_failures",
             "KVTopology status writes refused or failed (the next round writes again; "
@@ -51,7 +60,7 @@ class OperatorMetrics:
         )
         self.ready_to_connected = Histogram(
             "kvtopo_operator_ready_to_connected_seconds",
-            "From an engine pod becoming Ready to all of its pairs Connected.",
+            "From an engine pod's containers becoming ready to all of its pairs Connected.",
             buckets=(0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 20, 30, 60),
             registry=self.registry,
         )
@@ -67,9 +76,29 @@ class OperatorMetrics:
             ["namespace", "name"],
             registry=self.registry,
         )
+        self.peers_unhealthy = Gauge(
+            "kvtopo_operator_peers_unhealthy",
+            "Held peers of expected pairs that their holder reports dropped (NIXL disconnected "
+            "them) or failing (their transfers keep failing); each is re-handshaked, which "
+            "renews it.",
+            ["namespace", "name"],
+            registry=self.registry,
+        )
         self.leader = Gauge(
             "kvtopo_operator_leader",
             "1 while this replica runs the reconcile loops: it holds the leader Lease "
             "(--leader-elect), or runs standalone; 0 while it is a standby.",
+            registry=self.registry,
+        )
+        self.stale_pods_dropped = Counter(
+            "kvtopo_operator_stale_pods_dropped",
+            "Engine pods dropped from the operator's pod index because a periodic relist "
+            "(--relist-seconds) no longer found their UID: deletions the pod watch missed.",
+            registry=self.registry,
+        )
+        self.relist_failures = Counter(
+            "kvtopo_operator_relist_failures",
+            "Periodic relists of a namespace's engine pods that failed (nothing is dropped "
+            "from that namespace until one succeeds).",
             registry=self.registry,
         )

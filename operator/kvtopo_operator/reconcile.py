@@ -25,6 +25,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvtopo_operator.api import (
+    KV_CONNECTED_GATE,
     KVTopologySpec,
     KVTopologyStatus,
     LastFailure,
@@ -32,6 +33,7 @@ from kvtopo_operator.api import (
     read_tolerant,
 )
 from kvtopo_operator.events import EventRecorder
+from kvtopo_operator.gate import GateChange, gate_changes
 from kvtopo_operator.gather import WorkerViews
 from kvtopo_operator.kube import KubeClient
 from kvtopo_operator.logic import (
@@ -85,6 +87,10 @@ class _Loop:
     ignored: list[str] = field(default_factory=list)  # unknown fields last reported
     failing: dict[Handshake, FailingHandshake] = field(default_factory=dict)
     memory: Memory = field(default_factory=Memory)  # see logic.Memory
+    # When a round last ended, well or not (from the loop's start until its first), and
+    # when one last succeeded (None: never); monotonic. See `Reconciler.stuck`.
+    round_ended: float = field(default_factory=time.monotonic)
+    succeeded: float | None = None
 
 
 @dataclass
@@ -159,6 +165,26 @@ class Reconciler:
         """How many loops run."""
         return sum(not loop.task.done() for loop in self._loops.values())
 
+    def stuck(self, max_age_s: float) -> list[TopologyKey]:
+        """The running loops whose round has not ended for over `max_age_s` seconds: wedged
+        in a round (between rounds a loop waits at most its resync period or its backoff).
+        A loop whose rounds fail is not stuck: each failed round ends."""
+        now = time.monotonic()
+        return sorted(
+            key
+            for key, loop in self._loops.items()
+            if not loop.task.done() and now - loop.round_ended > max_age_s
+        )
+
+    def since_success(self) -> dict[TopologyKey, float | None]:
+        """Each running loop's seconds since its last successful round (None: none yet)."""
+        now = time.monotonic()
+        return {
+            key: None if loop.succeeded is None else now - loop.succeeded
+            for key, loop in self._loops.items()
+            if not loop.task.done()
+        }
+
     async def _post_event(
         self, body: dict[str, Any], event_type: str, reason: str, message: str
     ) -> None:
@@ -183,12 +209,14 @@ class Reconciler:
             try:
                 acted, wake_in = await self.reconcile(key, loop)
                 loop.failed_rounds = 0
+                loop.succeeded = loop.round_ended = time.monotonic()
                 delay = self.settings.retry_s if acted else self.settings.resync_s
                 if wake_in is not None:  # an eviction falls due before the next resync
                     delay = min(delay, max(0.05, wake_in))
             except asyncio.CancelledError:
                 raise
             except Exception:
+                loop.round_ended = time.monotonic()
                 loop.failed_rounds += 1
                 delay = min(self.settings.max_backoff_s, 0.5 * 2**loop.failed_rounds)
                 log.exception("reconcile of %s/%s failed; retrying in %.1fs", *key, delay)
@@ -261,7 +289,7 @@ class Reconciler:
             for h, message in out.failed.items()
         }
         # The conditions are those of the outcome of acting, not of the plan.
-        status, settle_events = settle(
+        status, settle_events, settled = settle(
             plan,
             out.made,
             loop.failing,
@@ -294,8 +322,45 @@ class Reconciler:
                 loop.poke.set()  # the object moved under us: read it again at once
         for event in (*plan.events, *act_events):
             self.events.record(body, event)
+        # The readiness gate of the pods that list it, from the outcome of acting.
+        changes = gate_changes(pods, settled, spec.readiness_gate.min_connected_partners)
+        if changes:
+            await self._set_gates(namespace, pods, changes, sem, now)
         self._observe(key, loop, plan, pods, time.monotonic() - started)
         return acted, plan.wake_in_s
+
+    async def _set_gates(
+        self,
+        namespace: str,
+        pods: tuple[PodView, ...],
+        changes: tuple[GateChange, ...],
+        sem: asyncio.Semaphore,
+        now: datetime,
+    ) -> None:
+        """Writes the kv-connected condition of each pod in `changes` (`pods/status`), at
+        most `sem` calls at once. A write that fails is left: the pod's condition still
+        differs next round, so it is written again then."""
+        uid = {p.name: p.uid for p in pods}
+
+        async def one(change: GateChange) -> None:
+            condition = {
+                "type": KV_CONNECTED_GATE,
+                "status": change.status,
+                "reason": change.reason,
+                "message": change.message,
+                "lastTransitionTime": rfc3339(now),
+            }
+            try:
+                async with sem:
+                    ok = await self.kube.patch_pod_condition(
+                        namespace, change.pod, uid.get(change.pod, ""), condition
+                    )
+            except Exception as exc:  # 403, 429, a timeout: next round tries again
+                log.warning("%s/%s: setting %s: %s", namespace, change.pod, KV_CONNECTED_GATE, exc)
+                ok = False
+            self.metrics.gate_writes.labels(change.status if ok else "failed").inc()
+
+        await asyncio.gather(*map(one, changes))
 
     async def _invalid_spec(
         self,
@@ -447,3 +512,4 @@ class Reconciler:
                 )
         self.metrics.pairs_expected.labels(*key).set(len(plan.expected_pairs))
         self.metrics.pairs_connected.labels(*key).set(len(plan.connected_pairs))
+        self.metrics.peers_unhealthy.labels(*key).set(len(plan.unhealthy_peers))

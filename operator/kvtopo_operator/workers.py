@@ -13,6 +13,7 @@ retried once with the previous one). Called by `reconcile`.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,10 +25,13 @@ from kvtopo_worker.credentials import TokenError, TokenSource
 from kvtopo_worker.endpoints import EndpointError, parse_endpoint
 from kvtopo_worker.protocol import (
     PEER_BATCH_CONCURRENCY,
+    UNHEALTHY,
     PeerAddItem,
     PeerChanges,
     WorkerSettings,
 )
+
+log = logging.getLogger(__name__)
 
 # --- what the operator reads of workers' answers ---------------------------------------------
 # Tolerant views of the worker's wire types: only the fields the operator uses, with open
@@ -52,6 +56,13 @@ class _PeerView(msgspec.Struct, frozen=True):
     engine_id: str
     eviction_pending: bool = False
     incarnation: str = ""
+    # "ok" from a worker that predates peer health. Only UNHEALTHY values ("dropped",
+    # "failing") make the operator re-handshake the peer: those are what a worker renews on
+    # an add. A value this operator does not know is read as ok and logged once: counting
+    # it unhealthy would plan, round after round, an add the worker may answer `present`,
+    # and the pair would never count as connected.
+    health: str = "ok"
+    health_reason: str = ""
 
 
 class _StateView(msgspec.Struct, frozen=True):
@@ -87,6 +98,24 @@ class _ChangesView(msgspec.Struct, frozen=True):
 class _ErrorView(msgspec.Struct, frozen=True):
     error: str = ""
     message: str = ""
+
+
+_unknown_health_seen: set[str] = set()  # peer health values logged once as unknown
+
+
+def _unhealthy(peers: list[_PeerView]) -> dict[str, str]:
+    """Held peers the worker reports unhealthy: engine id -> "health: reason"."""
+    out: dict[str, str] = {}
+    for p in peers:
+        if p.health in UNHEALTHY:
+            out[p.engine_id] = f"{p.health}: {p.health_reason}" if p.health_reason else p.health
+        elif p.health != "ok" and p.health not in _unknown_health_seen:
+            _unknown_health_seen.add(p.health)
+            log.warning(
+                "a worker reports peer health %r, which this operator does not know: read as ok",
+                p.health[:64],
+            )
+    return out
 
 
 MAX_STATE_BYTES = 64 << 20
@@ -202,6 +231,7 @@ class WorkerClient:
             incarnation=st.incarnation,
             pod_uid=st.pod.uid if st.pod is not None else "",
             peer_incarnations={p.engine_id: p.incarnation for p in st.peers},
+            unhealthy_peers=_unhealthy(st.peers),
             handshake_timeout_s=st.handshake_timeout_s,
             idle_ttl_s=st.idle_ttl_s,
         )

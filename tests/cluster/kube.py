@@ -112,6 +112,7 @@ def create_engine_pod(
     role: manifests.Role,
     labels: dict[str, str] | None = None,
     annotation: str | None = None,
+    kv_gate: bool = False,
 ) -> str:
     """An engine pod of app `llama` (not Ready yet); its uid. `annotation`: the value of its
     control-endpoint annotation (None: none, the worker is at podIP:controlPort)."""
@@ -122,22 +123,31 @@ def create_engine_pod(
         endpoint=annotation,
         namespace=namespace,
         labels=labels,
+        kv_gate=kv_gate,
     )
     apply(cluster, pod)
     uid: str = get_json(cluster, "pod", name, "-n", namespace)["metadata"]["uid"]
     return uid
 
 
-def mark_pod_ready(cluster: LocalCluster, namespace: str, name: str, ips: list[str]) -> None:
-    """Tier a has no kubelet: the pod is marked Running and Ready with `ips` as its pod IPs
-    through the status subresource."""
+def mark_pod_ready(
+    cluster: LocalCluster, namespace: str, name: str, ips: list[str], *, kv_gate: bool = False
+) -> None:
+    """Tier a has no kubelet: the pod is marked Running, its containers ready and the pod
+    Ready, with `ips` as its pod IPs, through the status subresource. A pod that lists the
+    kv-connected readiness gate (`kv_gate`) is left not Ready, as the kubelet leaves it
+    until the gate's condition is True (nothing flips it later in tier a)."""
     now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    ready = "False" if kv_gate else "True"
     status = {
         "status": {
             "phase": "Running",
             "podIP": ips[0],
             "podIPs": [{"ip": ip} for ip in ips],
-            "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now}],
+            "conditions": [
+                {"type": "ContainersReady", "status": "True", "lastTransitionTime": now},
+                {"type": "Ready", "status": ready, "lastTransitionTime": now},
+            ],
         }
     }
     cluster.kubectl(

@@ -22,6 +22,8 @@ def test_vendored_stages_hold_the_fast_set_including_pod_delete() -> None:
         "node-initialize",
         "node-heartbeat-with-lease",
         "pod-ready",
+        "pod-gates-ready",  # ours: kwok honours readiness gates (test_readiness_gates.py)
+        "pod-gates-unready",
         "pod-complete",
         "pod-delete",
     }

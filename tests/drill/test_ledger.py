@@ -53,3 +53,15 @@ def test_a_failure_during_a_fault_on_its_engine_is_explained_not_false() -> None
     ledger.outcome("decode", outcome("before", "failed", "registration_timeout"), 8.0)
     report = ledger.report()
     assert report["offending_requests"]["false_failures"] == ["before"]
+
+
+def test_a_slow_readiness_gate_breaks_the_invariants() -> None:
+    ledger = ledger_with_samples()
+    ledger.gate.extend((f"e{i}", 0.2) for i in range(10))
+    report = ledger.report()
+    assert report["gated_engines"] == 10 and report["engine_up_to_gate_p99_s"] == 0.2
+    assert invariants_hold(report)
+    ledger.gate.append(("slow", 1.5))
+    report = ledger.report()
+    assert report["engine_up_to_gate_p99_s"] == 1.5 and report["engine_up_to_gate_max_s"] == 1.5
+    assert not invariants_hold(report)

@@ -53,9 +53,15 @@ class Env(OperatorHarness):
         return make
 
     def pod(  # type: ignore[override]
-        self, name: str, role: manifests.Role, make: WorkerFactory, version: str = "v1"
+        self,
+        name: str,
+        role: manifests.Role,
+        make: WorkerFactory,
+        version: str = "v1",
+        *,
+        kv_gate: bool = False,
     ) -> WorkerProcess:
-        return super().pod(name, role, make, version=version)
+        return super().pod(name, role, make, kv_gate=kv_gate, version=version)
 
     def delete_pod(self, name: str) -> None:
         self.cluster.kubectl("delete", "pod", name, "-n", self.namespace, "--wait=true")

@@ -55,17 +55,26 @@ class OperatorHarness:
         return "" if self.operator_log is None else log_tail(self.operator_log, lines)
 
     def pod(
-        self, name: str, role: manifests.Role, make: WorkerFactory, **labels: str
+        self,
+        name: str,
+        role: manifests.Role,
+        make: WorkerFactory,
+        *,
+        kv_gate: bool = False,
+        **labels: str,
     ) -> WorkerProcess:
         """A Ready engine pod with a loopback pod IP of its own, served by the worker that
         `make` starts there (given the pod IP to bind and the pod's identity, as the downward
-        API gives them); the pod is marked Ready once its worker serves."""
+        API gives them); the pod is marked Ready once its worker serves (its containers
+        ready only, when it lists the kv-connected readiness gate: `kv_gate`)."""
         ip = loopback_pod_ip()
-        uid = create_engine_pod(self.cluster, self.namespace, name, role, labels or None)
+        uid = create_engine_pod(
+            self.cluster, self.namespace, name, role, labels or None, kv_gate=kv_gate
+        )
         self.identities[name] = identity_args(self.namespace, name, uid, ip)
         w = make(self.identities[name])
         self.workers[name] = w
-        mark_pod_ready(self.cluster, self.namespace, name, [ip])
+        mark_pod_ready(self.cluster, self.namespace, name, [ip], kv_gate=kv_gate)
         return w
 
     def restart(self, name: str, make: WorkerFactory) -> tuple[WorkerProcess, WorkerProcess]:

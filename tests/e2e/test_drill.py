@@ -4,6 +4,7 @@ injected fault (decode engines crash with requests in flight) fails and names th
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,10 @@ def test_short_drill_keeps_every_invariant(tmp_path: Path) -> None:
     assert report["verified_bytes"] == report["completed"] * 4 * 64 * 1024
     assert report["convergence_s"] and max(report["convergence_s"]) <= 5
     assert report["eviction_s"] and report["eviction_max_s"] <= report["grace"] + 2
+    # The pods list the kv-connected readiness gate: each engine's pod turned Ready (routable)
+    # within 1 s of the engine serving.
+    assert report["gated_engines"] >= 6 + 3, report["gated_engines"]
+    assert report["engine_up_to_gate_p99_s"] <= 1.0
     assert (tmp_path / "drill.png").stat().st_size > 10_000
 
 
@@ -106,3 +111,29 @@ def test_a_killed_leader_or_a_credential_rotation_costs_no_request(
         assert took <= report["lease_s"] + 5, struck
     else:
         assert any("old tokens dropped" in label for label in struck), struck
+
+
+def test_an_engine_restarted_in_its_pod_is_reconnected_with_no_manual_action(
+    tmp_path: Path,
+) -> None:
+    # restart-engine: a prefill engine with requests in flight is SIGKILLed and started
+    # again in the same pod (same IP, port and engine id, a new incarnation). Its peers'
+    # NIXL agents of it are dead (remote disconnect): what it held fails there, with a
+    # reason, explained; the operator re-handshakes every pair of it on its own.
+    out, report = drill(tmp_path, "--chaos", "restart-engine")
+    assert out.returncode == 0, out.stdout[-3000:]
+    struck = [m["label"] for m in report["marks"] if m["kind"] == "chaos"]
+    assert any(label.startswith("restart prefill") and "held" in label for label in struck)
+    assert any("serves again" in label and "incarnation" in label for label in struck), struck
+    # Its decodes reported it dropped (NIXL: remote disconnect) while it was down.
+    told = [m for label in struck if (m := re.search(r"(\d+)/(\d+) of its peers report", label))]
+    assert told and told[0][1] == told[0][2] != "0", struck
+    for key in ("lost", "false_failures", "duplicate_failure_reports", "corrupted"):
+        assert report[key] == 0, (key, report["offending_requests"])
+    assert report["outcome_mismatch"] == 0, report["offending_requests"]["outcome_mismatch"]
+    assert set(report["failed_by_reason"]) <= {"registration_timeout", "push_reg_notif_failed"}
+    assert report["failed_by_reason"], "the requests the killed engine held failed"
+    (took,) = report["restart_recovery_s"]
+    assert took <= 20, struck
+    assert report["stale_peers_at_end"] == 0
+    assert report["verified_bytes"] == report["completed"] * 4 * 64 * 1024

@@ -45,6 +45,7 @@ pytestmark = pytest.mark.cluster
 OPERATOR_RULES = {
     ("", "pods", "*", "list"),
     ("", "pods", "*", "watch"),
+    ("", "pods/status", "*", "patch"),
     ("kvtopo.dev", "kvtopologies", "*", "get"),
     ("kvtopo.dev", "kvtopologies", "*", "list"),
     ("kvtopo.dev", "kvtopologies", "*", "watch"),
@@ -447,13 +448,14 @@ def test_cluster_scope_grants_one_cluster_role(helm: Helm) -> None:
 
 WRITES = {
     ("kvtopologies/status", "patch"),
+    ("pods/status", "patch"),
     ("leases", "update"),
     ("kopfpeerings", "patch"),
     ("clusterkopfpeerings", "patch"),
 }
 
 
-def test_no_rule_reaches_secrets_nodes_or_writes_pods(helm: Helm) -> None:
+def test_no_rule_reaches_secrets_nodes_or_writes_pods_but_the_gate(helm: Helm) -> None:
     for values in ({}, {"scope": "cluster", "peering": {"enabled": True}, **NO_LEADER_ELECTION}):
         docs = render(helm, values)
         for role in objects(docs, "Role") + objects(docs, "ClusterRole"):

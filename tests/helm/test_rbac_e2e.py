@@ -256,6 +256,7 @@ def test_operator_as_the_chart_service_account_reconciles_end_to_end(
             lambda identity, role=role: start_worker(
                 role, token_file, env.tmp, "--num-blocks", "16", *identity
             ),
+            kv_gate=True,  # the operator writes their kv-connected condition (pods/status)
         )
     apply(
         cluster,
@@ -392,6 +393,7 @@ def check_can_i(cluster: LocalCluster, sa: str, namespace: str, lease: str) -> N
     for verb, resource, *where in allowed:
         assert can_i(cluster, sa, verb, resource, *where), (verb, resource)
     assert can_i(cluster, sa, "patch", "kvtopologies.kvtopo.dev", *n, subresource="status")
+    assert can_i(cluster, sa, "patch", "pods", *n, subresource="status")
     denied: list[tuple[str, ...]] = [
         ("get", "secrets", *n),
         ("list", "secrets", *n),

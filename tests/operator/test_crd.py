@@ -383,7 +383,9 @@ def test_spec_requires_roles_and_carries_the_cel_rules(openapi: dict[str, Any]) 
         "pairing",
         "handshake",
         "eviction",
+        "readinessGate",
     }
+    assert set(spec["properties"]["readinessGate"]["properties"]) == {"minConnectedPartners"}
     assert set(spec["properties"]["eviction"]["properties"]) == {"graceSeconds", "idleTTLSeconds"}
     [distinct] = spec["x-kubernetes-validations"]
     assert "self.prefill.selector" in distinct["rule"]

@@ -426,7 +426,7 @@ def test_conditions_are_those_of_the_outcome_of_acting() -> None:
     plan = evaluate(observe(pods, bare), T0)
     deadline = timedelta(seconds=30)
     # Every handshake made: Ready at once, not a round later.
-    status, events = settle(plan, plan.handshakes, {}, KVTopologyStatus(), 3, deadline, T0)
+    status, events, _ = settle(plan, plan.handshakes, {}, KVTopologyStatus(), 3, deadline, T0)
     assert cond(status, "Ready") == ("True", "AllPairsConnected")
     assert cond(status, "Progressing") == ("False", "Stable")
     assert {e.state for e in status.engines} == {EngineState.CONNECTED}
@@ -436,19 +436,19 @@ def test_conditions_are_those_of_the_outcome_of_acting() -> None:
     bad = next(h for h in plan.handshakes if h.pod == "d2" and h.peer_engine_id == "P0")
     made = [h for h in plan.handshakes if h != bad]
     young = {bad: FailingHandshake(T0 - timedelta(seconds=5), "HTTP 401 from the peer")}
-    status, events = settle(plan, made, young, KVTopologyStatus(), 3, deadline, T0)
+    status, events, _ = settle(plan, made, young, KVTopologyStatus(), 3, deadline, T0)
     assert cond(status, "Ready") == ("False", "PairsMissing")
     assert cond(status, "Progressing") == ("True", "Handshaking")
     assert cond(status, "Degraded") == ("False", "Healthy")
     assert status.summary.pairs == "5/6" and events == ()
     # The same failure past the progress deadline: Degraded names it, one Event.
     old = {bad: FailingHandshake(T0 - timedelta(seconds=31), "HTTP 401 from the peer")}
-    status, events = settle(plan, made, old, KVTopologyStatus(), 3, deadline, T0)
+    status, events, _ = settle(plan, made, old, KVTopologyStatus(), 3, deadline, T0)
     degraded = next(c for c in status.conditions if c.type.value == "Degraded")
     assert (degraded.status, degraded.reason) == ("True", "HandshakeFailed")
     assert "d2 adding prefill P0: HTTP 401 from the peer" in degraded.message
     assert [e.reason for e in events] == ["HandshakeFailed"]
-    _, events = settle(plan, made, old, status, 3, deadline, T0 + timedelta(seconds=2))
+    _, events, _ = settle(plan, made, old, status, 3, deadline, T0 + timedelta(seconds=2))
     assert events == (), "an Event when it turns Degraded, not every round"
 
 

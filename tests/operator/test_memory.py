@@ -17,8 +17,9 @@ from kvtopo_operator.logic import Observed, WorkerView, evaluate
 from kvtopo_operator.metrics import OperatorMetrics
 from kvtopo_operator.reconcile import Reconciler, Settings
 from kvtopo_operator.workers import WorkerClient
+from tests.operator.fakes import FakeKube, RecordingWorkers
 from tests.operator.test_logic import SPEC, T0, pod, worker
-from tests.operator.test_ownership import FakeKube, RecordingWorkers, body
+from tests.operator.test_ownership import body
 
 
 def observe(
@@ -104,7 +105,7 @@ async def test_with_every_status_write_refused_a_gone_engine_is_still_evicted() 
         SPEC.model_copy(update={"eviction": SPEC.eviction.model_copy(update={"grace_seconds": 1})})
     )
     kube.bodies["llama"]["spec"] = spec
-    workers = RecordingWorkers(pods)
+    workers = RecordingWorkers.for_pods(pods)
     current = list(pods)
     metrics = OperatorMetrics()
     reconciler = Reconciler(

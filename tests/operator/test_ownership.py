@@ -10,7 +10,6 @@ same whichever topology asks, in whatever order the others arrived, at any time.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
@@ -40,7 +39,8 @@ from kvtopo_operator.logic import (
 )
 from kvtopo_operator.metrics import OperatorMetrics
 from kvtopo_operator.reconcile import Reconciler, Settings
-from kvtopo_operator.workers import CallResult, PeerAdd, WorkerClient
+from kvtopo_operator.workers import WorkerClient
+from tests.operator.fakes import FakeKube, RecordingWorkers
 
 T0 = datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)
 
@@ -304,64 +304,6 @@ def test_an_unreadable_spec_keeps_the_conflict_condition_as_it_was() -> None:
 # --- the reconcile loop ------------------------------------------------------------------------
 
 
-class FakeKube:
-    """The topologies' bodies; records status writes and Events."""
-
-    def __init__(self, bodies: dict[str, dict[str, Any]]) -> None:
-        self.bodies = bodies
-        self.events: list[tuple[str, str, str, str]] = []
-
-    async def get_topology(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return self.bodies.get(name)
-
-    async def patch_status(
-        self, namespace: str, name: str, status: dict[str, Any], resource_version: str
-    ) -> bool:
-        body = self.bodies[name]
-        body["status"] = status
-        body["metadata"]["resourceVersion"] = str(int(resource_version) + 1)
-        return True
-
-    async def record_event(self, body: dict[str, Any], type_: str, reason: str, msg: str) -> None:
-        self.events.append((body["metadata"]["name"], type_, reason, msg))
-
-
-class RecordingWorkers:
-    """Each pod's worker by endpoint; records who is called and how."""
-
-    def __init__(self, pods: list[PodView]) -> None:
-        self.views = {
-            p.endpoint: WorkerView(p.name.upper(), p.role, "h", frozenset()) for p in pods
-        }
-        self.calls: list[tuple[str, str]] = []
-
-    async def state(self, endpoint: str, timeout_s: float) -> WorkerView:
-        self.calls.append(("state", endpoint))
-        return self.views[endpoint]
-
-    async def change_peers(
-        self,
-        endpoint: str,
-        adds: list[PeerAdd],
-        evicts: list[str],
-        timeout_s: float,
-        handshake_timeout_s: float | None = None,
-    ) -> dict[tuple[str, str], CallResult]:
-        self.calls.append(("change_peers", endpoint))
-        view = self.views[endpoint]
-        peers = (view.peers | {a.engine_id for a in adds}) - set(evicts)
-        self.views[endpoint] = dataclasses.replace(view, peers=peers)
-        return {("add", a.engine_id): CallResult(True, 200, "", "added") for a in adds} | {
-            ("evict", e): CallResult(True, 200, "", "evicted") for e in evicts
-        }
-
-    async def set_idle_ttl(self, endpoint: str, idle_ttl_s: float, timeout_s: float) -> CallResult:
-        return CallResult(True, 200, "")
-
-    async def close(self) -> None:
-        pass
-
-
 def body(name: str, created: str) -> dict[str, Any]:
     return {
         "metadata": {
@@ -380,7 +322,7 @@ def body(name: str, created: str) -> dict[str, Any]:
 async def test_the_loop_of_the_younger_topology_never_calls_a_worker() -> None:
     pods = [pod("p0", "prefill"), pod("d0", "decode")]
     kube = FakeKube({"zeta": body("zeta", EARLY), "alpha": body("alpha", LATE)})
-    workers = RecordingWorkers(pods)
+    workers = RecordingWorkers.for_pods(pods)
     index = [topo("alpha", LATE), topo("zeta", EARLY)]  # as kopf's index holds them
     reconciler = Reconciler(
         kube=cast(KubeClient, kube),

@@ -13,10 +13,11 @@ from typing import Any, cast
 from kvtopo_operator.api import KVTopologySpec, KVTopologyStatus
 from kvtopo_operator.gather import WorkerViews
 from kvtopo_operator.kube import KubeClient
-from kvtopo_operator.logic import Observed, PodView, WorkerUnreachable, WorkerView, evaluate
+from kvtopo_operator.logic import Observed, PodView, WorkerView, evaluate
 from kvtopo_operator.metrics import OperatorMetrics
 from kvtopo_operator.reconcile import Reconciler
-from kvtopo_operator.workers import CallResult, PeerAdd, WorkerClient
+from kvtopo_operator.workers import WorkerClient
+from tests.operator.fakes import RecordingWorkers
 
 T0 = datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)
 SPEC = KVTopologySpec.model_validate(
@@ -35,36 +36,6 @@ def pod(name: str, role: str) -> PodView:
 
 def view(engine_id: str, role: str, **settings: float) -> WorkerView:
     return WorkerView(engine_id, role, "h", frozenset(), **settings)  # type: ignore[arg-type]
-
-
-class RecordingWorkers:
-    """Answers each endpoint's state from `views`; records the calls the reconciler makes."""
-
-    def __init__(self, views: dict[str, WorkerView], settings_ok: bool = True) -> None:
-        self.views = views
-        self.settings_ok = settings_ok
-        self.reads: list[str] = []
-        self.batches: dict[str, tuple[list[str], float, float | None]] = {}
-        self.idle_ttls: list[tuple[str, float]] = []
-
-    async def state(self, endpoint: str, timeout_s: float) -> WorkerView | WorkerUnreachable:
-        self.reads.append(endpoint)
-        return self.views[endpoint]
-
-    async def change_peers(
-        self,
-        endpoint: str,
-        adds: list[PeerAdd],
-        evicts: list[str],
-        timeout_s: float,
-        handshake_timeout_s: float | None = None,
-    ) -> dict[tuple[str, str], CallResult]:
-        self.batches[endpoint] = (sorted(a.engine_id for a in adds), timeout_s, handshake_timeout_s)
-        return {("add", a.engine_id): CallResult(True, 200, "", "added") for a in adds}
-
-    async def set_idle_ttl(self, endpoint: str, idle_ttl_s: float, timeout_s: float) -> CallResult:
-        self.idle_ttls.append((endpoint, idle_ttl_s))
-        return CallResult(True, 200, "") if self.settings_ok else CallResult(False, 0, "refused")
 
 
 def setup(settings_ok: bool = True) -> tuple[list[PodView], RecordingWorkers, Reconciler]:

@@ -53,6 +53,7 @@ class FakeTransport:
     writes: list[tuple[str, list[int], list[int], bytes]] = field(default_factory=list)
     inbox: list[tuple[str, bytes]] = field(default_factory=list)
     remotes: set[str] = field(default_factory=set)
+    forgotten: set[str] = field(default_factory=set)  # agents NIXL "no longer holds"
     released: list[object] = field(default_factory=list)
     block_len: int = 64
 
@@ -114,6 +115,10 @@ class FakeTransport:
             self.on_release(handle)
         self.released.append(handle)
         return self.release_ok
+
+    def remote_known(self, agent_name: str) -> bool:
+        with self._lock:
+            return agent_name in self.remotes and agent_name not in self.forgotten
 
     def remove_remote(self, agent_name: str) -> None:
         if self.on_remove is not None:

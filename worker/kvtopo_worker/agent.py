@@ -5,7 +5,9 @@ Owns the aiohttp server that runs inside the engine process on its own thread an
     GET    /v1/metadata[?rank=R]   rank R's EngineMetadata (versioned msgpack envelope; R: 0)
     PUT    /v1/peers/{engine_id}   {endpoint, role[, rank]}: fetch the peer's metadata and add
                                    its agent of each TP rank (or only of `rank`) to our rank
-                                   of the same number (TP sizes must be equal)
+                                   of the same number (TP sizes must be equal); a peer held
+                                   unhealthy (dropped, failing) is fetched again and its
+                                   agents replaced (`renewed`)
     DELETE /v1/peers/{engine_id}[?rank=R]
                                    evict the peer (or its rank R; deferred while transfers
                                    are in flight)
@@ -57,6 +59,7 @@ from kvtopo_worker.protocol import (
     MAX_IDLE_TTL_S,
     MAX_PEER_CHANGES,
     PEER_BATCH_CONCURRENCY,
+    UNHEALTHY,
     EngineMetadata,
     ErrorBody,
     FailureType,
@@ -88,6 +91,10 @@ MAX_METADATA_BYTES = 4 << 20
 OPEN_PATHS = frozenset({"/healthz", "/metrics"})
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class _TransfersInFlight(Exception):
+    """The agents a renewal must replace carry transfers still; they leave when those end."""
 
 
 class PeerTransport(Protocol):
@@ -420,7 +427,13 @@ class ControlServer:
 
         `pod_uid` and `incarnation`, when given, are what the peer must be: metadata from
         another pod or process is refused (409), and a peer held under an older incarnation
-        (its engine restarted under the same id) has its agents evicted and is added anew."""
+        (its engine restarted under the same id) has its agents evicted and is added anew.
+
+        A peer held unhealthy (NIXL dropped it, or its transfers keep failing) is renewed
+        instead of answered `present`: its metadata is fetched again (a fetch that fails
+        leaves the old agents as they were), then its agents are evicted and the fetched
+        ones added (`renewed`); while transfers to the old agents are still ending the
+        answer is 409 `replacing` (the eviction runs when they have: retry then)."""
         if not 0 < len(engine_id) <= MAX_ID_LEN:
             raise MalformedMessage(f"engine_id must be 1..{MAX_ID_LEN} characters")
         try:
@@ -443,12 +456,19 @@ class ControlServer:
             replaced = await self._replace_incarnation(engine_id, held, incarnation)
             if replaced is not None:
                 return replaced
-        present = self.registry.claim_present(engine_id)
-        if wanted <= set(present):
-            self.metrics.handshakes_total.labels("present").inc()
-            return 200, PeerResult(engine_id=engine_id, result="present", agents=present)
+        health = self.registry.health(engine_id)
+        renew = health is not None and health[0] in UNHEALTHY
+        if renew:  # every rank held or wanted is fetched again
+            present = self.registry.snapshot(engine_id)
+            ranks = wanted | set(present)
+        else:
+            present = self.registry.claim_present(engine_id)
+            if wanted <= set(present):
+                self.metrics.handshakes_total.labels("present").inc()
+                return 200, PeerResult(engine_id=engine_id, result="present", agents=present)
+            ranks = wanted - set(present)
         metas: list[EngineMetadata] = []
-        for r in sorted(wanted - set(present)):
+        for r in sorted(ranks):
             fetched = await self._fetch_rank(
                 engine_id, peer_endpoint, role, r, local_tp, pod_uid, incarnation, timeout
             )
@@ -458,6 +478,18 @@ class ControlServer:
 
         def add() -> dict[int, str]:
             # On the NIXL thread, so checks and adds of all engines run one at a time.
+            now = self.registry.health(engine_id)
+            if renew and now is not None and now[0] in UNHEALTHY:
+                # Evicted first: NIXL refuses to load an agent it holds, and never reconnects
+                # one it reported disconnected. (Skipped when a renewal that ran meanwhile
+                # made the peer healthy again.)
+                result = self.registry.evict(engine_id, "unhealthy")
+                self.metrics.evictions_total.labels(result).inc()
+                if result == "deferred":
+                    raise _TransfersInFlight(
+                        f"engine {engine_id} is {now[0]} ({now[1]}); its agents leave once its "
+                        "transfers in flight end: retry then"
+                    )
             added: dict[int, str] = {}
             for meta in metas:
                 owner = self.registry.agent_owner(meta.agent_name)
@@ -473,6 +505,8 @@ class ControlServer:
         fut = self.registry.handshake(engine_id, lambda: self.nixl_executor.submit(add))
         try:
             agents = await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
+        except _TransfersInFlight as exc:
+            return 409, ErrorBody(error="replacing", message=str(exc))
         except (AgentConflict, TransportError) as exc:
             if isinstance(exc, TransportError) and exc.kind != "identity":
                 msg = f"adding the NIXL agent of {engine_id}: {exc}"
@@ -482,10 +516,16 @@ class ControlServer:
         except Exception as exc:
             msg = f"adding the NIXL agent of {engine_id}: {type(exc).__name__}: {exc}"
             return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 502)
-        self.metrics.handshakes_total.labels("added").inc()
-        log.info("peer %s (%s) added: %s", engine_id, role, agents)
+        result: Literal["added", "renewed"] = "renewed" if renew else "added"
+        self.metrics.handshakes_total.labels(result).inc()
+        if renew and health is not None:
+            log.warning(
+                "peer %s (%s) renewed (it was %s: %s): %s", engine_id, role, *health, agents
+            )
+        else:
+            log.info("peer %s (%s) added: %s", engine_id, role, agents)
         return 200, PeerResult(
-            engine_id=engine_id, result="added", agents=self.registry.snapshot(engine_id)
+            engine_id=engine_id, result=result, agents=self.registry.snapshot(engine_id)
         )
 
     async def _replace_incarnation(

@@ -169,6 +169,7 @@ class EmulatedEngine:
         tp_size: int = 1,
         pod: PodIdentity | None = None,
         peer_token: TokenSource | None = None,
+        failing_after: int = 3,
     ) -> None:
         if not 1 <= tp_size <= 64:
             raise ValueError(f"tp_size must be 1..64, not {tp_size}")
@@ -181,7 +182,9 @@ class EmulatedEngine:
         self.tp_size = tp_size
         self.device = torch.device(device)
         self.metrics = WorkerMetrics()
-        self.registry = EngineRegistry(remove_agent=self._remove_agent, idle_ttl_s=idle_ttl_s)
+        self.registry = EngineRegistry(
+            remove_agent=self._remove_agent, idle_ttl_s=idle_ttl_s, failing_after=failing_after
+        )
         self.content = KVContent(block_len, self.device)
         self._outcome_ready = threading.Event()  # set by every rank's connector
         compat = CompatInfo(block_len=block_len, model_id=model_id, dtype="uint8")
@@ -690,6 +693,16 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "collected (GET /v1/finished) before it exits",
     )
     p.add_argument(
+        "--failing-after",
+        type=int,
+        default=3,
+        metavar="K",
+        help="a held peer whose last K transfers all failed is reported `failing` in "
+        "/v1/state (one that NIXL reports disconnected is `dropped` at once); the operator "
+        "then adds it again, and the add renews it (its metadata fetched again, its agents "
+        "replaced). A transfer that succeeds starts the count again",
+    )
+    p.add_argument(
         "--progress-thread",
         choices=["auto", "on", "off"],
         default="auto",
@@ -732,6 +745,12 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.tp <= 64:
         print(f"kvtopo-worker: --tp must be 1..64, not {args.tp}", file=sys.stderr)
         return 2
+    if not 1 <= args.failing_after <= 1_000_000:
+        print(
+            f"kvtopo-worker: --failing-after must be 1..1000000, not {args.failing_after}",
+            file=sys.stderr,
+        )
+        return 2
     if not 0 <= args.drain_timeout <= 3600:
         print(
             f"kvtopo-worker: --drain-timeout must be 0..3600 s, not {args.drain_timeout}",
@@ -754,6 +773,7 @@ def main(argv: list[str] | None = None) -> int:
         tp_size=args.tp,
         pod=pod,
         peer_token=peer_token,
+        failing_after=args.failing_after,
     )
     try:
         engine.start()

@@ -74,6 +74,13 @@ class WorkerMetrics:
         self.peers = Gauge(
             "kvtopo_worker_peers", "Remote engines in the registry.", registry=self.registry
         )
+        self.peer_health_total = Counter(
+            "kvtopo_worker_peer_health_changes",
+            "Held peers that turned dropped (NIXL disconnected them) or failing (their last "
+            "transfers all failed), by the health they turned to.",
+            ["health"],
+            registry=self.registry,
+        )
         self.transfer_seconds = Histogram(
             "kvtopo_worker_transfer_seconds",
             "WRITE time from post to DONE.",

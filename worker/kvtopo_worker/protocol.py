@@ -35,6 +35,11 @@ import msgspec
 #      the operator sends them only to a worker whose state reports them):
 #      `PATCH /v1/peers` may carry `handshake_timeout_s`, the deadline of that batch's
 #      handshakes; `PUT /v1/settings` sets `idle_ttl_s`; WorkerState reports both.
+#      Peer health: each PeerState says whether the peer is `ok`, `dropped` (NIXL reported
+#      it disconnected, or no longer holds its metadata) or `failing` (its last transfers
+#      all failed), and why (`health_reason`); a reader that predates them ignores them.
+#      An add of a peer held unhealthy fetches its metadata again and replaces its agents,
+#      answering `renewed` (a result string older operators read as an open string).
 PROTOCOL_VERSION = 4
 
 REG_PREFIX = b"PUSH_REG:"
@@ -52,6 +57,13 @@ MAX_DEVICE_ID = 1 << 16
 _T = TypeVar("_T")
 
 Role = Literal["prefill", "decode"]
+# A held peer's health (PeerState.health): `ok`; `dropped`: NIXL reported the remote agent
+# disconnected (a transfer or notification to it failed with a remote disconnect) or no
+# longer holds its metadata; `failing`: its last `--failing-after` transfers all failed.
+# A reader must treat a value it does not know as `ok` (and may log it): only the values
+# of UNHEALTHY make a worker renew the peer on the next add.
+PeerHealth = Literal["ok", "dropped", "failing"]
+UNHEALTHY: frozenset[str] = frozenset({"dropped", "failing"})
 MemoryKind = Literal["DRAM", "VRAM"]
 TransferMode = Literal["push", "pull"]
 
@@ -427,7 +439,9 @@ class PeerResult(msgspec.Struct, frozen=True, kw_only=True):
     """Answer to a peer add or delete."""
 
     engine_id: str
-    result: Literal["added", "present", "evicted", "deferred", "absent"]
+    # `renewed`: the peer was held unhealthy; its metadata was fetched again and its agents
+    # replaced (read as an open string by operators that predate it).
+    result: Literal["added", "present", "renewed", "evicted", "deferred", "absent"]
     agents: dict[int, str] = {}
 
 
@@ -450,6 +464,8 @@ class PeerState(msgspec.Struct, frozen=True, kw_only=True):
     eviction_pending: bool
     idle_s: float
     incarnation: str = ""  # the peer's incarnation its agents were added under
+    health: PeerHealth = "ok"  # see PeerHealth; only the holder's view of the peer
+    health_reason: str = ""  # why it is not ok (the failure that made it so)
 
 
 class FailureRecord(msgspec.Struct, frozen=True, kw_only=True):

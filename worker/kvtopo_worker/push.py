@@ -22,6 +22,13 @@ Owns the request life cycle on both sides and the engine-thread API:
   the registry (the reverse handshake still running) waits within its lease. A WRITE that
   times out is aborted; one that cannot be aborted is watched to its end before the decode
   is told anything, so a `PUSH_FAIL` always means no WRITE of the request can still land.
+- peer health: every transfer through a peer's agent says something of that peer (the
+  registry keeps it, `EngineRegistry.peer_failed`): a WRITE, registration or notification
+  that NIXL fails with a remote disconnect drops the peer; other NIXL failures (a WRITE
+  that errs or times out, a registration given up that the prefill never answered) count
+  towards `failing`, and a WRITE done (prefill) or a completion received (decode) resets
+  the count. Once a second, each rank also asks NIXL whether it still holds every peer
+  agent of its rank (`check_peers`).
 - `get_finished()` (engine thread) drains done sending, done receiving and failed requests.
   Every request ends exactly once: each producer claims the request by removing it from its
   pending table under `_state_lock` before reporting, whatever raises on the way, and the
@@ -138,6 +145,7 @@ class _PendingRecv:
     overdue_since: float | None = None  # give_up_at seen passed (decided at a later look)
     cancel_reason: FailureType = FailureType.REGISTRATION_TIMEOUT  # why it was given up
     cancel_message: str = ""
+    agent: str = ""  # the prefill's agent the registration went to (once sent)
 
 
 @dataclass
@@ -235,6 +243,7 @@ class PushConnector:
         self.requests_done = 0
         self.requests_failed = 0
         self._next_deadline_check = 0.0
+        self._missing_agents: set[tuple[str, str]] = set()  # unknown to NIXL at the last check
         # Label lookups cost a lock and a dict probe per call: bind the children once.
         self._requests_total = {
             o: self.metrics.requests_total.labels(o) for o in ("done", "failed")
@@ -466,7 +475,45 @@ class PushConnector:
                 {"request_id": request_id, "engine_id": engine_id, "msg": str(exc)},
                 level=logging.INFO,
             )
+            self._transport_failed(engine_id, agent, exc)
             return False
+
+    # --- peer health ---------------------------------------------------------------------
+
+    def _transport_failed(self, engine_id: str, agent: str, exc: Exception) -> None:
+        """A NIXL call through `agent` of `engine_id` failed: a remote disconnect drops the
+        peer, any other NIXL error is one more failed transfer. An agent not (or no longer)
+        added, or a call refused before NIXL was reached, says nothing of the peer."""
+        kind = exc.kind if isinstance(exc, TransportError) else "error"
+        if kind in ("not_found", "invalid", "identity"):
+            return
+        self._peer_failed(engine_id, agent, str(exc), dropped=kind == "disconnected")
+
+    def _peer_failed(self, engine_id: str, agent: str, reason: str, *, dropped: bool) -> None:
+        health = self.registry.peer_failed(engine_id, agent, reason, dropped=dropped)
+        if health is not None:
+            self.metrics.peer_health_total.labels(health).inc()
+
+    def check_peers(self) -> int:
+        """Asks NIXL whether it still holds the metadata of every peer agent of our rank
+        (`check_remote_metadata`); a peer whose agent it has dropped is `dropped` once two
+        checks in a row found it so (an agent being renewed is missing from NIXL for a
+        moment). Returns how many agents were found dropped (the progress thread calls this
+        once a second; a transport that cannot tell is not asked)."""
+        known = getattr(self.transport, "remote_known", None)
+        if known is None:
+            return 0
+        missing = {
+            (engine_id, agent)
+            for engine_id, agent in self.registry.agents_of_rank(self.tp_rank)
+            if not known(agent)
+        }
+        confirmed = missing & self._missing_agents
+        self._missing_agents = missing
+        for engine_id, agent in sorted(confirmed):
+            why = f"NIXL no longer holds the metadata of agent {agent}"
+            self._peer_failed(engine_id, agent, why, dropped=True)
+        return len(confirmed)
 
     def _rank_agent(self, engine_id: str) -> str | None:
         """The agent of `engine_id`'s rank that pairs with ours (same TP rank)."""
@@ -533,12 +580,17 @@ class PushConnector:
         try:
             self.transport.send_notif(agent, encode_notification(reg))
         except TransportError as exc:
+            self._transport_failed(reg.prefill_engine_id, agent, exc)
             self._fail_recv(
                 reg.request_id,
                 FailureType.PUSH_REG_NOTIF_FAILED,
                 f"sending registration to rank {self.tp_rank} ({agent}): {exc}",
             )
             return
+        with self._state_lock:
+            pending = self._pending_recv.get(reg.request_id)
+            if pending is not None:
+                pending.agent = agent
         self.registry.touch(reg.prefill_engine_id)
 
     def _fail_recv(self, request_id: str, reason: FailureType, message: str) -> None:
@@ -581,6 +633,7 @@ class PushConnector:
                 if now >= next_ttl_check:
                     for eid in self.registry.evict_idle():
                         log.info("idle TTL evicted engine %s", eid)
+                    self.check_peers()
                     next_ttl_check = now + 1.0
             except Exception:
                 log.exception("progress loop iteration failed")
@@ -708,7 +761,10 @@ class PushConnector:
         return claimed
 
     def _on_done(self, agent_name: str, msg: PushDone) -> None:
-        for rid, _ in self._claim_recv(agent_name, msg.prefill_engine_id, msg.request_ids):
+        claimed = self._claim_recv(agent_name, msg.prefill_engine_id, msg.request_ids)
+        if claimed:  # a WRITE from the prefill landed: the peer works
+            self.registry.peer_succeeded(msg.prefill_engine_id, agent_name)
+        for rid, _ in claimed:
             self._report("recv", rid)
 
     def _on_fail(self, agent_name: str, msg: PushFail) -> None:
@@ -939,6 +995,7 @@ class PushConnector:
                 FailureType.TRANSFER_SETUP_FAILED, f"No remote agents for engine {decode_id}", None
             )
             return
+        agent: str | None = None
         try:
             agent = agents.get(self.tp_rank)
             if agent is None:
@@ -960,6 +1017,8 @@ class PushConnector:
             now = self._clock()
             handle, state = self.transport.write_blocks(agent, local, remote, done)
         except Exception as exc:
+            if agent is not None:
+                self._transport_failed(decode_id, agent, exc)
             self.registry.end_transfer(decode_id)
             reason = (
                 FailureType.TRANSFER_FAILED
@@ -991,8 +1050,11 @@ class PushConnector:
         now = self._clock()
         ended = 0
         for rid, xfer in items:
+            why, dropped = "WRITE failed", False
             try:
                 state = self.transport.poll(xfer.handle)
+            except TransportError as exc:  # NIXL says the decode's agent disconnected
+                state, why, dropped = "ERR", str(exc), exc.kind == "disconnected"
             except Exception:
                 log.exception("polling a WRITE")
                 state = "ERR"
@@ -1012,8 +1074,9 @@ class PushConnector:
                 state,
                 now,
                 FailureType.TRANSFER_FAILED,
-                "WRITE timed out" if timed_out else "WRITE failed",
+                "WRITE timed out" if timed_out else why,
                 released=timed_out,
+                dropped=dropped,
             )
         return ended
 
@@ -1047,11 +1110,18 @@ class PushConnector:
         message: str = "WRITE failed",
         *,
         released: bool = False,
+        dropped: bool = False,
     ) -> None:
         """Releases a WRITE that ended (DONE, or ERR) and ends each of its requests: sent,
         or failed with `reason` (the decode engine told); the decode engine is unpinned
-        whatever raises."""
+        whatever raises. Unless the engine stopped, the outcome counts for the decode
+        engine's health (`dropped`: NIXL said its agent disconnected)."""
         try:
+            if state == "DONE":
+                self.registry.peer_succeeded(xfer.decode_engine_id, xfer.agent_name)
+            elif reason != FailureType.SHUTDOWN:
+                why = f"{message} (WRITE to {xfer.agent_name})"
+                self._peer_failed(xfer.decode_engine_id, xfer.agent_name, why, dropped=dropped)
             if not released:
                 self._release(xfer.handle)
         finally:
@@ -1135,6 +1205,9 @@ class PushConnector:
         for rid, prefill_id in cancels:
             self._send_cancel(rid, prefill_id)
         for rid, p in given_up:
+            if p.agent:  # the prefill never answered: one more failed transfer of it
+                why = f"request {rid} given up: the prefill did not answer its cancel"
+                self._peer_failed(p.prefill_engine_id, p.agent, why, dropped=False)
             self._report_recv_failure(
                 rid,
                 p,

@@ -14,6 +14,12 @@ flight, the idle clock, and the agents still being torn down, all guarded by one
   and a handshake that would load it again waits for that first (`wait_released`), so the
   registry and NIXL never disagree about which agents exist.
 
+Also owns each held engine's health as this worker sees it (`PeerHealth`): `dropped` once
+NIXL said its agent disconnected, `failing` after `failing_after` failed transfers in a row
+(a success starts the count again), each recorded against the agent the transfer used, so
+a failure of an agent replaced since says nothing of its successor. Only a renewal (the
+engine evicted and added again) makes a dropped engine ok.
+
 Called by `push` (senders, transfers), `agent` (handshakes, operator-driven eviction) and the
 idle-TTL backstop. NIXL teardown is injected (`remove_agent`), so this module needs no nixl.
 """
@@ -29,12 +35,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvtopo_worker.protocol import PeerState
+from kvtopo_worker.protocol import PeerHealth, PeerState
 
 log = logging.getLogger(__name__)
 
 EvictResult = Literal["evicted", "deferred", "absent"]
 FORMER_AGENTS_KEPT = 4096  # torn-down agents whose notifications are still attributed
+MAX_HEALTH_REASON = 300  # characters of the failure kept as a peer's health reason
 
 
 @dataclass
@@ -46,6 +53,9 @@ class _Engine:
     eviction_reason: str = ""
     ranks_pending: set[int] = field(default_factory=set)  # ranks whose eviction is deferred
     incarnation: str = ""  # the engine process the agents belong to
+    health: PeerHealth = "ok"
+    health_reason: str = ""
+    failures_in_a_row: int = 0  # failed transfers since the last success
 
 
 class AgentConflict(Exception):
@@ -59,6 +69,7 @@ class EngineRegistry:
     registry; `clock` is injectable for tests; `idle_ttl_s` > 0 turns on the idle backstop
     (same meaning as vLLM's `engine_ttl`), 0 leaves eviction to the operator. It may be
     changed while the engine runs (`PUT /v1/settings`): `evict_idle` reads it on every call.
+    `failing_after` failed transfers in a row make a held engine `failing`.
     """
 
     def __init__(
@@ -68,9 +79,13 @@ class EngineRegistry:
         clock: Callable[[], float] = time.monotonic,
         idle_ttl_s: float = 0.0,
         on_evicted: Callable[[str, dict[int, str]], None] | None = None,
+        failing_after: int = 3,
     ) -> None:
         if idle_ttl_s < 0:
             raise ValueError("idle_ttl_s must be >= 0 (0 turns the backstop off)")
+        if failing_after < 1:
+            raise ValueError(f"failing_after must be >= 1, not {failing_after}")
+        self.failing_after = failing_after
         # One RLock for the agent map, the handshake futures and the in-flight counts.
         # Public so that regression tests can hold it and prove who waits on it.
         self.lock = threading.RLock()
@@ -151,9 +166,70 @@ class EngineRegistry:
                     eviction_pending=eng.eviction_pending,
                     idle_s=round(max(0.0, now - eng.last_used), 3),
                     incarnation=eng.incarnation,
+                    health=eng.health,
+                    health_reason=eng.health_reason,
                 )
                 for eid, eng in sorted(self._engines.items())
             ]
+
+    # --- health --------------------------------------------------------------------------
+
+    def health(self, engine_id: str) -> tuple[PeerHealth, str] | None:
+        """(health, reason) of a held engine; None when it is absent."""
+        with self.lock:
+            eng = self._engines.get(engine_id)
+            return (eng.health, eng.health_reason) if eng is not None else None
+
+    def agents_of_rank(self, rank: int) -> list[tuple[str, str]]:
+        """(engine id, agent name) of every held engine's agent of `rank`."""
+        with self.lock:
+            return [
+                (eid, eng.agents[rank]) for eid, eng in self._engines.items() if rank in eng.agents
+            ]
+
+    def peer_failed(
+        self, engine_id: str, agent_name: str, reason: str, *, dropped: bool = False
+    ) -> PeerHealth | None:
+        """Records a failed transfer (a WRITE, a registration, a notification) through
+        `agent_name` of `engine_id`: `dropped` when NIXL said the remote disconnected (the
+        engine is dropped at once), else one more failure in a row (`failing` at
+        `failing_after`). Ignored when the engine no longer has that agent (replaced since).
+        Returns the health the engine moved to; None when it did not change."""
+        with self.lock:
+            eng = self._engines.get(engine_id)
+            if eng is None or agent_name not in eng.agents.values():
+                return None
+            eng.failures_in_a_row += 1
+            if dropped:
+                health: PeerHealth = "dropped"
+            elif eng.failures_in_a_row >= self.failing_after and eng.health == "ok":
+                health = "failing"
+            else:
+                return None
+            if eng.health == health:
+                return None
+            eng.health, eng.health_reason = health, reason[:MAX_HEALTH_REASON]
+            count = eng.failures_in_a_row
+        log.warning(
+            "peer %s is %s (%d failed transfers in a row): %s", engine_id, health, count, reason
+        )
+        return health
+
+    def peer_succeeded(self, engine_id: str, agent_name: str) -> PeerHealth | None:
+        """Records a transfer through `agent_name` of `engine_id` that succeeded: the count
+        of failures starts again, and a `failing` engine is ok again (a `dropped` one stays
+        dropped: NIXL does not reconnect a disconnected agent; only a renewal helps).
+        Returns "ok" when the engine was failing; None when nothing changed."""
+        with self.lock:
+            eng = self._engines.get(engine_id)
+            if eng is None or agent_name not in eng.agents.values():
+                return None
+            eng.failures_in_a_row = 0
+            if eng.health != "failing":
+                return None
+            eng.health, eng.health_reason = "ok", ""
+        log.info("peer %s is ok again: a transfer succeeded", engine_id)
+        return "ok"
 
     # --- handshakes ----------------------------------------------------------------------
 

@@ -51,7 +51,11 @@ XferHandle = Any
 
 
 class TransportError(Exception):
-    """A NIXL call failed; `kind` is 'not_found', 'disconnected' or 'error'."""
+    """A NIXL call failed; `kind` is 'not_found' (the agent is not, or no longer, added),
+    'disconnected' (NIXL says the remote agent disconnected: its process died or the link
+    broke, and every later call to it fails the same way until it is added anew),
+    'identity' (metadata of another agent), 'invalid' (refused before NIXL was called: a
+    block id out of range) or 'error' (any other NIXL failure)."""
 
     def __init__(self, message: str, kind: str = "error") -> None:
         super().__init__(message)
@@ -117,11 +121,17 @@ class KVTransport(Protocol):
         notif: bytes,
     ) -> tuple[XferHandle, XferState]: ...
 
-    def poll(self, handle: XferHandle) -> XferState: ...
+    def poll(self, handle: XferHandle) -> XferState:
+        """The WRITE's state; may raise TransportError('disconnected') when NIXL says its
+        remote agent disconnected (the WRITE has then failed)."""
+        ...
 
     def release(self, handle: XferHandle) -> bool: ...
 
     def remove_remote(self, agent_name: str) -> None: ...
+
+    # Optional (looked up with getattr; transports without it are not probed):
+    # `remote_known(agent_name) -> bool`, whether NIXL still holds the agent's metadata.
 
 
 def progress_thread_default() -> bool:
@@ -370,6 +380,16 @@ class NixlTransport:
         with self._lock:
             return sorted(self._remotes)
 
+    def remote_known(self, agent_name: str) -> bool:
+        """Whether NIXL still holds the metadata of a remote agent we added
+        (`check_remote_metadata`); False means NIXL has dropped it."""
+        with self._lock:
+            try:
+                return bool(self._agent.check_remote_metadata(agent_name))
+            except Exception as exc:
+                log.debug("check_remote_metadata(%s) raised %s", agent_name, exc)
+                return False
+
     # --- notifications and transfers -----------------------------------------------------
 
     def send_notif(self, agent_name: str, payload: bytes) -> None:
@@ -408,11 +428,13 @@ class NixlTransport:
                 raise TransportError(f"agent {agent_name} is not (or no longer) added", "not_found")
             remote_dlist, remote = entry
             if not local_block_ids:
-                raise TransportError("a WRITE needs at least one block")
+                raise TransportError("a WRITE needs at least one block", "invalid")
             if min(remote_block_ids) < 0 or max(remote_block_ids) >= remote.num_blocks:
-                raise TransportError(f"block id outside peer's {remote.num_blocks} blocks")
+                raise TransportError(
+                    f"block id outside peer's {remote.num_blocks} blocks", "invalid"
+                )
             if min(local_block_ids) < 0 or max(local_block_ids) >= self._num_blocks:
-                raise TransportError(f"block id outside our {self._num_blocks} blocks")
+                raise TransportError(f"block id outside our {self._num_blocks} blocks", "invalid")
             layout = self._layout(remote) if self.merge_blocks else None
             runs = block_runs(local_block_ids, remote_block_ids) if layout is not None else None
             handle: XferHandle = None
@@ -449,11 +471,15 @@ class NixlTransport:
             return handle, ("DONE" if state == "DONE" else "PROC")
 
     def poll(self, handle: XferHandle) -> XferState:
+        """The WRITE's state; raises TransportError('disconnected') when NIXL says the
+        remote agent disconnected (any other error: "ERR")."""
         with self._lock:
             try:
                 state: XferState = self._agent.check_xfer_state(handle)
             except Exception as exc:
                 log.debug("check_xfer_state raised %s", exc)
+                if _classify(exc) == "disconnected":
+                    raise TransportError(f"WRITE failed: {exc}", "disconnected") from exc
                 return "ERR"
             return state
 

@@ -133,8 +133,10 @@ matchExpressions:
 The permissions the operator needs, in every namespace it watches (Role) or cluster-wide
 (ClusterRole). Exactly the verbs the operator calls (tests/helm/test_rbac_e2e.py compares
 them with the API server's audit log of a real run), nothing else: no Secrets (the worker
-token is a mounted file), no writes to pods, no nodes.
+token is a mounted file), no writes to pods other than one condition, no nodes.
   - pods: the engine-pod watch (kopf's list + watch; pods are never read one by one).
+  - pods/status: the readiness gate kvtopo.dev/kv-connected (a strategic merge patch of
+    that one condition, on pods that list the gate).
   - kvtopologies: kopf's list + watch; get for the fresh read before each status write.
     kopf stores nothing on them (only event and index handlers, no finalizers): no patch.
   - kvtopologies/status: the single status writer (merge patch through the subresource,
@@ -145,6 +147,9 @@ token is a mounted file), no writes to pods, no nodes.
 - apiGroups: [""]
   resources: [pods]
   verbs: [list, watch]
+- apiGroups: [""]
+  resources: [pods/status]
+  verbs: [patch]
 - apiGroups: [kvtopo.dev]
   resources: [kvtopologies]
   verbs: [get, list, watch]

@@ -1,0 +1,78 @@
+"""The readiness gate `kvtopo.dev/kv-connected`: which pods' gate condition must change.
+
+Owns the pure decision behind the gate. A pod that lists the gate in `spec.readinessGates`
+is Ready only once the operator sets the condition True; the operator does so once the
+pod's engine is connected to at least `spec.readinessGate.minConnectedPartners` of its
+partners (all of them when it has fewer), from the outcome of the round's acting (`settle`'s
+`Progress`). An engine with no partner, one the operator cannot use (unreachable, refused,
+another pod's), or a pod being deleted has it False. Only pods whose condition differs from
+the wanted one are named, so an unchanged pod costs no API call. No I/O; called by
+`kvtopo_operator.reconcile`, which patches `pods/status`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvtopo_operator.logic import PodView, Progress
+
+CONNECTED = "KVConnected"
+NOT_CONNECTED = "KVNotConnected"
+NO_PARTNER = "NoPartner"
+NOT_USABLE = "EngineNotUsable"
+
+
+@dataclass(frozen=True, order=True)
+class GateChange:
+    """Set pod `pod`'s kv-connected condition to `status` ("True" or "False")."""
+
+    pod: str
+    status: str
+    reason: str
+    message: str
+
+
+def wanted(
+    pod: PodView, engine_id: str | None, partners: tuple[int, int], minimum: int
+) -> GateChange:
+    """The condition pod `pod` should have: `engine_id` is its usable engine (None: none),
+    `partners` (connected, expected) its pairs."""
+    if pod.deleting or not pod.ready or engine_id is None:
+        why = (
+            "the pod is being deleted" if pod.deleting else "no usable engine (see the KVTopology)"
+        )
+        return GateChange(pod.name, "False", NOT_USABLE, why)
+    ok, total = partners
+    if minimum == 0:
+        return GateChange(pod.name, "True", CONNECTED, "the engine is reached")
+    if total == 0:
+        return GateChange(pod.name, "False", NO_PARTNER, "no partner to connect to")
+    need = min(minimum, total)
+    if ok >= need:
+        return GateChange(pod.name, "True", CONNECTED, f"{ok}/{total} partners connected")
+    return GateChange(
+        pod.name, "False", NOT_CONNECTED, f"{ok}/{total} partners connected, {need} needed"
+    )
+
+
+def gate_changes(
+    pods: Iterable[PodView], progress: Progress, minimum: int
+) -> tuple[GateChange, ...]:
+    """The gate conditions to write: one per gated pod whose condition is not the wanted
+    one, given the pairs after acting (`progress`) and the spec's minConnectedPartners."""
+    engine_of: dict[str, str] = dict(progress.live)
+    partners: dict[str, tuple[int, int]] = {}  # engine id -> (connected, expected)
+    for pair in progress.expected:
+        for engine_id in pair:
+            ok, total = partners.get(engine_id, (0, 0))
+            partners[engine_id] = (ok + (pair in progress.connected), total + 1)
+    changes = []
+    for pod in pods:
+        if not pod.gated:
+            continue
+        engine = engine_of.get(pod.name)
+        change = wanted(pod, engine, partners.get(engine or "", (0, 0)), minimum)
+        if change.status != pod.gate:
+            changes.append(change)
+    return tuple(sorted(changes))

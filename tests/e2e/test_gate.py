@@ -1,0 +1,56 @@
+"""The readiness gate kvtopo.dev/kv-connected on a real API server with real workers: the
+operator sets the condition of a pod that lists the gate (pods/status) True once its engine
+is connected to its partners, False while it has none (a decode whose version no prefill
+has), and False again when its partner's pod goes; a pod without the gate is never
+written. Tier a has no kubelet: the pods' containers are marked ready by the test."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvtopo_operator.api import KV_CONNECTED_GATE
+from tests.cluster.kube import get_json
+from tests.e2e.env import Env
+
+pytestmark = pytest.mark.nixl
+
+
+def gate(env: Env, pod: str) -> dict[str, Any]:
+    obj = get_json(env.cluster, "pod", pod, "-n", env.namespace)
+    conds = (obj.get("status") or {}).get("conditions") or []
+    return next((c for c in conds if c["type"] == KV_CONNECTED_GATE), {})
+
+
+def test_the_gate_follows_the_engines_connections(env: Env) -> None:
+    env.pod("p0", "prefill", env.worker("prefill"), kv_gate=True)
+    env.pod("d0", "decode", env.worker("decode"), kv_gate=True)
+    env.pod("d1", "decode", env.worker("decode"), version="v2", kv_gate=True)  # no v2 prefill
+    env.pod("d2", "decode", env.worker("decode"))  # no gate: never written
+    env.topology(readinessGate={"minConnectedPartners": 1})
+    env.start_operator()
+
+    for pod in ("p0", "d0"):
+        got = env.wait(
+            f"{pod}'s gate True",
+            lambda pod=pod: (g := gate(env, pod)).get("status") == "True" and g,
+        )
+        assert got["reason"] == "KVConnected", got
+    assert gate(env, "p0")["message"] == "2/2 partners connected"
+    assert gate(env, "d0")["message"] == "1/1 partners connected"
+    d1 = env.wait("d1's gate False", lambda: (g := gate(env, "d1")).get("status") == "False" and g)
+    assert d1["reason"] == "NoPartner", d1
+    assert gate(env, "d2") == {}
+    # The kubelet's conditions are untouched by the operator's patch (merged by type).
+    obj = get_json(env.cluster, "pod", "d0", "-n", env.namespace)
+    types = {c["type"]: c["status"] for c in obj["status"]["conditions"]}
+    assert types["ContainersReady"] == "True" and types["Ready"] == "False", types
+
+    # The prefill's pod goes: d0 has no partner left, its gate turns False.
+    env.delete_pod("p0")
+    gone = env.wait(
+        "d0's gate False once p0 is gone",
+        lambda: (g := gate(env, "d0")).get("status") == "False" and g,
+    )
+    assert gone["reason"] == "NoPartner", gone

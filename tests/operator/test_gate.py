@@ -1,0 +1,66 @@
+"""The readiness gate's decision (`gate.wanted`, `gate.gate_changes`) as a table."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtopo_operator.gate import gate_changes, wanted
+from kvtopo_operator.logic import PodView, Progress
+
+
+def pod(name: str, *, gate: str = "", ready: bool = True, deleting: bool = False) -> PodView:
+    return PodView(
+        name=name,
+        role="decode",
+        labels={},
+        ready=ready,
+        deleting=deleting,
+        endpoint="127.0.0.9:1",
+        gated=True,
+        gate=gate,
+    )
+
+
+@pytest.mark.parametrize(
+    ("view", "engine", "partners", "minimum", "want"),
+    [
+        # (connected, expected) partners against minConnectedPartners
+        (pod("d"), "e", (1, 1), 1, ("True", "KVConnected", "1/1 partners connected")),
+        (pod("d"), "e", (0, 1), 1, ("False", "KVNotConnected", "0/1 partners connected, 1 needed")),
+        (pod("d"), "e", (1, 3), 2, ("False", "KVNotConnected", "1/3 partners connected, 2 needed")),
+        (pod("d"), "e", (2, 3), 2, ("True", "KVConnected", "2/3 partners connected")),
+        (pod("d"), "e", (1, 1), 4, ("True", "KVConnected", "1/1 partners connected")),  # all it has
+        (pod("d"), "e", (0, 0), 1, ("False", "NoPartner", "no partner to connect to")),
+        (pod("d"), "e", (0, 0), 0, ("True", "KVConnected", "the engine is reached")),
+        (pod("d"), None, (0, 0), 0, ("False", "EngineNotUsable", None)),  # unreachable, refused
+        (pod("d", ready=False), "e", (1, 1), 1, ("False", "EngineNotUsable", None)),
+        (pod("d", deleting=True), "e", (1, 1), 1, ("False", "EngineNotUsable", None)),
+    ],
+)
+def test_the_wanted_condition(
+    view: PodView,
+    engine: str | None,
+    partners: tuple[int, int],
+    minimum: int,
+    want: tuple[str, str, str | None],
+) -> None:
+    got = wanted(view, engine, partners, minimum)
+    assert (got.status, got.reason) == want[:2]
+    if want[2] is not None:
+        assert got.message == want[2]
+
+
+def test_only_gated_pods_whose_condition_differs_are_written() -> None:
+    progress = Progress(
+        expected=frozenset({("p", "d1"), ("p", "d2")}),
+        connected=frozenset({("p", "d1")}),
+        live=(("p0", "p"), ("d1", "d1"), ("d2", "d2")),
+    )
+    pods = [
+        pod("p0", gate="False"),  # 1/2 connected, 1 needed: True now
+        pod("d1", gate="True"),  # already True: no write
+        pod("d2"),  # not set yet: False
+        PodView("d3", "decode", {}, True, False, "127.0.0.9:1"),  # no gate: never written
+    ]
+    changes = gate_changes(pods, progress, 1)
+    assert [(c.pod, c.status) for c in changes] == [("d2", "False"), ("p0", "True")]

@@ -1,0 +1,176 @@
+"""The reconcile loop itself (`reconcile.Reconciler`, built through its real constructor
+with the fakes of `tests.operator.fakes`): a status write that loses a conflict (409) has the
+topology read again at once, a handshake that keeps failing raises one Event (not one per
+round), the readiness gate is written only where it changes, and loops start, stop with
+their topology and are cancelled together. Every wait polls the fakes' state against a
+deadline far below the resync period, so a pass shows the poke, not the timer."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, cast
+
+import pytest
+
+from kvtopo_operator.api import KV_CONNECTED_GATE, KVTopologySpec, dump
+from kvtopo_operator.kube import KubeClient
+from kvtopo_operator.logic import PodView
+from kvtopo_operator.metrics import OperatorMetrics
+from kvtopo_operator.reconcile import Reconciler, Settings
+from kvtopo_operator.workers import WorkerClient
+from tests.operator.fakes import FakeKube, RecordingWorkers
+
+pytestmark = pytest.mark.asyncio
+KEY = ("ns", "llama")
+SPEC = KVTopologySpec.model_validate(
+    {
+        "prefill": {"selector": {"matchLabels": {"app": "llama"}}},
+        "decode": {"selector": {"matchLabels": {"app": "llama"}}},
+    }
+)
+
+
+def pod(name: str, role: str, *, gated: bool = False, gate: str = "") -> PodView:
+    return PodView(
+        name=name,
+        role=role,
+        labels={"app": "llama", "kvtopo.dev/role": role},
+        ready=True,
+        deleting=False,
+        endpoint=f"127.0.0.1:{9000 + int(name[1:]) + (0 if role == 'prefill' else 100)}",
+        uid=f"uid-{name}",
+        gated=gated,
+        gate=gate,
+    )
+
+
+def topology_body() -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": "llama",
+            "namespace": "ns",
+            "creationTimestamp": "2026-11-30T11:00:00Z",
+            "generation": 1,
+            "resourceVersion": "1",
+            "uid": "uid-llama",
+        },
+        "spec": dump(SPEC),
+    }
+
+
+def build(
+    pods: Callable[[], list[PodView]],
+    kube: FakeKube,
+    workers: RecordingWorkers,
+    resync_s: float = 30.0,
+) -> Reconciler:
+    return Reconciler(
+        kube=cast(KubeClient, kube),
+        workers=cast(WorkerClient, workers),
+        pods=lambda namespace, port: pods(),
+        metrics=OperatorMetrics(),
+        # Only pokes (and the plan's own wake-ups) drive rounds within these tests' deadlines.
+        settings=Settings(resync_s=resync_s, retry_s=0.01),
+    )
+
+
+async def until(what: str, probe: Callable[[], bool], timeout_s: float = 3.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not probe():
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)  # yields to the loop under test; polls its effects
+
+
+async def test_a_status_write_that_loses_a_conflict_is_read_and_written_again_at_once() -> None:
+    pods = [pod("p0", "prefill"), pod("d0", "decode")]
+    kube = FakeKube({"llama": topology_body()})
+    kube.conflicts = 1
+    reconciler = build(lambda: pods, kube, RecordingWorkers.for_pods(pods))
+    try:
+        reconciler.ensure(KEY)
+        await until("a written status", lambda: "status" in kube.bodies["llama"])
+        assert kube.status_writes >= 2 and kube.conflicts == 0
+    finally:
+        await reconciler.stop()
+
+
+async def test_a_handshake_failing_round_after_round_raises_one_event() -> None:
+    pods = [pod("p0", "prefill"), pod("d0", "decode")]
+    kube = FakeKube({"llama": topology_body()})
+    workers = RecordingWorkers.for_pods(pods)
+    workers.refused_adds = {"D0"}  # the prefill can never add the decode
+    reconciler = build(lambda: pods, kube, workers, resync_s=0.02)  # a round every 20 ms
+    try:
+        reconciler.ensure(KEY)
+        await until(
+            "several rounds", lambda: workers.calls.count(("change_peers", pods[0].endpoint)) >= 5
+        )
+        await until("the Event posted", lambda: bool(kube.events))
+        failed = [e for e in kube.events if e[2] == "HandshakeFailed"]
+        assert len(failed) == 1, kube.events
+        assert "p0" in failed[0][3] and "D0" in failed[0][3]
+        assert workers.peers_of(pods[1].endpoint) == {"P0"}, "the other half was made"
+    finally:
+        await reconciler.stop()
+
+
+async def test_the_gate_is_written_once_the_engine_is_connected_and_only_on_change() -> None:
+    pods = [pod("p0", "prefill", gated=True), pod("d0", "decode", gated=True), pod("d1", "decode")]
+    kube = FakeKube({"llama": topology_body()})
+    workers = RecordingWorkers.for_pods([*pods, pod("d2", "decode")])
+    reconciler = build(lambda: pods, kube, workers)
+    try:
+        reconciler.ensure(KEY)
+        await until(
+            "both gates True",
+            lambda: (
+                {(n, c["status"]) for n, _, c in kube.pod_conditions}
+                >= {("p0", "True"), ("d0", "True")}
+            ),
+        )
+        by_pod = {n: (uid, c) for n, uid, c in kube.pod_conditions}
+        assert set(by_pod) == {"p0", "d0"}, "a pod without the gate is never written"
+        uid, cond = by_pod["p0"]
+        assert uid == "uid-p0" and cond["type"] == KV_CONNECTED_GATE
+        assert (cond["reason"], cond["message"]) == ("KVConnected", "2/2 partners connected")
+        # The pod watch now shows the conditions written: nothing is written again.
+        pods[:2] = [
+            pod("p0", "prefill", gated=True, gate="True"),
+            pod("d0", "decode", gated=True, gate="True"),
+        ]
+        written = len(kube.pod_conditions)
+        rounds = kube.status_writes
+        reconciler.poke_namespace("ns")
+        await until("a round", lambda: True)
+        pods.append(pod("d2", "decode", gated=True))  # a new gated decode: written alone
+        reconciler.poke_namespace("ns")
+        await until("d2's gate", lambda: len(kube.pod_conditions) > written)
+        await until("d2 connected", lambda: kube.pod_conditions[-1][2]["status"] == "True")
+        assert {n for n, _, _ in kube.pod_conditions[written:]} <= {"d2", "p0"}
+        assert kube.status_writes >= rounds
+    finally:
+        await reconciler.stop()
+
+
+async def test_loops_stop_with_their_topology_and_are_cancelled_together() -> None:
+    pods = [pod("p0", "prefill"), pod("d0", "decode")]
+    kube = FakeKube({"llama": topology_body(), "other": topology_body()})
+    kube.bodies["other"]["metadata"]["name"] = "other"
+    reconciler = build(lambda: pods, kube, RecordingWorkers.for_pods(pods))
+    try:
+        reconciler.ensure(KEY)
+        reconciler.ensure(("ns", "other"))
+        assert reconciler.running == 2
+        reconciler.ensure(KEY)  # already running: no second loop
+        assert reconciler.running == 2
+        del kube.bodies["other"]  # deleted: its next round ends its loop
+        reconciler.poke_namespace("ns")
+        await until("the deleted topology's loop ended", lambda: reconciler.running == 1)
+        reconciler.cancel_all()
+        await until("every loop cancelled", lambda: reconciler.running == 0)
+        reconciler.ensure(KEY)  # as a new leader does: a fresh loop
+        assert reconciler.running == 1
+    finally:
+        await reconciler.stop()
