@@ -25,8 +25,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvtopo_operator.logic import Event
 from kvtopo_operator.metrics import OperatorMetrics
+from kvtopo_operator.model import Event
 
 log = logging.getLogger(__name__)
 

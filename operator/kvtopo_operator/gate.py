@@ -15,7 +15,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvtopo_operator.logic import PodView, Progress
+from kvtopo_operator.model import (
+    PodView,
+    Progress,
+)
 
 CONNECTED = "KVConnected"
 NOT_CONNECTED = "KVNotConnected"

@@ -18,7 +18,11 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from kvtopo_operator.logic import PodView, WorkerUnreachable, WorkerView
+from kvtopo_operator.model import (
+    PodView,
+    WorkerUnreachable,
+    WorkerView,
+)
 
 Reader = Callable[[str, float], Awaitable[WorkerView | WorkerUnreachable]]
 Seen = WorkerView | WorkerUnreachable

@@ -50,7 +50,10 @@ from kvtopo_operator.api import (
 )
 from kvtopo_operator.kube import REQUEST_TIMEOUT_S, ClusterApi, KubeClient, LeaseClient
 from kvtopo_operator.leader import LeaderElector
-from kvtopo_operator.logic import PodView, TopologyView
+from kvtopo_operator.model import (
+    PodView,
+    TopologyView,
+)
 from kvtopo_operator.reconcile import Reconciler, Settings
 from kvtopo_operator.workers import WorkerClient
 from kvtopo_worker.endpoints import pod_endpoint

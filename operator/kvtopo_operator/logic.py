@@ -1,23 +1,30 @@
 """The operator's pure decisions: observed state and time in, a plan and a status out.
 
-Owns `evaluate()`: which prefill/decode pairs must be connected, which engines are gone
-(pod deleted, not Ready, replaced, or restarted with a new engine id), when a gone engine
-is evicted from its peers (after `eviction.graceSeconds`), which pairs are incompatible,
-which held peers are re-handshaked because their holder reports them unhealthy (NIXL dropped
-them, or their transfers keep failing; the worker renews them on the add),
-which workers' idle TTL differs from `eviction.idleTTLSeconds`, how worker failure counters
-accumulate into totals that survive restarts, and the whole status (conditions, summary,
-engines). Also owns the claim (`owned_pods`): a pod belongs to at most one topology, the
-oldest of its namespace that selects it; the others leave it alone and report a Conflict.
-No I/O, no clock of its own: the same observed state and time always give the same plan.
-Called by `kvtopo_operator.reconcile`.
+Owns `evaluate()`, a chain of small named policies, each a pure function with its own
+table test (tests/operator/test_policies.py):
+- `usable_engines`: which engines can be acted on, and why the others cannot;
+- `pair_engines`: which prefill/decode pairs must be connected (`pairing.matchLabels`,
+  compatibility hashes), which are, and the handshakes missing (a half held under an old
+  incarnation, being evicted, or reported unhealthy by its holder is made again);
+- `gone_engines`: which engines are gone (pod deleted, not up, replaced, or restarted with a
+  new engine id) and since when; an engine whose worker cannot be read is not gone;
+- `evictions_due`: gone engines and connections no longer paired, evicted after
+  `eviction.graceSeconds`;
+- `tally_failures`: worker failure counters into totals that survive restarts and blips;
+- `engine_statuses` and `topology_events`: the status's engine lines and the Events of
+  transitions; `idle_ttl_changes`: workers whose idle TTL differs from the spec's.
+Then the conditions (`conditions_of`, and `settle` after acting). Also owns the claim
+(`owned_pods`): a pod belongs to at most one topology, the oldest of its namespace that
+selects it; the others leave it alone and report a Conflict. The data types live in
+`kvtopo_operator.model`. No I/O, no clock of its own: the same observed state and time
+always give the same plan. Called by `kvtopo_operator.reconcile`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from kvtopo_operator.api import (
@@ -34,205 +41,31 @@ from kvtopo_operator.api import (
     Reason,
     Summary,
 )
+from kvtopo_operator.model import (
+    Event,
+    Eviction,
+    FailingHandshake,
+    Handshake,
+    Memory,
+    Observed,
+    Plan,
+    PodView,
+    Progress,
+    Role,
+    SetIdleTTL,
+    TopologyView,
+    WorkerUnreachable,
+    WorkerView,
+    parse_time,
+    precise,
+    rfc3339,
+)
 
 EVICTED_RETENTION = timedelta(minutes=5)
-Role = str  # "prefill" | "decode"
 PEER_UNHEALTHY = "PeerUnhealthy"  # the Event's reason when held peers are re-handshaked
 
 
-# --- observed state ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PodView:
-    """An engine pod as the operator sees it (from the pod watch)."""
-
-    name: str
-    role: Role
-    labels: Mapping[str, str]
-    # The engine is up: the pod's ContainersReady (its Ready waits for the kv-connected
-    # readiness gate where the pod lists it; Ready only where a pod has no ContainersReady).
-    ready: bool
-    deleting: bool
-    endpoint: str  # the worker's control endpoint, "" when the pod has no address yet
-    ready_since: float | None = None  # when the engine came up (epoch seconds), for metrics
-    uid: str = ""  # the pod's metadata.uid: its worker must report the same
-    endpoint_error: str = ""  # why the pod's endpoint is refused (it is then never dialled)
-    gated: bool = False  # the pod lists the readiness gate kvtopo.dev/kv-connected
-    gate: str = ""  # that condition's status now ("True", "False"; "" when not set)
-
-
-@dataclass(frozen=True)
-class FailureView:
-    time: float
-    type: str
-    request_id: str = ""
-    engine_id: str = ""
-    message: str = ""
-
-
-@dataclass(frozen=True)
-class WorkerView:
-    """A worker's `/v1/state` (what matters to the operator)."""
-
-    engine_id: str
-    role: Role
-    compat_hash: str
-    peers: frozenset[str]
-    evicting: frozenset[str] = frozenset()
-    failures: Mapping[str, int] = field(default_factory=dict)
-    last_failure: FailureView | None = None
-    incarnation: str = ""  # the worker process's boot id
-    pod_uid: str = ""  # the pod uid the worker says it runs in ("" when it does not say)
-    peer_incarnations: Mapping[str, str] = field(default_factory=dict)  # held peer -> its
-    # Held peers the worker reports dropped or failing: engine id -> "health: reason".
-    unhealthy_peers: Mapping[str, str] = field(default_factory=dict)
-    # The worker's settings; None from a worker that predates them (it must not be sent them).
-    handshake_timeout_s: float | None = None  # its default; it takes one per batch
-    idle_ttl_s: float | None = None  # its idle-TTL backstop (0: off); PUT /v1/settings
-
-
-@dataclass(frozen=True)
-class WorkerUnreachable:
-    """The worker's state could not be read this round."""
-
-    message: str
-
-
-@dataclass(frozen=True)
-class Memory:
-    """What the operator remembers of a topology between rounds, whether or not its status
-    was written (a write refused by 403, 429 or a webhook) and beyond the status's 2,048
-    engines: when each gone engine was first seen gone (its eviction timer), the failure
-    counters last read from each engine (the baselines of the deltas, kept while an engine
-    blips NotReady), and the totals. Empty after an operator restart: the status is then the
-    only record, and `evaluate` falls back to it."""
-
-    gone_since: Mapping[str, datetime] = field(default_factory=dict)
-    baselines: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
-    seen_at: Mapping[str, datetime] = field(default_factory=dict)  # when a baseline was read
-    # Connections between live engines no longer paired: (holder, peer) -> since when.
-    unpairing_since: Mapping[tuple[str, str], datetime] = field(default_factory=dict)
-    # (holder, peer) of live engines whose holder reported the peer unhealthy last round
-    # (a PeerUnhealthy Event is said when a pair joins).
-    unhealthy: frozenset[tuple[str, str]] = frozenset()
-    counts: Mapping[str, int] | None = None  # None: take the status's
-    last: LastFailure | None = None
-
-
-@dataclass(frozen=True)
-class Observed:
-    generation: int
-    spec: KVTopologySpec
-    pods: tuple[PodView, ...]
-    workers: Mapping[str, WorkerView | WorkerUnreachable]  # by pod name
-    previous: KVTopologyStatus
-    # Pods the spec selects but an older topology owns (`owned_pods`): pod -> that topology.
-    # They are left alone, not counted, not listed, and reported by the Conflict condition.
-    claimed: Mapping[str, str] = field(default_factory=dict)
-    memory: Memory = field(default_factory=Memory)
-
-
-# --- the plan ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, order=True)
-class Handshake:
-    """Tell the worker at `endpoint` (pod `pod`) to add engine `peer_engine_id`."""
-
-    pod: str
-    endpoint: str
-    peer_engine_id: str
-    peer_endpoint: str
-    peer_role: Role
-    peer_pod_uid: str = ""  # the worker refuses a peer of another pod
-    peer_incarnation: str = ""  # ... or of another process (an older one is replaced)
-    engine_id: str = ""  # the engine of `pod` (which pair the handshake is half of)
-
-    @property
-    def pair(self) -> tuple[str, str]:
-        """(prefill engine id, decode engine id) of the pair this handshake is half of."""
-        if self.peer_role == "decode":
-            return (self.engine_id, self.peer_engine_id)
-        return (self.peer_engine_id, self.engine_id)
-
-
-@dataclass(frozen=True)
-class Progress:
-    """What the conditions are computed from: before acting (in the plan) and again after
-    acting, with the handshakes made and the failures that persist (`settle`)."""
-
-    expected: frozenset[tuple[str, str]] = frozenset()
-    connected: frozenset[tuple[str, str]] = frozenset()
-    unpaired: tuple[str, ...] = ()  # pods of usable engines with no partner to pair with
-    handshakes_left: int = 0
-    draining: int = 0
-    incompatible: int = 0
-    unreachable: tuple[tuple[str, Reason], ...] = ()  # (pod, why), sorted
-    failing: tuple[str, ...] = ()  # handshakes failing past the progress deadline, described
-    claimed: tuple[tuple[str, str], ...] = ()  # (pod, older topology owning it): Conflict
-    selected: tuple[int, int] = (0, 0)  # (prefill, decode) pods this topology owns
-    live: tuple[tuple[str, str], ...] = ()  # (pod, engine id) of each usable engine, sorted
-
-
-@dataclass(frozen=True, order=True)
-class Eviction:
-    """Tell the worker at `endpoint` (pod `pod`) to evict engine `engine_id`."""
-
-    pod: str
-    endpoint: str
-    engine_id: str
-
-
-@dataclass(frozen=True, order=True)
-class SetIdleTTL:
-    """Set the idle-TTL backstop of the worker at `endpoint` (pod `pod`) to `idle_ttl_s`."""
-
-    pod: str
-    endpoint: str
-    idle_ttl_s: float
-
-
-@dataclass(frozen=True)
-class Event:
-    type: str  # "Normal" | "Warning"
-    reason: str
-    message: str
-
-
-@dataclass(frozen=True)
-class Plan:
-    handshakes: tuple[Handshake, ...]
-    evictions: tuple[Eviction, ...]
-    status: KVTopologyStatus
-    events: tuple[Event, ...]
-    expected_pairs: frozenset[tuple[str, str]]
-    connected_pairs: frozenset[tuple[str, str]]
-    wake_in_s: float | None = None  # when the next eviction falls due, if one is waiting
-    idle_ttls: tuple[SetIdleTTL, ...] = ()  # workers whose idle TTL differs from the spec's
-    progress: Progress = Progress()  # what the conditions were computed from, before acting
-    memory: Memory | None = None  # what to remember for the next round (see `Memory`)
-    # (holder, peer) engine ids of expected pairs whose holder reports the peer unhealthy:
-    # their handshakes (in `handshakes`) renew the peer.
-    unhealthy_peers: frozenset[tuple[str, str]] = frozenset()
-
-
 # --- helpers -----------------------------------------------------------------------------
-
-
-def rfc3339(t: datetime) -> str:
-    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def precise(t: datetime) -> str:
-    """RFC 3339 with milliseconds: engine `since` stamps drive the eviction grace, and a
-    stamp truncated to the second would evict up to a second early."""
-    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{t.microsecond // 1000:03d}Z"
-
-
-def parse_time(s: str) -> datetime:
-    fmt = "%Y-%m-%dT%H:%M:%S.%fZ" if "." in s else "%Y-%m-%dT%H:%M:%SZ"
-    return datetime.strptime(s, fmt).replace(tzinfo=UTC)
 
 
 def selector_matches(selector: LabelSelector, labels: Mapping[str, str]) -> bool:
@@ -267,17 +100,6 @@ def pods_of(spec: KVTopologySpec, pods: Iterable[PodView]) -> tuple[PodView, ...
 
 
 # --- ownership: a pod belongs to at most one topology ------------------------------------
-
-
-@dataclass(frozen=True)
-class TopologyView:
-    """A KVTopology of the namespace as the claim sees it: its name, when it was created
-    and its spec (None when this operator cannot read the spec: such a topology acts on
-    nothing, so it claims nothing)."""
-
-    name: str
-    created: str  # metadata.creationTimestamp (RFC 3339); "" sorts after every stamp
-    spec: KVTopologySpec | None
 
 
 _NEVER = datetime.max.replace(tzinfo=UTC)
@@ -368,16 +190,60 @@ def _condition(
     )
 
 
-# --- evaluate ----------------------------------------------------------------------------
+# --- the policies: `evaluate` is their chain ---------------------------------------------
 
 
-@dataclass
-class _Live:
+@dataclass(frozen=True)
+class Usable:
+    """An engine the operator can act on: its pod and its worker's state."""
+
     pod: PodView
     worker: WorkerView
 
 
-def _holds(holder: WorkerView, peer: WorkerView) -> bool:
+@dataclass(frozen=True)
+class Engines:
+    """The selected pods' engines, by what the operator can do with them."""
+
+    live: Mapping[str, Usable]  # engine id -> usable engine
+    # pod name -> (pod, why, reason): engines the operator cannot (or must not) act on
+    unusable: Mapping[str, tuple[PodView, str, Reason]]
+
+
+def usable_engines(
+    pods: Iterable[PodView], workers: Mapping[str, WorkerView | WorkerUnreachable]
+) -> Engines:
+    """Policy: which engines can be acted on. A pod that is not up, is being deleted or has
+    no endpoint yet has none; a refused endpoint, an unreachable worker, a worker of another
+    pod (its uid) or of another role makes the engine unusable, with the reason."""
+    live: dict[str, Usable] = {}
+    unusable: dict[str, tuple[PodView, str, Reason]] = {}
+    for pod in pods:
+        worker = workers.get(pod.name)
+        if pod.endpoint_error and pod.ready and not pod.deleting:
+            unusable[pod.name] = (pod, pod.endpoint_error, Reason.ENDPOINT_REFUSED)
+            continue
+        if not pod.ready or pod.deleting or not pod.endpoint or worker is None:
+            continue  # not up, going, or not read yet
+        if isinstance(worker, WorkerUnreachable):
+            why = f"worker unreachable: {worker.message}"
+            unusable[pod.name] = (pod, why, Reason.WORKER_UNREACHABLE)
+        elif worker.pod_uid != pod.uid:
+            why = (
+                f"the worker at {pod.endpoint} is not this pod's: it reports pod uid "
+                f"{worker.pod_uid or '(none)'}, the pod's is {pod.uid}; start the worker "
+                "with its pod identity (--pod-uid, from the downward API)"
+            )
+            unusable[pod.name] = (pod, why, Reason.IDENTITY_MISMATCH)
+        elif worker.role != pod.role:
+            why = f"worker unreachable: worker reports role {worker.role}, pod says {pod.role}"
+            unusable[pod.name] = (pod, why, Reason.WORKER_UNREACHABLE)
+        else:
+            live[worker.engine_id] = Usable(pod, worker)
+    return Engines(live, unusable)
+
+
+def holds(holder: WorkerView, peer: WorkerView) -> bool:
     """Whether `holder` holds `peer` as it is now: its engine, not being evicted, its
     current incarnation (agents of a process that restarted under the same engine id are a
     dead peer's, to be replaced), and healthy (a peer NIXL has dropped, or whose transfers
@@ -390,56 +256,46 @@ def _holds(holder: WorkerView, peer: WorkerView) -> bool:
     )
 
 
-def evaluate(obs: Observed, now: datetime) -> Plan:
-    """Gather -> **evaluate** -> act: everything the operator decides, as data."""
-    spec = obs.spec
-    prev_engines = {e.engine_id: e for e in obs.previous.engines if e.engine_id}
-    pods = tuple(p for p in pods_of(spec, obs.pods) if p.name not in obs.claimed)
-    grace = timedelta(seconds=spec.eviction.grace_seconds)
+@dataclass(frozen=True)
+class Pairing:
+    """Which pairs must be connected, which are, and the handshakes that are missing."""
 
-    live: dict[str, _Live] = {}  # engine_id -> usable engine
-    # pod name -> (pod, message, reason): engines the operator cannot (or must not) act on
-    unreachable: dict[str, tuple[PodView, str, Reason]] = {}
-    waiting: list[PodView] = []
-    for pod in pods:
-        worker = obs.workers.get(pod.name)
-        if pod.endpoint_error and pod.ready and not pod.deleting:
-            unreachable[pod.name] = (pod, pod.endpoint_error, Reason.ENDPOINT_REFUSED)
-            continue
-        if not pod.ready or pod.deleting or not pod.endpoint:
-            continue
-        if isinstance(worker, WorkerUnreachable):
-            unreachable[pod.name] = (
-                pod,
-                f"worker unreachable: {worker.message}",
-                Reason.WORKER_UNREACHABLE,
-            )
-        elif worker is None:
-            waiting.append(pod)
-        elif worker.pod_uid != pod.uid:
-            msg = (
-                f"the worker at {pod.endpoint} is not this pod's: it reports pod uid "
-                f"{worker.pod_uid or '(none)'}, the pod's is {pod.uid}; start the worker "
-                "with its pod identity (--pod-uid, from the downward API)"
-            )
-            unreachable[pod.name] = (pod, msg, Reason.IDENTITY_MISMATCH)
-        elif worker.role != pod.role:
-            msg = f"worker unreachable: worker reports role {worker.role}, pod says {pod.role}"
-            unreachable[pod.name] = (pod, msg, Reason.WORKER_UNREACHABLE)
-        else:
-            live[worker.engine_id] = _Live(pod, worker)
-    pods_with_unreachable_worker = set(unreachable)
+    expected: frozenset[tuple[str, str]]  # (prefill engine id, decode engine id)
+    connected: frozenset[tuple[str, str]]
+    incompatible: Mapping[str, tuple[str, ...]]  # engine id -> why (compatibility hashes)
+    handshakes: tuple[Handshake, ...]
+    # (holder, peer) engine ids of expected pairs whose holder reports the peer unhealthy
+    # -> (holder pod, peer pod, "health: reason")
+    unhealthy: Mapping[tuple[str, str], tuple[str, str, str]]
 
-    # Pairs.
-    prefills = sorted(
-        (e for e in live.values() if e.pod.role == "prefill"), key=lambda e: e.pod.name
-    )
-    decodes = sorted((e for e in live.values() if e.pod.role == "decode"), key=lambda e: e.pod.name)
+    def partners(self) -> dict[str, set[str]]:
+        """Engine id -> the engine ids it must be paired with."""
+        out: dict[str, set[str]] = {}
+        for pid, did in self.expected:
+            out.setdefault(pid, set()).add(did)
+            out.setdefault(did, set()).add(pid)
+        return out
+
+    def counts(self) -> dict[str, tuple[int, int]]:
+        """Engine id -> (its pairs connected, its pairs expected)."""
+        out: dict[str, tuple[int, int]] = {}
+        for pair in self.expected:
+            for eid in pair:
+                ok, total = out.get(eid, (0, 0))
+                out[eid] = (ok + (pair in self.connected), total + 1)
+        return out
+
+
+def pair_engines(spec: KVTopologySpec, live: Mapping[str, Usable]) -> Pairing:
+    """Policy: every usable prefill with every usable decode whose `pairing.matchLabels`
+    agree is a pair, unless their compatibility hashes differ; each half that its holder
+    does not hold as it is now (`holds`) is a handshake to make."""
+    prefills = sorted((e for e in live.values() if e.pod.role == "prefill"), key=_by_pod)
+    decodes = sorted((e for e in live.values() if e.pod.role == "decode"), key=_by_pod)
     expected: set[tuple[str, str]] = set()
-    incompatible: dict[str, list[str]] = {}
     connected: set[tuple[str, str]] = set()
+    incompatible: dict[str, list[str]] = {}
     handshakes: list[Handshake] = []
-    # (holder, peer) -> (holder pod, peer pod, "health: reason") of peers held unhealthy
     unhealthy: dict[tuple[str, str], tuple[str, str, str]] = {}
     for p in prefills:
         for d in decodes:
@@ -456,110 +312,170 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
                 continue
             expected.add((pid, did))
             for a, b in ((p, d), (d, p)):
-                health = a.worker.unhealthy_peers.get(b.worker.engine_id)
-                if health is not None and b.worker.engine_id in a.worker.peers:
-                    key = (a.worker.engine_id, b.worker.engine_id)
-                    unhealthy[key] = (a.pod.name, b.pod.name, health)
-            p_has = _holds(p.worker, d.worker)
-            d_has = _holds(d.worker, p.worker)
+                why = a.worker.unhealthy_peers.get(b.worker.engine_id)
+                if why is not None and b.worker.engine_id in a.worker.peers:
+                    unhealthy[(a.worker.engine_id, b.worker.engine_id)] = (
+                        a.pod.name,
+                        b.pod.name,
+                        why,
+                    )
+            p_has, d_has = holds(p.worker, d.worker), holds(d.worker, p.worker)
             if p_has and d_has:
                 connected.add((pid, did))
             if not p_has:
-                handshakes.append(
-                    Handshake(
-                        p.pod.name,
-                        p.pod.endpoint,
-                        did,
-                        d.pod.endpoint,
-                        "decode",
-                        d.pod.uid,
-                        d.worker.incarnation,
-                        pid,
-                    )
-                )
+                handshakes.append(_handshake(p, d, "decode"))
             if not d_has:
-                handshakes.append(
-                    Handshake(
-                        d.pod.name,
-                        d.pod.endpoint,
-                        pid,
-                        p.pod.endpoint,
-                        "prefill",
-                        p.pod.uid,
-                        p.worker.incarnation,
-                        did,
-                    )
-                )
+                handshakes.append(_handshake(d, p, "prefill"))
+    return Pairing(
+        expected=frozenset(expected),
+        connected=frozenset(connected),
+        incompatible={eid: tuple(why) for eid, why in incompatible.items()},
+        handshakes=tuple(sorted(handshakes)),
+        unhealthy=unhealthy,
+    )
 
-    # Gone engines: known before (or held as a peer somewhere) but not live now.
-    gone: dict[str, tuple[str, str, str, datetime]] = {}  # id -> (pod, role, endpoint, since)
+
+def _by_pod(e: Usable) -> str:
+    return e.pod.name
+
+
+def _handshake(holder: Usable, peer: Usable, peer_role: Role) -> Handshake:
+    return Handshake(
+        holder.pod.name,
+        holder.pod.endpoint,
+        peer.worker.engine_id,
+        peer.pod.endpoint,
+        peer_role,
+        peer.pod.uid,
+        peer.worker.incarnation,
+        holder.worker.engine_id,
+    )
+
+
+@dataclass(frozen=True)
+class Gone:
+    """An engine that is gone (or a stale peer somebody holds), kept for the grace."""
+
+    pod: str  # "" for a peer nobody knew
+    role: Role
+    endpoint: str
+    since: datetime  # when it was first seen gone
+
+
+def gone_engines(obs: Observed, engines: Engines, now: datetime) -> dict[str, Gone]:
+    """Policy: engines known before (or held as a peer by a usable engine) that are not
+    usable now, and since when. An engine whose pod is selected but whose worker cannot be
+    read is not gone (nobody can tell; it is kept as it was, `Failed`), unless it was
+    already draining; one whose pod an older topology now owns is handed over, not gone."""
+    grace = timedelta(seconds=obs.spec.eviction.grace_seconds)
+    prev_engines = {e.engine_id: e for e in obs.previous.engines if e.engine_id}
+    live, cannot_tell = engines.live, set(engines.unusable)
     held = {peer for e in live.values() for peer in e.worker.peers - e.worker.evicting}
+    gone: dict[str, Gone] = {}
     for eid, prev in prev_engines.items():
         if eid in live or prev.state == EngineState.EVICTED:
             continue
         if prev.pod in obs.claimed and eid not in held:
             continue  # handed over to the older topology that owns its pod: not gone
-        if prev.pod in pods_with_unreachable_worker and prev.state != EngineState.DRAINING:
+        if prev.pod in cannot_tell and prev.state != EngineState.DRAINING:
             continue  # cannot tell: keep it as it was until its worker answers again
         since = parse_time(prev.since) if prev.state == EngineState.DRAINING else now
         since = min(since, obs.memory.gone_since.get(eid, since))
-        gone[eid] = (prev.pod, prev.role, prev.endpoint, since)
+        gone[eid] = Gone(prev.pod, prev.role, prev.endpoint, since)
     for e in live.values():
         for peer in e.worker.peers - e.worker.evicting:
-            if peer not in live and peer not in gone:
-                known = prev_engines.get(peer)
-                if known is not None and known.state == EngineState.EVICTED:
-                    since = parse_time(known.since) - grace  # evicted before: due at once
-                else:
-                    since = obs.memory.gone_since.get(peer, now)
-                role = "decode" if e.pod.role == "prefill" else "prefill"
-                gone[peer] = (
-                    known.pod if known else "",
-                    role,
-                    known.endpoint if known else "",
-                    since,
-                )
+            if peer in live or peer in gone:
+                continue
+            known = prev_engines.get(peer)
+            if (
+                known is not None
+                and known.pod in cannot_tell
+                and known.state not in (EngineState.DRAINING, EngineState.EVICTED)
+            ):
+                continue  # the engine of a pod whose worker cannot be read: as above
+            if known is not None and known.state == EngineState.EVICTED:
+                since = parse_time(known.since) - grace  # evicted before: due at once
+            else:
+                since = obs.memory.gone_since.get(peer, now)
+            role = "decode" if e.pod.role == "prefill" else "prefill"
+            gone[peer] = Gone(
+                known.pod if known else "", role, known.endpoint if known else "", since
+            )
+    return gone
 
+
+@dataclass(frozen=True)
+class Evicting:
+    """The evictions due now, and what is still waiting for its grace."""
+
+    evictions: tuple[Eviction, ...]
+    still_held: Mapping[str, int]  # gone engine id -> how many usable engines hold it
+    due_in: tuple[float, ...]  # seconds until each waiting eviction falls due
+    unpairing: Mapping[tuple[str, str], datetime]  # (holder, peer) no longer paired -> since
+
+
+def evictions_due(
+    live: Mapping[str, Usable],
+    gone: Mapping[str, Gone],
+    pairing: Pairing,
+    memory: Memory,
+    grace: timedelta,
+    now: datetime,
+) -> Evicting:
+    """Policy: a gone engine is evicted from every holder once it has been gone for the
+    grace; pairing is level-based both ways, so a connection between two usable engines
+    that should no longer be paired (a pairing label or the spec's pairing changed, or they
+    became incompatible) is evicted after the grace too."""
     evictions: list[Eviction] = []
-    still_held: dict[str, int] = {}
     due_in: list[float] = []
-    # Pairing is level-based both ways: a connection between two live engines that should
-    # no longer be paired (a pairing label or the spec's pairing changed, or they became
-    # incompatible) is evicted after the grace, like a gone engine.
-    partners: dict[str, set[str]] = {}
-    for pid, did in expected:
-        partners.setdefault(pid, set()).add(did)
-        partners.setdefault(did, set()).add(pid)
-    unpairing: dict[tuple[str, str], datetime] = {}  # (holder, peer) -> since
+    partners = pairing.partners()
+    unpairing: dict[tuple[str, str], datetime] = {}
     for eid, e in live.items():
         for peer in sorted(e.worker.peers - e.worker.evicting):
             if peer not in live or peer in partners.get(eid, set()):
                 continue
-            since = obs.memory.unpairing_since.get((eid, peer), now)
+            since = memory.unpairing_since.get((eid, peer), now)
             unpairing[(eid, peer)] = since
             if now - since >= grace:
                 evictions.append(Eviction(e.pod.name, e.pod.endpoint, peer))
             else:
                 due_in.append((since + grace - now).total_seconds())
-    for eid, (_pod, _role, _ep, since) in gone.items():
+    still_held: dict[str, int] = {}
+    for eid, g in gone.items():
         holders = [e for e in live.values() if eid in e.worker.peers]
         still_held[eid] = len(holders)
-        if holders and now - since < grace:
-            due_in.append((since + grace - now).total_seconds())
-        if now - since >= grace:
+        if holders and now - g.since < grace:
+            due_in.append((g.since + grace - now).total_seconds())
+        if now - g.since >= grace:
             evictions.extend(
                 Eviction(h.pod.name, h.pod.endpoint, eid)
                 for h in holders
                 if eid not in h.worker.evicting
             )
+    return Evicting(tuple(sorted(evictions)), still_held, tuple(due_in), unpairing)
 
-    # Failures: deltas of each worker's counters since the last time we read them.
-    memory = obs.memory
-    counts = dict(obs.previous.failures.counts if memory.counts is None else memory.counts)
-    last = obs.previous.failures.last if memory.counts is None else memory.last
+
+@dataclass(frozen=True)
+class Tally:
+    """The topology's failure totals after this round."""
+
+    counts: Mapping[str, int]  # failure type -> total since the topology was created
+    last: LastFailure | None
+    seen_now: Mapping[str, Mapping[str, int]]  # engine id -> its counters as read now
+    new: Mapping[str, int]  # failure type -> what this round added
+
+
+def tally_failures(live: Mapping[str, Usable], previous: KVTopologyStatus, memory: Memory) -> Tally:
+    """Policy: each usable worker's counters are added to the totals by their growth since
+    they were last read (the baselines in memory, which outlive NotReady blips and the
+    status's engine limit; else the status's). A counter that went down restarted: all of
+    it is new. The newest failure of an engine whose counters grew becomes `last`."""
+    prev_engines = {e.engine_id: e for e in previous.engines if e.engine_id}
+    counts = dict(previous.failures.counts if memory.counts is None else memory.counts)
+    last = previous.failures.last if memory.counts is None else memory.last
     newest: tuple[float, LastFailure] | None = None
     seen_now: dict[str, dict[str, int]] = {}
-    delta_total: dict[str, int] = {}
+    new: dict[str, int] = {}
     for eid, e in live.items():
         if eid in memory.baselines:  # read before, also while it blipped NotReady
             prev_seen = dict(memory.baselines[eid])
@@ -572,7 +488,7 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
             delta = value - base if value >= base else value
             if delta > 0:
                 counts[ftype] = counts.get(ftype, 0) + delta
-                delta_total[ftype] = delta_total.get(ftype, 0) + delta
+                new[ftype] = new.get(ftype, 0) + delta
                 grew = True
         lf = e.worker.last_failure
         if grew and lf is not None and (newest is None or lf.time > newest[0]):
@@ -589,20 +505,32 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
             )
     if newest is not None:
         last = newest[1]
+    return Tally(counts, last, seen_now, new)
 
-    # Engines in status.
-    engines: list[EngineStatus] = []
+
+def engine_statuses(
+    obs: Observed,
+    engines: Engines,
+    pairing: Pairing,
+    gone: Mapping[str, Gone],
+    evicting: Evicting,
+    tally: Tally,
+    now: datetime,
+) -> tuple[list[EngineStatus], list[Event]]:
+    """Policy: each engine's line in the status (usable ones by their pairs, unusable ones
+    `Failed` with why, gone ones `Draining` then `Evicted`, recently evicted ones kept a
+    while), at most MAX_ENGINES_IN_STATUS, and the Events of their transitions."""
+    grace_s = obs.spec.eviction.grace_seconds
+    grace = timedelta(seconds=grace_s)
+    prev_engines = {e.engine_id: e for e in obs.previous.engines if e.engine_id}
+    statuses: list[EngineStatus] = []
     events: list[Event] = []
-    pair_count: dict[str, tuple[int, int]] = {}
-    for pid, did in expected:
-        for eid in (pid, did):
-            ok, total = pair_count.get(eid, (0, 0))
-            pair_count[eid] = (ok + ((pid, did) in connected), total + 1)
-    for eid, e in sorted(live.items(), key=lambda kv: kv[1].pod.name):
+    pair_count = pairing.counts()
+    for eid, e in sorted(engines.live.items(), key=lambda kv: kv[1].pod.name):
         was = prev_engines.get(eid)
         ok, total = pair_count.get(eid, (0, 0))
-        if eid in incompatible:
-            state, message = EngineState.INCOMPATIBLE, "; ".join(incompatible[eid])[:512]
+        if eid in pairing.incompatible:
+            state, message = EngineState.INCOMPATIBLE, "; ".join(pairing.incompatible[eid])[:512]
             if was is None or was.state != EngineState.INCOMPATIBLE:
                 events.append(Event("Warning", "Incompatible", message))
         elif total == 0:
@@ -612,7 +540,7 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
         else:
             state, message = EngineState.HANDSHAKING, f"{ok}/{total} pairs connected"
         stamp = was.since if was is not None and was.state == state else precise(now)
-        engines.append(
+        statuses.append(
             EngineStatus(
                 pod=e.pod.name,
                 role=e.pod.role,  # type: ignore[arg-type]
@@ -623,15 +551,15 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
                 since=stamp,
                 message=message,
                 compat_hash=e.worker.compat_hash,
-                failures_seen=seen_now.get(eid, {}),
+                failures_seen=dict(tally.seen_now.get(eid, {})),
             )
         )
-    for pod, message, why in sorted(unreachable.values(), key=lambda pr: pr[0].name):
+    for pod, message, why in sorted(engines.unusable.values(), key=lambda pr: pr[0].name):
         prev_for_pod = next((x for x in obs.previous.engines if x.pod == pod.name), None)
         told = prev_for_pod is not None and prev_for_pod.message == message[:512]
         if why != Reason.WORKER_UNREACHABLE and not told:
             events.append(Event("Warning", why.value, f"{pod.name}: {message}"))
-        engines.append(
+        statuses.append(
             EngineStatus(
                 pod=pod.name,
                 role=pod.role,  # type: ignore[arg-type]
@@ -645,16 +573,15 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
                 failures_seen=prev_for_pod.failures_seen if prev_for_pod else {},
             )
         )
-    for eid, (pod_name, role, endpoint, since) in sorted(gone.items()):
+    for eid, g in sorted(gone.items()):
         was = prev_engines.get(eid)
-        if still_held[eid] == 0 and (now - since >= grace or not pod_name):
+        held_by = evicting.still_held[eid]
+        if held_by == 0 and (now - g.since >= grace or not g.pod):
             state = EngineState.EVICTED
             if was is not None and was.state != EngineState.EVICTED:
                 events.append(
                     Event(
-                        "Normal",
-                        "EngineEvicted",
-                        f"engine {eid} ({pod_name}) evicted from every peer",
+                        "Normal", "EngineEvicted", f"engine {eid} ({g.pod}) evicted from every peer"
                     )
                 )
             stamp = (
@@ -663,19 +590,16 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
             message = "evicted from every peer"
         else:
             state = EngineState.DRAINING
-            stamp = precise(since)
-            message = (
-                f"gone; evicted from {still_held[eid]} peer(s) "
-                f"after {spec.eviction.grace_seconds}s grace"
-            )
-        if not pod_name and state == EngineState.EVICTED:
+            stamp = precise(g.since)
+            message = f"gone; evicted from {held_by} peer(s) after {grace_s}s grace"
+        if not g.pod and state == EngineState.EVICTED:
             continue  # an unknown stale peer, now gone: nothing worth keeping
-        engines.append(
+        statuses.append(
             EngineStatus(
-                pod=pod_name,
-                role=role,  # type: ignore[arg-type]
+                pod=g.pod,
+                role=g.role,  # type: ignore[arg-type]
                 engine_id=eid,
-                endpoint=endpoint,
+                endpoint=g.endpoint,
                 state=state,
                 peers=0,
                 since=stamp,
@@ -688,120 +612,140 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
             old.state == EngineState.EVICTED
             and old.pod not in obs.claimed
             and old.engine_id not in gone
-            and old.engine_id not in live
+            and old.engine_id not in engines.live
             and now - parse_time(old.since) < EVICTED_RETENTION
         ):
-            engines.append(old.model_copy(update={"failures_seen": {}}))
-    engines.sort(key=lambda x: (x.state == EngineState.EVICTED, x.role, x.pod, x.engine_id))
-    engines = engines[:MAX_ENGINES_IN_STATUS]
+            statuses.append(old.model_copy(update={"failures_seen": {}}))
+    statuses.sort(key=lambda x: (x.state == EngineState.EVICTED, x.role, x.pod, x.engine_id))
+    return statuses[:MAX_ENGINES_IN_STATUS], events
 
-    if delta_total:
-        desc = ", ".join(f"{k}={v}" for k, v in sorted(delta_total.items()))
+
+def topology_events(obs: Observed, pairing: Pairing, tally: Tally) -> list[Event]:
+    """Policy: the topology-wide Events, each said when it begins, not every round: new
+    worker failures (`TransferFailures`), held peers their holders report unhealthy, which
+    are re-handshaked (`PeerUnhealthy`), and pods an older topology owns (`Conflict`)."""
+    events: list[Event] = []
+    if tally.new:
+        desc = ", ".join(f"{k}={v}" for k, v in sorted(tally.new.items()))
         events.append(
             Event("Warning", "TransferFailures", f"new failures reported by workers: {desc}")
         )
-    # Peers held unhealthy are re-handshaked (the worker renews them): a Warning when a
-    # (holder, peer) starts being so, not every round.
-    fresh = sorted(k for k in unhealthy if k not in obs.memory.unhealthy)
+    fresh = sorted(k for k in pairing.unhealthy if k not in obs.memory.unhealthy)
     if fresh:
-        said = "; ".join(
-            f"{unhealthy[k][0]} reports {unhealthy[k][1]} (engine {k[1]}) {unhealthy[k][2]}"
+        told = "; ".join(
+            f"{pairing.unhealthy[k][0]} reports {pairing.unhealthy[k][1]} (engine {k[1]}) "
+            f"{pairing.unhealthy[k][2]}"
             for k in fresh[:5]
         )
         more = f" (and {len(fresh) - 5} more)" if len(fresh) > 5 else ""
-        warning = f"re-handshaking {len(fresh)} peer(s) their holders report unhealthy: {said}"
-        events.append(Event("Warning", PEER_UNHEALTHY, warning + more))
-
-    # Conflict: pods selected here that an older topology owns (`owned_pods`) are left to it;
-    # a Warning Event when that begins (the condition: `conditions_of`, `conflict_of`).
+        events.append(
+            Event(
+                "Warning",
+                PEER_UNHEALTHY,
+                f"re-handshaking {len(fresh)} peer(s) their holders report unhealthy: {told}{more}",
+            )
+        )
     claimed = tuple(sorted(obs.claimed.items()))
     was_conflict = next(
         (c for c in obs.previous.conditions if c.type == ConditionType.CONFLICT), None
     )
     if claimed and (was_conflict is None or was_conflict.status != "True"):
         events.append(Event("Warning", ConditionType.CONFLICT.value, conflict_of(claimed)[2]))
+    return events
 
-    # Conditions.
+
+def idle_ttl_changes(spec: KVTopologySpec, live: Mapping[str, Usable]) -> tuple[SetIdleTTL, ...]:
+    """Policy: `eviction.idleTTLSeconds` on every usable worker that reports another value
+    (a worker that reports none predates the setting and is left alone)."""
+    ttl = float(spec.eviction.idle_ttl_seconds)
+    return tuple(
+        sorted(
+            SetIdleTTL(e.pod.name, e.pod.endpoint, ttl)
+            for e in live.values()
+            if e.worker.idle_ttl_s is not None and e.worker.idle_ttl_s != ttl
+        )
+    )
+
+
+def evaluate(obs: Observed, now: datetime) -> Plan:
+    """Gather -> **evaluate** -> act: everything the operator decides, as data. The chain
+    of the policies above, over the pods this topology selects and owns."""
+    spec = obs.spec
+    pods = tuple(p for p in pods_of(spec, obs.pods) if p.name not in obs.claimed)
+    grace = timedelta(seconds=spec.eviction.grace_seconds)
+    engines = usable_engines(pods, obs.workers)
+    pairing = pair_engines(spec, engines.live)
+    gone = gone_engines(obs, engines, now)
+    evicting = evictions_due(engines.live, gone, pairing, obs.memory, grace, now)
+    tally = tally_failures(engines.live, obs.previous, obs.memory)
+    statuses, events = engine_statuses(obs, engines, pairing, gone, evicting, tally, now)
+    events += topology_events(obs, pairing, tally)
     unpaired = tuple(
         sorted(
             e.pod.name
-            for eid, e in live.items()
-            if eid not in incompatible and not any(eid in pair for pair in expected)
+            for eid, e in engines.live.items()
+            if eid not in pairing.incompatible and not any(eid in pair for pair in pairing.expected)
         )
     )
     progress = Progress(
-        expected=frozenset(expected),
-        connected=frozenset(connected),
+        expected=pairing.expected,
+        connected=pairing.connected,
         unpaired=unpaired,
-        handshakes_left=len(handshakes),
-        draining=sum(1 for e in engines if e.state == EngineState.DRAINING),
-        incompatible=len(incompatible),
-        unreachable=tuple(sorted((name, why) for name, (_, _, why) in unreachable.items())),
-        claimed=claimed,
+        handshakes_left=len(pairing.handshakes),
+        draining=sum(1 for e in statuses if e.state == EngineState.DRAINING),
+        incompatible=len(pairing.incompatible),
+        unreachable=tuple(sorted((name, why) for name, (_, _, why) in engines.unusable.items())),
+        claimed=tuple(sorted(obs.claimed.items())),
         selected=(
             sum(1 for p in pods if p.role == "prefill"),
             sum(1 for p in pods if p.role == "decode"),
         ),
-        live=tuple(sorted((e.pod.name, eid) for eid, e in live.items())),
+        live=tuple(sorted((e.pod.name, eid) for eid, e in engines.live.items())),
     )
-    conditions = conditions_of(progress, obs.previous.conditions, obs.generation, now)
     status = KVTopologyStatus(
         observed_generation=obs.generation,
-        conditions=conditions,
-        summary=summary_of(engines, progress),
-        engines=engines,
-        failures=Failures(counts=counts, last=last),
+        conditions=conditions_of(progress, obs.previous.conditions, obs.generation, now),
+        summary=summary_of(statuses, progress),
+        engines=statuses,
+        failures=Failures(counts=dict(tally.counts), last=tally.last),
     )
-    # Settings: eviction.idleTTLSeconds on every usable worker that reports another value.
-    ttl = float(spec.eviction.idle_ttl_seconds)
-    idle_ttls = [
-        SetIdleTTL(e.pod.name, e.pod.endpoint, ttl)
-        for e in live.values()
-        if e.worker.idle_ttl_s is not None and e.worker.idle_ttl_s != ttl
-    ]
+    memory = _remember(obs.memory, gone, tally, now)
     return Plan(
-        handshakes=tuple(sorted(handshakes)),
-        evictions=tuple(sorted(evictions)),
+        handshakes=pairing.handshakes,
+        evictions=evicting.evictions,
         status=status,
         events=tuple(events),
-        expected_pairs=frozenset(expected),
-        connected_pairs=frozenset(connected),
+        expected_pairs=pairing.expected,
+        connected_pairs=pairing.connected,
         progress=progress,
         memory=dataclasses.replace(
-            _remember(memory, gone, seen_now, counts, last, now),
-            unpairing_since=unpairing,
-            unhealthy=frozenset(unhealthy),
+            memory,
+            unpairing_since=dict(evicting.unpairing),
+            unhealthy=frozenset(pairing.unhealthy),
         ),
-        wake_in_s=min(due_in) if due_in else None,
-        idle_ttls=tuple(sorted(idle_ttls)),
-        unhealthy_peers=frozenset(unhealthy),
+        wake_in_s=min(evicting.due_in) if evicting.due_in else None,
+        idle_ttls=idle_ttl_changes(spec, engines.live),
+        unhealthy_peers=frozenset(pairing.unhealthy),
     )
 
 
-def _remember(
-    memory: Memory,
-    gone: Mapping[str, tuple[str, str, str, datetime]],
-    seen_now: Mapping[str, Mapping[str, int]],
-    counts: Mapping[str, int],
-    last: LastFailure | None,
-    now: datetime,
-) -> Memory:
+def _remember(memory: Memory, gone: Mapping[str, Gone], tally: Tally, now: datetime) -> Memory:
     """The memory after this round: gone engines' timers, baselines (kept EVICTED_RETENTION
     after an engine was last read, so a NotReady blip does not count its counters twice)."""
     baselines = dict(memory.baselines)
     seen_at = dict(memory.seen_at)
-    for eid, seen in seen_now.items():
+    for eid, seen in tally.seen_now.items():
         baselines[eid] = dict(seen)
         seen_at[eid] = now
     for eid in [e for e, t in seen_at.items() if now - t > EVICTED_RETENTION]:
         baselines.pop(eid, None)
         seen_at.pop(eid, None)
     return Memory(
-        gone_since={eid: g[3] for eid, g in gone.items()},
+        gone_since={eid: g.since for eid, g in gone.items()},
         baselines=baselines,
         seen_at=seen_at,
-        counts=dict(counts),
-        last=last,
+        counts=dict(tally.counts),
+        last=tally.last,
     )
 
 
@@ -883,14 +827,6 @@ def conditions_of(
         _condition(prev, ConditionType.DEGRADED, *degraded, generation, now),
         _condition(prev, ConditionType.CONFLICT, *conflict_of(progress.claimed), generation, now),
     ]
-
-
-@dataclass(frozen=True)
-class FailingHandshake:
-    """A handshake that has failed in every round since `since` (the operator's memory)."""
-
-    since: datetime
-    message: str
 
 
 def settle(

@@ -37,6 +37,14 @@ from kvtopo_operator.gate import GateChange, gate_changes
 from kvtopo_operator.gather import WorkerViews
 from kvtopo_operator.kube import KubeClient
 from kvtopo_operator.logic import (
+    evaluate,
+    invalid_spec,
+    owned_pods,
+    record_operator_failures,
+    settle,
+)
+from kvtopo_operator.metrics import OperatorMetrics
+from kvtopo_operator.model import (
     Event,
     Eviction,
     FailingHandshake,
@@ -48,14 +56,8 @@ from kvtopo_operator.logic import (
     SetIdleTTL,
     TopologyView,
     WorkerView,
-    evaluate,
-    invalid_spec,
-    owned_pods,
-    record_operator_failures,
     rfc3339,
-    settle,
 )
-from kvtopo_operator.metrics import OperatorMetrics
 from kvtopo_operator.workers import CallResult, PeerAdd, WorkerClient
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,11 @@ from pathlib import Path
 import aiohttp
 import msgspec
 
-from kvtopo_operator.logic import FailureView, WorkerUnreachable, WorkerView
+from kvtopo_operator.model import (
+    FailureView,
+    WorkerUnreachable,
+    WorkerView,
+)
 from kvtopo_worker.credentials import TokenError, TokenSource
 from kvtopo_worker.endpoints import EndpointError, parse_endpoint
 from kvtopo_worker.protocol import (

@@ -13,7 +13,11 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
-from kvtopo_operator.logic import PodView, WorkerUnreachable, WorkerView
+from kvtopo_operator.model import (
+    PodView,
+    WorkerUnreachable,
+    WorkerView,
+)
 from kvtopo_operator.workers import CallResult, PeerAdd
 
 

@@ -8,8 +8,8 @@ import asyncio
 from typing import Any
 
 from kvtopo_operator.events import EventRecorder
-from kvtopo_operator.logic import Event
 from kvtopo_operator.metrics import OperatorMetrics
+from kvtopo_operator.model import Event
 
 
 class Clock:

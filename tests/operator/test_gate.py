@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 
 from kvtopo_operator.gate import gate_changes, wanted
-from kvtopo_operator.logic import PodView, Progress
+from kvtopo_operator.model import (
+    PodView,
+    Progress,
+)
 
 
 def pod(name: str, *, gate: str = "", ready: bool = True, deleting: bool = False) -> PodView:

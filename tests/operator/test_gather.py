@@ -7,7 +7,11 @@ from __future__ import annotations
 import asyncio
 
 from kvtopo_operator.gather import WorkerViews
-from kvtopo_operator.logic import PodView, WorkerUnreachable, WorkerView
+from kvtopo_operator.model import (
+    PodView,
+    WorkerUnreachable,
+    WorkerView,
+)
 
 
 class Workers:

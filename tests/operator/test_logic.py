@@ -17,19 +17,22 @@ from kvtopo_operator.api import (
     dump,
 )
 from kvtopo_operator.logic import (
+    evaluate,
+    settle,
+)
+from kvtopo_operator.model import (
     Eviction,
     FailingHandshake,
     FailureView,
     Handshake,
+    Memory,
     Observed,
     PodView,
     SetIdleTTL,
     WorkerUnreachable,
     WorkerView,
-    evaluate,
     precise,
     rfc3339,
-    settle,
 )
 
 T0 = datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)
@@ -258,6 +261,25 @@ def test_unreachable_worker_is_failed_not_evicted() -> None:
     assert d1.state == EngineState.FAILED and "connection refused" in d1.message
     assert plan.evictions == ()
     assert cond(plan.status, "Degraded") == ("True", "WorkerUnreachable")
+
+
+def test_unreachable_worker_is_kept_round_after_round_with_the_memory() -> None:
+    """As the reconciler runs it: each round gets the previous status and memory. A worker
+    that cannot be read while its pod is up is kept as it was (Failed), never gone: it is
+    not listed twice, and its peers keep it past the grace (it may only be frozen)."""
+    pods, workers = full_mesh()
+    plan = evaluate(observe(pods, workers), T0)
+    workers2 = dict(workers)
+    workers2["d1"] = WorkerUnreachable("connection refused")
+    for minute in range(1, 4):
+        obs = dataclasses.replace(
+            observe(pods, workers2, plan.status), memory=plan.memory or Memory()
+        )
+        plan = evaluate(obs, T0 + timedelta(minutes=minute))
+        d1 = [e for e in plan.status.engines if e.engine_id == "D1" or e.pod == "d1"]
+        assert [e.state for e in d1] == [EngineState.FAILED], d1
+        assert plan.evictions == (), plan.evictions
+        assert "D1" not in plan.memory.gone_since  # type: ignore[union-attr]
 
 
 def test_condition_transition_time_moves_only_on_change() -> None:

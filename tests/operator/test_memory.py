@@ -13,8 +13,12 @@ import pytest
 
 from kvtopo_operator.api import MAX_ENGINES_IN_STATUS, KVTopologyStatus, dump
 from kvtopo_operator.kube import KubeClient
-from kvtopo_operator.logic import Observed, WorkerView, evaluate
+from kvtopo_operator.logic import evaluate
 from kvtopo_operator.metrics import OperatorMetrics
+from kvtopo_operator.model import (
+    Observed,
+    WorkerView,
+)
 from kvtopo_operator.reconcile import Reconciler, Settings
 from kvtopo_operator.workers import WorkerClient
 from tests.operator.fakes import FakeKube, RecordingWorkers

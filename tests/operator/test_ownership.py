@@ -27,17 +27,19 @@ from kvtopo_operator.api import (
 )
 from kvtopo_operator.kube import KubeClient
 from kvtopo_operator.logic import (
-    Observed,
-    PodView,
-    TopologyView,
-    WorkerView,
     claim_order,
     evaluate,
     invalid_spec,
     owned_pods,
-    precise,
 )
 from kvtopo_operator.metrics import OperatorMetrics
+from kvtopo_operator.model import (
+    Observed,
+    PodView,
+    TopologyView,
+    WorkerView,
+    precise,
+)
 from kvtopo_operator.reconcile import Reconciler, Settings
 from kvtopo_operator.workers import WorkerClient
 from tests.operator.fakes import FakeKube, RecordingWorkers

@@ -21,6 +21,9 @@ from kvtopo_operator.api import KVTopologySpec, KVTopologyStatus
 from kvtopo_operator.gather import WorkerViews
 from kvtopo_operator.logic import (
     PEER_UNHEALTHY,
+    evaluate,
+)
+from kvtopo_operator.model import (
     Eviction,
     Handshake,
     Memory,
@@ -29,7 +32,6 @@ from kvtopo_operator.logic import (
     PodView,
     WorkerUnreachable,
     WorkerView,
-    evaluate,
 )
 from kvtopo_operator.workers import WorkerClient
 from tests.operator.test_workers import serve

@@ -15,8 +15,8 @@ import pytest
 
 from kvtopo_operator.api import KV_CONNECTED_GATE, KVTopologySpec, dump
 from kvtopo_operator.kube import KubeClient
-from kvtopo_operator.logic import PodView
 from kvtopo_operator.metrics import OperatorMetrics
+from kvtopo_operator.model import PodView
 from kvtopo_operator.reconcile import Reconciler, Settings
 from kvtopo_operator.workers import WorkerClient
 from tests.operator.fakes import FakeKube, RecordingWorkers

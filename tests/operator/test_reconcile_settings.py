@@ -13,8 +13,13 @@ from typing import Any, cast
 from kvtopo_operator.api import KVTopologySpec, KVTopologyStatus
 from kvtopo_operator.gather import WorkerViews
 from kvtopo_operator.kube import KubeClient
-from kvtopo_operator.logic import Observed, PodView, WorkerView, evaluate
+from kvtopo_operator.logic import evaluate
 from kvtopo_operator.metrics import OperatorMetrics
+from kvtopo_operator.model import (
+    Observed,
+    PodView,
+    WorkerView,
+)
 from kvtopo_operator.reconcile import Reconciler
 from kvtopo_operator.workers import WorkerClient
 from tests.operator.fakes import RecordingWorkers

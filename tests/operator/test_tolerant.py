@@ -21,7 +21,8 @@ from kvtopo_operator.api import (
     dump,
     read_tolerant,
 )
-from kvtopo_operator.logic import WorkerView, invalid_spec
+from kvtopo_operator.logic import invalid_spec
+from kvtopo_operator.model import WorkerView
 from kvtopo_operator.workers import WorkerClient
 from tests.operator.test_workers import serve
 

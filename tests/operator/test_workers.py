@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from kvtopo_operator.logic import WorkerUnreachable, WorkerView
+from kvtopo_operator.model import (
+    WorkerUnreachable,
+    WorkerView,
+)
 from kvtopo_operator.workers import CallResult, PeerAdd, WorkerClient
 from kvtopo_worker.credentials import TokenError
 

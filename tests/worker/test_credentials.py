@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtopo_operator.logic import WorkerView
+from kvtopo_operator.model import WorkerView
 from kvtopo_operator.workers import WorkerClient
 from kvtopo_worker.credentials import TokenError, TokenSource, read_credential, read_token_file
 from tests.worker.test_agent import call, make_node

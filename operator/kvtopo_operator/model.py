@@ -1,0 +1,232 @@
+"""The operator's data: what it observes and what it decides, as plain frozen values.
+
+Owns the types the decision functions (`kvtopo_operator.logic`, `kvtopo_operator.gate`) take
+and return, and the reconciler (`kvtopo_operator.reconcile`) builds and acts on: the views of
+pods, workers and topologies; the operator's memory between rounds; the plan (handshakes,
+evictions, settings, Events, the status) and the progress the conditions are computed from;
+and the time stamps the status uses. No behaviour beyond small derived properties; no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from kvtopo_operator.api import KVTopologySpec, KVTopologyStatus, LastFailure, Reason
+
+Role = str  # "prefill" | "decode"
+
+
+# --- observed state ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PodView:
+    """An engine pod as the operator sees it (from the pod watch)."""
+
+    name: str
+    role: Role
+    labels: Mapping[str, str]
+    # The engine is up: the pod's ContainersReady (its Ready waits for the kv-connected
+    # readiness gate where the pod lists it; Ready only where a pod has no ContainersReady).
+    ready: bool
+    deleting: bool
+    endpoint: str  # the worker's control endpoint, "" when the pod has no address yet
+    ready_since: float | None = None  # when the engine came up (epoch seconds), for metrics
+    uid: str = ""  # the pod's metadata.uid: its worker must report the same
+    endpoint_error: str = ""  # why the pod's endpoint is refused (it is then never dialled)
+    gated: bool = False  # the pod lists the readiness gate kvtopo.dev/kv-connected
+    gate: str = ""  # that condition's status now ("True", "False"; "" when not set)
+
+
+@dataclass(frozen=True)
+class FailureView:
+    time: float
+    type: str
+    request_id: str = ""
+    engine_id: str = ""
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """A worker's `/v1/state` (what matters to the operator)."""
+
+    engine_id: str
+    role: Role
+    compat_hash: str
+    peers: frozenset[str]
+    evicting: frozenset[str] = frozenset()
+    failures: Mapping[str, int] = field(default_factory=dict)
+    last_failure: FailureView | None = None
+    incarnation: str = ""  # the worker process's boot id
+    pod_uid: str = ""  # the pod uid the worker says it runs in ("" when it does not say)
+    peer_incarnations: Mapping[str, str] = field(default_factory=dict)  # held peer -> its
+    # Held peers the worker reports dropped or failing: engine id -> "health: reason".
+    unhealthy_peers: Mapping[str, str] = field(default_factory=dict)
+    # The worker's settings; None from a worker that predates them (it must not be sent them).
+    handshake_timeout_s: float | None = None  # its default; it takes one per batch
+    idle_ttl_s: float | None = None  # its idle-TTL backstop (0: off); PUT /v1/settings
+
+
+@dataclass(frozen=True)
+class WorkerUnreachable:
+    """The worker's state could not be read this round."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class Memory:
+    """What the operator remembers of a topology between rounds, whether or not its status
+    was written (a write refused by 403, 429 or a webhook) and beyond the status's 2,048
+    engines: when each gone engine was first seen gone (its eviction timer), the failure
+    counters last read from each engine (the baselines of the deltas, kept while an engine
+    blips NotReady), and the totals. Empty after an operator restart: the status is then the
+    only record, and `evaluate` falls back to it."""
+
+    gone_since: Mapping[str, datetime] = field(default_factory=dict)
+    baselines: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    seen_at: Mapping[str, datetime] = field(default_factory=dict)  # when a baseline was read
+    # Connections between live engines no longer paired: (holder, peer) -> since when.
+    unpairing_since: Mapping[tuple[str, str], datetime] = field(default_factory=dict)
+    # (holder, peer) of live engines whose holder reported the peer unhealthy last round
+    # (a PeerUnhealthy Event is said when a pair joins).
+    unhealthy: frozenset[tuple[str, str]] = frozenset()
+    counts: Mapping[str, int] | None = None  # None: take the status's
+    last: LastFailure | None = None
+
+
+@dataclass(frozen=True)
+class Observed:
+    generation: int
+    spec: KVTopologySpec
+    pods: tuple[PodView, ...]
+    workers: Mapping[str, WorkerView | WorkerUnreachable]  # by pod name
+    previous: KVTopologyStatus
+    # Pods the spec selects but an older topology owns (`owned_pods`): pod -> that topology.
+    # They are left alone, not counted, not listed, and reported by the Conflict condition.
+    claimed: Mapping[str, str] = field(default_factory=dict)
+    memory: Memory = field(default_factory=Memory)
+
+
+# --- the plan ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, order=True)
+class Handshake:
+    """Tell the worker at `endpoint` (pod `pod`) to add engine `peer_engine_id`."""
+
+    pod: str
+    endpoint: str
+    peer_engine_id: str
+    peer_endpoint: str
+    peer_role: Role
+    peer_pod_uid: str = ""  # the worker refuses a peer of another pod
+    peer_incarnation: str = ""  # ... or of another process (an older one is replaced)
+    engine_id: str = ""  # the engine of `pod` (which pair the handshake is half of)
+
+    @property
+    def pair(self) -> tuple[str, str]:
+        """(prefill engine id, decode engine id) of the pair this handshake is half of."""
+        if self.peer_role == "decode":
+            return (self.engine_id, self.peer_engine_id)
+        return (self.peer_engine_id, self.engine_id)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What the conditions are computed from: before acting (in the plan) and again after
+    acting, with the handshakes made and the failures that persist (`settle`)."""
+
+    expected: frozenset[tuple[str, str]] = frozenset()
+    connected: frozenset[tuple[str, str]] = frozenset()
+    unpaired: tuple[str, ...] = ()  # pods of usable engines with no partner to pair with
+    handshakes_left: int = 0
+    draining: int = 0
+    incompatible: int = 0
+    unreachable: tuple[tuple[str, Reason], ...] = ()  # (pod, why), sorted
+    failing: tuple[str, ...] = ()  # handshakes failing past the progress deadline, described
+    claimed: tuple[tuple[str, str], ...] = ()  # (pod, older topology owning it): Conflict
+    selected: tuple[int, int] = (0, 0)  # (prefill, decode) pods this topology owns
+    live: tuple[tuple[str, str], ...] = ()  # (pod, engine id) of each usable engine, sorted
+
+
+@dataclass(frozen=True, order=True)
+class Eviction:
+    """Tell the worker at `endpoint` (pod `pod`) to evict engine `engine_id`."""
+
+    pod: str
+    endpoint: str
+    engine_id: str
+
+
+@dataclass(frozen=True, order=True)
+class SetIdleTTL:
+    """Set the idle-TTL backstop of the worker at `endpoint` (pod `pod`) to `idle_ttl_s`."""
+
+    pod: str
+    endpoint: str
+    idle_ttl_s: float
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # "Normal" | "Warning"
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    handshakes: tuple[Handshake, ...]
+    evictions: tuple[Eviction, ...]
+    status: KVTopologyStatus
+    events: tuple[Event, ...]
+    expected_pairs: frozenset[tuple[str, str]]
+    connected_pairs: frozenset[tuple[str, str]]
+    wake_in_s: float | None = None  # when the next eviction falls due, if one is waiting
+    idle_ttls: tuple[SetIdleTTL, ...] = ()  # workers whose idle TTL differs from the spec's
+    progress: Progress = Progress()  # what the conditions were computed from, before acting
+    memory: Memory | None = None  # what to remember for the next round (see `Memory`)
+    # (holder, peer) engine ids of expected pairs whose holder reports the peer unhealthy:
+    # their handshakes (in `handshakes`) renew the peer.
+    unhealthy_peers: frozenset[tuple[str, str]] = frozenset()
+
+
+@dataclass(frozen=True)
+class TopologyView:
+    """A KVTopology of the namespace as the claim sees it: its name, when it was created
+    and its spec (None when this operator cannot read the spec: such a topology acts on
+    nothing, so it claims nothing)."""
+
+    name: str
+    created: str  # metadata.creationTimestamp (RFC 3339); "" sorts after every stamp
+    spec: KVTopologySpec | None
+
+
+@dataclass(frozen=True)
+class FailingHandshake:
+    """A handshake that has failed in every round since `since` (the operator's memory)."""
+
+    since: datetime
+    message: str
+
+
+# --- time stamps -------------------------------------------------------------------------
+
+
+def rfc3339(t: datetime) -> str:
+    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def precise(t: datetime) -> str:
+    """RFC 3339 with milliseconds: engine `since` stamps drive the eviction grace, and a
+    stamp truncated to the second would evict up to a second early."""
+    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{t.microsecond // 1000:03d}Z"
+
+
+def parse_time(s: str) -> datetime:
+    fmt = "%Y-%m-%dT%H:%M:%S.%fZ" if "." in s else "%Y-%m-%dT%H:%M:%SZ"
+    return datetime.strptime(s, fmt).replace(tzinfo=UTC)
