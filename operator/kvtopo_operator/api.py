@@ -19,6 +19,8 @@ from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
+from kvtopo_worker.protocol import FailureType
+
 GROUP = "kvtopo.dev"
 VERSION = "v1alpha1"
 KIND = "KVTopology"
@@ -514,11 +516,10 @@ class Failures(_Model):
     counts: dict[str, int] = Field(
         default_factory=dict,
         max_length=32,
-        description="Total failures by type (handshake_failed, incompatible, "
-        "push_reg_notif_failed, transfer_failed, transfer_setup_failed, "
-        "notification_failed, registration_timeout, kv_expired, evicted_inflight, "
-        "malformed_message, ...), summed over every engine's workers; totals survive worker "
-        "and operator restarts.",
+        description="Total failures by type, summed over every engine's workers; totals "
+        "survive worker and operator restarts. The types are the worker protocol's: "
+        f"{', '.join(t.value for t in FailureType)}; a type this operator does not know (from "
+        "a newer worker) is counted as other.",
     )
     last: LastFailure | None = Field(
         default=None, description="The most recent failure counted; absent until one is."

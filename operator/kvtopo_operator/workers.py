@@ -30,6 +30,7 @@ from kvtopo_worker.endpoints import EndpointError, parse_endpoint
 from kvtopo_worker.protocol import (
     PEER_BATCH_CONCURRENCY,
     UNHEALTHY,
+    FailureType,
     PeerAddItem,
     PeerChanges,
     WorkerSettings,
@@ -119,6 +120,36 @@ def _unhealthy(peers: list[_PeerView]) -> dict[str, str]:
                 "a worker reports peer health %r, which this operator does not know: read as ok",
                 p.health[:64],
             )
+    return out
+
+
+# The status counts failures in one closed vocabulary, the worker protocol's `FailureType`,
+# plus OTHER_FAILURE: a type a newer worker adds is counted there (and logged once, and
+# named in `last.message`), so the status's counts stay within their bounded map.
+OTHER_FAILURE = "other"
+KNOWN_FAILURES = frozenset(t.value for t in FailureType)
+_unknown_failures_seen: set[str] = set()
+
+
+def failure_type(name: str) -> str:
+    """`name` if the protocol knows it, else OTHER_FAILURE (logged once per name)."""
+    if name in KNOWN_FAILURES:
+        return name
+    if name not in _unknown_failures_seen and len(_unknown_failures_seen) < 256:
+        _unknown_failures_seen.add(name)
+        log.warning(
+            "a worker reports failure type %r, which this operator does not know: counted as %r",
+            name[:64],
+            OTHER_FAILURE,
+        )
+    return OTHER_FAILURE
+
+
+def _failure_counts(failures: dict[str, int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for name, count in failures.items():
+        key = failure_type(name)
+        out[key] = out.get(key, 0) + count
     return out
 
 
@@ -228,10 +259,16 @@ class WorkerClient:
             compat_hash=st.compat_hash,
             peers=frozenset(p.engine_id for p in st.peers),
             evicting=frozenset(p.engine_id for p in st.peers if p.eviction_pending),
-            failures=dict(st.failures),
+            failures=_failure_counts(st.failures),
             last_failure=None
             if lf is None
-            else FailureView(lf.time, lf.type, lf.request_id, lf.engine_id, lf.message),
+            else FailureView(
+                lf.time,
+                failure_type(lf.type),
+                lf.request_id,
+                lf.engine_id,
+                lf.message if lf.type in KNOWN_FAILURES else f"({lf.type[:64]}) {lf.message}",
+            ),
             incarnation=st.incarnation,
             pod_uid=st.pod.uid if st.pod is not None else "",
             peer_incarnations={p.engine_id: p.incarnation for p in st.peers},
