@@ -35,6 +35,7 @@ from kvtopo.drill.secrets import DrillSecrets
 from kvtopo.launch import parse_ready_line, worker_command
 from kvtopo_operator.api import ENDPOINT_ANNOTATION, ROLE_LABEL
 from kvtopo_worker.credentials import TokenSource
+from kvtopo_worker.http import request_as
 from kvtopo_worker.protocol import UNHEALTHY
 
 log = logging.getLogger(__name__)
@@ -118,19 +119,23 @@ class Fleet:
         Raises what aiohttp raises when the engine cannot be reached."""
         if self._auth is None:
             self._auth = TokenSource(path=self.secrets.mount("router").operator)
-        tokens = self._auth.candidates()
-        for i, token in enumerate(tokens):
-            headers = {"Authorization": f"Bearer {token}"}
-            async with self._http().request(method, url, json=body, headers=headers) as resp:
-                if resp.status == 401 and i + 1 < len(tokens):
-                    self.auth_fallbacks += 1
-                    continue
-                try:
-                    answer = await resp.json(content_type=None)
-                except ValueError:
-                    answer = None
-                return resp.status, answer
-        raise AssertionError("unreachable: the last token returns")
+        resp = await request_as(
+            self._http(),
+            method,
+            url,
+            self._auth.candidates(),
+            json=body,
+            on_fallback=self._count_fallback,
+        )
+        async with resp:
+            try:
+                answer = await resp.json(content_type=None)
+            except ValueError:
+                answer = None
+            return resp.status, answer
+
+    def _count_fallback(self) -> None:
+        self.auth_fallbacks += 1
 
     # --- engine life cycle ---------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from kvtopo_operator.model import (
 )
 from kvtopo_worker.credentials import TokenError, TokenSource
 from kvtopo_worker.endpoints import EndpointError, parse_endpoint
+from kvtopo_worker.http import read_bounded, request_as
 from kvtopo_worker.protocol import (
     PEER_BATCH_CONCURRENCY,
     UNHEALTHY,
@@ -206,25 +207,20 @@ class WorkerClient:
         current token is tried again with the previous one: a worker whose Secret kubelet
         has not updated yet still knows only the old token."""
         session = await self._http()
-        tokens = self._tokens()
-        for i, token in enumerate(tokens):
-            headers = {} if token is None else {"Authorization": f"Bearer {token}"}
-            if body is not None:
-                headers["Content-Type"] = "application/json"
-            async with session.request(
-                method,
-                url,
-                data=body,
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(total=timeout_s),
-                allow_redirects=False,
-            ) as resp:
-                if resp.status == 401 and i + 1 < len(tokens):
-                    continue
-                if resp.status != 200:
-                    return resp.status, await resp.content.read(300)
-                return resp.status, await resp.content.read(MAX_STATE_BYTES + 1)
-        raise AssertionError("unreachable: the last token returns")
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        resp = await request_as(
+            session,
+            method,
+            url,
+            self._tokens(),
+            headers=headers,
+            data=body,
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        )
+        async with resp:
+            if resp.status != 200:
+                return resp.status, (await read_bounded(resp.content, 300))[:300]
+            return resp.status, await read_bounded(resp.content, MAX_STATE_BYTES)
 
     async def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:

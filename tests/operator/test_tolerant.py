@@ -195,3 +195,45 @@ def test_a_newer_worker_is_read_not_called_unreachable() -> None:
     assert view.last_failure.message == "(gpu_oom) out of memory"
     assert (view.pod_uid, view.incarnation) == ("u1", "boot")
     assert view.peer_incarnations == {"p1": "i1"}
+
+
+def test_a_prefill_holding_thousands_of_peers_is_read_whole() -> None:
+    """A state answer far larger than one network read (here 3,000 peers, about 400 KB) is
+    read to its end: read with one `StreamReader.read`, it was truncated and the worker
+    called unreachable ("DecodeError: Input data was truncated"), which kept a 32 x 1000
+    topology from ever converging."""
+    peer = {"agents": {"0": "agent-name"}, "transfers_in_flight": 0, "eviction_pending": False}
+    state = {
+        "engine_id": "p0",
+        "role": "prefill",
+        "compat_hash": "h",
+        "protocol_version": 4,
+        "peers": [
+            {**peer, "engine_id": f"decode-{i:05d}", "idle_s": 0.0, "incarnation": f"i{i}"}
+            for i in range(3000)
+        ],
+        "failures": {},
+        "requests_done": 0,
+        "requests_failed": 0,
+        "requests_in_flight": 0,
+        "started_at": 0.0,
+    }
+
+    async def body() -> WorkerView | object:
+        app = web.Application()
+
+        async def get(_: web.Request) -> web.Response:
+            return web.json_response(state)
+
+        app.router.add_get("/v1/state", get)
+        runner, endpoint = await serve(app)
+        client = WorkerClient(None, token="tok")
+        try:
+            return await client.state(endpoint, 5.0)
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    view = asyncio.run(body())
+    assert isinstance(view, WorkerView), view
+    assert len(view.peers) == 3000

@@ -52,6 +52,7 @@ from prometheus_client import generate_latest
 
 from kvtopo_worker.credentials import TokenError, TokenSource
 from kvtopo_worker.endpoints import Endpoint, EndpointError, parse_endpoint
+from kvtopo_worker.http import read_bounded, request_as
 from kvtopo_worker.metrics import WorkerMetrics
 from kvtopo_worker.protocol import (
     MAX_HANDSHAKE_TIMEOUT_S,
@@ -679,25 +680,21 @@ class ControlServer:
         url = endpoint.url(f"/v1/metadata?rank={rank}")
         total = self.handshake_timeout_s if timeout_s is None else timeout_s
         timeout = aiohttp.ClientTimeout(total=total)
-        tokens = self.peer_token.candidates()
-        for i, token in enumerate(tokens):
-            headers = {"Authorization": f"Bearer {token}"}
-            async with self._session.get(
-                url, headers=headers, timeout=timeout, allow_redirects=False
-            ) as resp:
-                if resp.status == 401 and i + 1 < len(tokens):
-                    continue  # a peer not yet given the rotated token: the previous one
-                if resp.status != 200:
-                    # A bounded prefix: an error answer can be endless or huge.
-                    text = (await resp.content.read(MAX_ERROR_BODY_BYTES)).decode(
-                        "utf-8", "replace"
-                    )
-                    raise ValueError(f"peer answered HTTP {resp.status}: {text}")
-                data = await resp.content.read(MAX_METADATA_BYTES + 1)
-                if len(data) > MAX_METADATA_BYTES:
-                    raise ValueError(f"peer metadata exceeds {MAX_METADATA_BYTES} bytes")
-                return data
-        raise AssertionError("unreachable: the last candidate token returns or raises")
+        # A peer not yet given the rotated token takes the previous one (`request_as`).
+        resp = await request_as(
+            self._session, "GET", url, self.peer_token.candidates(), timeout=timeout
+        )
+        async with resp:
+            if resp.status != 200:
+                # A bounded prefix: an error answer can be endless or huge.
+                text = (await read_bounded(resp.content, MAX_ERROR_BODY_BYTES)).decode(
+                    "utf-8", "replace"
+                )[:MAX_ERROR_BODY_BYTES]
+                raise ValueError(f"peer answered HTTP {resp.status}: {text}")
+            data = await read_bounded(resp.content, MAX_METADATA_BYTES)
+            if len(data) > MAX_METADATA_BYTES:
+                raise ValueError(f"peer metadata exceeds {MAX_METADATA_BYTES} bytes")
+            return data
 
     async def _delete_peer(self, request: web.Request) -> web.Response:
         engine_id = self._path_engine_id(request)
