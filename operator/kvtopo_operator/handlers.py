@@ -256,6 +256,24 @@ def _topology_source(namespace: str) -> Iterable[TopologyView]:
     return list(index[namespace]) if namespace in index else []
 
 
+class _NoDiffBase(kopf.DiffBaseStorage):
+    """kopf's diff base for change-detecting handlers (on.create/update), which this
+    operator has none of: kopf would otherwise deep-copy every event's whole body (a
+    KVTopology's status lists up to 2,048 engines) to compute a diff nobody reads. Nothing
+    is built, fetched or stored (kopf stores a diff base only after such handlers ran)."""
+
+    def build(
+        self, *, body: kopf.Body, extra_fields: Iterable[Any] | None = None
+    ) -> kopf.BodyEssence:
+        return kopf.BodyEssence()
+
+    def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
+        return None
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
+        return None
+
+
 @kopf.on.startup()
 async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.posting.level = logging.WARNING
@@ -267,6 +285,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     # The namespaces are fixed on the command line and the CRD exists before we start: no
     # cluster-wide discovery of namespaces and CRDs, which least-privilege RBAC refuses.
     settings.scanning.disabled = True
+    settings.persistence.diffbase_storage = _NoDiffBase()
     _state["allow_endpoint_host"] = bool(memo.get("allow_endpoint_host"))
     _state["reconciler"] = Reconciler(
         kube=KubeClient(memo.get("kubeconfig")),

@@ -165,10 +165,6 @@ def conflict_of(claimed: Iterable[tuple[str, str]]) -> tuple[str, Reason, str]:
     return "True", Reason.PODS_CLAIMED_ELSEWHERE, message
 
 
-def _paired(spec: KVTopologySpec, p: PodView, d: PodView) -> bool:
-    return all(p.labels.get(k, "") == d.labels.get(k, "") for k in spec.pairing.match_labels)
-
-
 def _condition(
     previous: Mapping[str, Condition],
     ctype: ConditionType,
@@ -290,42 +286,46 @@ def pair_engines(spec: KVTopologySpec, live: Mapping[str, Usable]) -> Pairing:
     """Policy: every usable prefill with every usable decode whose `pairing.matchLabels`
     agree is a pair, unless their compatibility hashes differ; each half that its holder
     does not hold as it is now (`holds`) is a handshake to make."""
-    prefills = sorted((e for e in live.values() if e.pod.role == "prefill"), key=_by_pod)
-    decodes = sorted((e for e in live.values() if e.pod.role == "decode"), key=_by_pod)
+    # Engines pair only within a group of equal pairing-label values: grouped once, so a
+    # round costs one pass over the pairs, not a label comparison per (prefill, decode).
+    keys = spec.pairing.match_labels
+    groups: dict[tuple[str, ...], tuple[list[Usable], list[Usable]]] = {}
+    for e in sorted(live.values(), key=_by_pod):
+        group = groups.setdefault(tuple(e.pod.labels.get(k, "") for k in keys), ([], []))
+        group[0 if e.pod.role == "prefill" else 1].append(e)
     expected: set[tuple[str, str]] = set()
     connected: set[tuple[str, str]] = set()
     incompatible: dict[str, list[str]] = {}
     handshakes: list[Handshake] = []
     unhealthy: dict[tuple[str, str], tuple[str, str, str]] = {}
-    for p in prefills:
-        for d in decodes:
-            if not _paired(spec, p.pod, d.pod):
-                continue
-            pid, did = p.worker.engine_id, d.worker.engine_id
-            if p.worker.compat_hash != d.worker.compat_hash:
-                msg = (
-                    f"{p.pod.name} ({p.worker.compat_hash}) and {d.pod.name} "
-                    f"({d.worker.compat_hash}) have different compatibility hashes"
+    for p, d in (
+        (p, d) for prefills, decodes in groups.values() for p in prefills for d in decodes
+    ):
+        pid, did = p.worker.engine_id, d.worker.engine_id
+        if p.worker.compat_hash != d.worker.compat_hash:
+            msg = (
+                f"{p.pod.name} ({p.worker.compat_hash}) and {d.pod.name} "
+                f"({d.worker.compat_hash}) have different compatibility hashes"
+            )
+            incompatible.setdefault(pid, []).append(msg)
+            incompatible.setdefault(did, []).append(msg)
+            continue
+        expected.add((pid, did))
+        for a, b in ((p, d), (d, p)):
+            why = a.worker.unhealthy_peers.get(b.worker.engine_id)
+            if why is not None and b.worker.engine_id in a.worker.peers:
+                unhealthy[(a.worker.engine_id, b.worker.engine_id)] = (
+                    a.pod.name,
+                    b.pod.name,
+                    why,
                 )
-                incompatible.setdefault(pid, []).append(msg)
-                incompatible.setdefault(did, []).append(msg)
-                continue
-            expected.add((pid, did))
-            for a, b in ((p, d), (d, p)):
-                why = a.worker.unhealthy_peers.get(b.worker.engine_id)
-                if why is not None and b.worker.engine_id in a.worker.peers:
-                    unhealthy[(a.worker.engine_id, b.worker.engine_id)] = (
-                        a.pod.name,
-                        b.pod.name,
-                        why,
-                    )
-            p_has, d_has = holds(p.worker, d.worker), holds(d.worker, p.worker)
-            if p_has and d_has:
-                connected.add((pid, did))
-            if not p_has:
-                handshakes.append(_handshake(p, d, "decode"))
-            if not d_has:
-                handshakes.append(_handshake(d, p, "prefill"))
+        p_has, d_has = holds(p.worker, d.worker), holds(d.worker, p.worker)
+        if p_has and d_has:
+            connected.add((pid, did))
+        if not p_has:
+            handshakes.append(_handshake(p, d, "decode"))
+        if not d_has:
+            handshakes.append(_handshake(d, p, "prefill"))
     return Pairing(
         expected=frozenset(expected),
         connected=frozenset(connected),
@@ -441,8 +441,14 @@ def evictions_due(
             else:
                 due_in.append((since + grace - now).total_seconds())
     still_held: dict[str, int] = {}
+    holders_of: dict[str, list[Usable]] = {}
+    if gone:
+        for e in live.values():
+            for peer in e.worker.peers:
+                if peer in gone:
+                    holders_of.setdefault(peer, []).append(e)
     for eid, g in gone.items():
-        holders = [e for e in live.values() if eid in e.worker.peers]
+        holders = holders_of.get(eid, [])
         still_held[eid] = len(holders)
         if holders and now - g.since < grace:
             due_in.append((g.since + grace - now).total_seconds())
@@ -680,11 +686,12 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
     tally = tally_failures(engines.live, obs.previous, obs.memory)
     statuses, events = engine_statuses(obs, engines, pairing, gone, evicting, tally, now)
     events += topology_events(obs, pairing, tally)
+    partnered = {eid for pair in pairing.expected for eid in pair}
     unpaired = tuple(
         sorted(
             e.pod.name
             for eid, e in engines.live.items()
-            if eid not in pairing.incompatible and not any(eid in pair for pair in pairing.expected)
+            if eid not in pairing.incompatible and eid not in partnered
         )
     )
     progress = Progress(
@@ -867,6 +874,7 @@ def settle(
         for eid in pair:
             ok, total = per_engine.get(eid, (0, 0))
             per_engine[eid] = (ok + (pair in connected), total + 1)
+    progress = dataclasses.replace(progress, pair_counts=per_engine)
     engines = []
     for entry in plan.status.engines:
         ok, total = per_engine.get(entry.engine_id, (0, 0))

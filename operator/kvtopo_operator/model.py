@@ -151,6 +151,9 @@ class Progress:
     claimed: tuple[tuple[str, str], ...] = ()  # (pod, older topology owning it): Conflict
     selected: tuple[int, int] = (0, 0)  # (prefill, decode) pods this topology owns
     live: tuple[tuple[str, str], ...] = ()  # (pod, engine id) of each usable engine, sorted
+    # engine id -> (its pairs connected, its pairs expected), after acting (`settle`); None
+    # before acting (count them from `expected` and `connected`)
+    pair_counts: Mapping[str, tuple[int, int]] | None = None
 
 
 @dataclass(frozen=True, order=True)
