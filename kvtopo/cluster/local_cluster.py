@@ -43,6 +43,7 @@ from kvtopo.cluster.deadlines import wait_until
 from kvtopo.cluster.fake_nodes import (
     DEFAULT_FAKE_NODES,
     FAKE_NODE_LABEL,
+    FAKE_NODE_PLACEMENT,
     fake_node_manifest,
     fake_node_name,
     kwok_stages_yaml,
@@ -546,6 +547,35 @@ class LocalCluster:
                 == 200
             ),
         )
+        self._warm_kwok_ip_pool(api, deadline)
+
+    def _warm_kwok_ip_pool(self, api: AdminApi, deadline: float) -> None:
+        """kwok creates its pod IP pool on first use, unlocked: pods started at once on a
+        fresh kwok may each create a pool and be given the same first address (seen: a
+        prefill and a decode pod both at 127.N.0.1, one of them never served). One pod,
+        given its IP before any other pod exists, creates the pool; it is then deleted and
+        its address goes back to the pool."""
+        pods = "/api/v1/namespaces/default/pods"
+        name = "kvtopo-kwok-ip-pool"
+        api.create(
+            pods,
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": name},
+                "spec": {
+                    **FAKE_NODE_PLACEMENT,
+                    "terminationGracePeriodSeconds": 0,
+                    "containers": [{"name": "pause", "image": "registry.k8s.io/pause:3.10"}],
+                },
+            },
+        )
+        self._wait(
+            "kwok's pod IP pool (a first pod given its IP)",
+            deadline,
+            lambda: bool((api.get_json(f"{pods}/{name}").get("status") or {}).get("podIP")),
+        )
+        api.request("DELETE", f"{pods}/{name}")
 
     def restart_apiserver(self, timeout_s: float = 60.0) -> float:
         """Stops kube-apiserver and starts it again on the same port (a chaos drill's fault);
