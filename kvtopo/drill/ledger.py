@@ -59,9 +59,13 @@ class Ledger:
     # every pair of the serving engines connected again (its new incarnation held both ways)
     restart_recovery_s: list[float] = field(default_factory=list)
     stale_peers_at_end: list[str] = field(default_factory=list)  # "holder -> gone engine"
-    # The kv-connected readiness gate: (engine, seconds from serving to its pod seen Ready)
-    gate: list[tuple[str, float]] = field(default_factory=list)
+    # The kv-connected readiness gate: (engine, serving at, its pod first seen Ready at)
+    gate: list[tuple[str, float, float]] = field(default_factory=list)
     gate_seen: set[str] = field(default_factory=set)
+    # (from, to) of faults of the control plane (operator, API server, leader): from the
+    # fault to the topology converged again. No gate can turn True then; an engine whose
+    # wait overlaps one is reported apart, not held to the gate's p99.
+    control_faults: list[tuple[float, float]] = field(default_factory=list)
 
     # --- recording -------------------------------------------------------------------------
 
@@ -144,7 +148,11 @@ class Ledger:
         by_reason = Counter(str(r.decode_outcomes[0].get("reason") or "unknown") for r in failed)
         conv = sorted(s for _, s in self.convergence)
         evict = sorted(s for _, s in self.eviction)
-        gate = sorted(s for _, s in self.gate)
+        gate = sorted(
+            ready - up
+            for _, up, ready in self.gate
+            if not any(up <= end and ready >= start for start, end in self.control_faults)
+        )
         return {
             "rollouts": sum(1 for m in self.marks if m.kind == "rollout"),
             "requests_total": len(self.requests),
@@ -164,6 +172,7 @@ class Ledger:
             "eviction_s": [round(s, 3) for s in evict],
             "eviction_max_s": round(max(evict), 3) if evict else None,
             "gated_engines": len(gate),
+            "gated_during_control_fault": len(self.gate) - len(gate),
             "engine_up_to_gate_p99_s": round(_percentile(gate, 0.99), 3) if gate else None,
             "engine_up_to_gate_max_s": round(max(gate), 3) if gate else None,
             "orphan_outcomes": self.orphan_outcomes,

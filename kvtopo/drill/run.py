@@ -50,6 +50,10 @@ APP = "drill"
 CRD_NAME = f"{PLURAL}.{GROUP}"
 
 
+# Faults of the control plane: while one lasts, no readiness gate can turn True.
+CONTROL_PLANE_FAULTS = ("operator-kill", "apiserver-restart", "leader-kill")
+
+
 @dataclass
 class DrillOptions:
     prefill: int = 2
@@ -273,7 +277,7 @@ class Drill:
             for e in serving:
                 if e.ready_at and e.engine_id not in self.ledger.gate_seen:
                     self.ledger.gate_seen.add(e.engine_id)
-                    self.ledger.gate.append((e.engine_id, max(0.0, e.ready_at - e.serving_at)))
+                    self.ledger.gate.append((e.engine_id, e.serving_at, e.ready_at))
             # Convergence: a serving engine with all of its pairs connected.
             for e in serving:
                 if e.engine_id in self.converged_at:
@@ -727,11 +731,14 @@ class Drill:
         self.ledger.mark(start, "rollout", label)
         await self._restart(name)
         if chaos:
+            fault_start = time.monotonic()
             await self._chaos()
             fault_over = time.monotonic()
         await self.converged()
         if chaos:
             self.ledger.chaos_recovery_s.append(time.monotonic() - fault_over)
+            if self.opts.chaos in CONTROL_PLANE_FAULTS:
+                self.ledger.control_faults.append((fault_start, time.monotonic()))
         new = [
             (eid, s)
             for eid, s in self.ledger.convergence

@@ -57,11 +57,21 @@ def test_a_failure_during_a_fault_on_its_engine_is_explained_not_false() -> None
 
 def test_a_slow_readiness_gate_breaks_the_invariants() -> None:
     ledger = ledger_with_samples()
-    ledger.gate.extend((f"e{i}", 0.2) for i in range(10))
+    ledger.gate.extend((f"e{i}", 10.0, 10.2) for i in range(10))
     report = ledger.report()
     assert report["gated_engines"] == 10 and report["engine_up_to_gate_p99_s"] == 0.2
     assert invariants_hold(report)
-    ledger.gate.append(("slow", 1.5))
+    ledger.gate.append(("slow", 20.0, 21.5))
     report = ledger.report()
     assert report["engine_up_to_gate_p99_s"] == 1.5 and report["engine_up_to_gate_max_s"] == 1.5
     assert not invariants_hold(report)
+
+
+def test_a_gate_held_up_by_a_control_plane_fault_is_reported_apart() -> None:
+    ledger = ledger_with_samples()
+    ledger.gate.extend([("before", 5.0, 5.3), ("during", 19.0, 31.0), ("after", 40.0, 40.4)])
+    ledger.control_faults.append((20.0, 35.0))  # the operator killed, back and converged
+    report = ledger.report()
+    assert report["gated_engines"] == 2 and report["gated_during_control_fault"] == 1
+    assert report["engine_up_to_gate_max_s"] == 0.4
+    assert invariants_hold(report)
