@@ -59,7 +59,8 @@ class Ledger:
     # every pair of the serving engines connected again (its new incarnation held both ways)
     restart_recovery_s: list[float] = field(default_factory=list)
     stale_peers_at_end: list[str] = field(default_factory=list)  # "holder -> gone engine"
-    # The kv-connected readiness gate: (engine, serving at, its pod first seen Ready at)
+    # The kv-connected readiness gate: (engine, when it and a partner both served, when its
+    # pod was first seen Ready)
     gate: list[tuple[str, float, float]] = field(default_factory=list)
     gate_seen: set[str] = field(default_factory=set)
     # (from, to) of faults of the control plane (operator, API server, leader): from the

@@ -273,11 +273,23 @@ class Drill:
                 if p.holds(d) and d.holds(p)  # the current incarnations, healthy
             )
             self.ledger.sample(now, pairs)
-            # The readiness gate: from the engine serving to its pod seen Ready.
+            # The readiness gate: from the moment the engine can be connected (it serves,
+            # and so does a partner: an engine of the other role and the same version) to
+            # its pod seen Ready. Before a partner serves, no gate can turn True.
             for e in serving:
                 if e.ready_at and e.engine_id not in self.ledger.gate_seen:
                     self.ledger.gate_seen.add(e.engine_id)
-                    self.ledger.gate.append((e.engine_id, e.serving_at, e.ready_at))
+                    partners = [
+                        o.serving_at
+                        for o in fleet.engines.values()
+                        if o.role != e.role
+                        and o.version == e.version
+                        and o.serving_at
+                        and o.serving_at <= e.ready_at
+                    ]
+                    if partners:
+                        up = max(e.serving_at, min(partners))
+                        self.ledger.gate.append((e.engine_id, up, e.ready_at))
             # Convergence: a serving engine with all of its pairs connected.
             for e in serving:
                 if e.engine_id in self.converged_at:
