@@ -172,6 +172,7 @@ def granted_resources(cluster: LocalCluster, sa: str, namespace: str) -> dict[st
 # Exactly the verbs the operator calls (test_rbac_e2e checks them against an audit log).
 NAMESPACED_GRANTS = {
     "pods": {"list", "watch"},
+    "pods/status": {"patch"},  # the readiness gate's one condition
     "kvtopologies.kvtopo.dev": {"get", "list", "watch"},
     "kvtopologies.kvtopo.dev/status": {"patch"},
     "events": {"create"},
@@ -229,6 +230,7 @@ def test_install_grants_exactly_the_namespaced_permissions(
         for verb in ("get", "list", "watch"):
             assert can_i(cluster, sa, verb, "kvtopologies.kvtopo.dev", *n)
         assert can_i(cluster, sa, "patch", "kvtopologies.kvtopo.dev", *n, subresource="status")
+        assert can_i(cluster, sa, "patch", "pods", *n, subresource="status")
         assert can_i(cluster, sa, "create", "events", *n)
         assert can_i(cluster, sa, "create", "leases.coordination.k8s.io", *n)
         for verb in ("get", "update"):
