@@ -69,16 +69,22 @@ def test_a_handshake_that_keeps_failing_degrades_the_topology(env: Env, tmp_path
     assert condition(st, "Ready")[0] == "False"
     assert condition(st, "Progressing")[:2] == ("True", "Handshaking")
     assert peers(env.workers["p0"]) == set() and peers(env.workers["d0"]) == set()
-    events = env.cluster.kubectl(
-        "get",
-        "events",
-        "-n",
-        env.namespace,
-        "--field-selector",
-        "reason=HandshakeFailed",
-        "-o",
-        "jsonpath={range .items[*]}{.message}{'\\n'}{end}",
-    ).stdout.splitlines()
+
+    def handshake_events() -> list[str]:
+        # Events are posted off the reconcile path: shortly after the status says so.
+        lines: list[str] = env.cluster.kubectl(
+            "get",
+            "events",
+            "-n",
+            env.namespace,
+            "--field-selector",
+            "reason=HandshakeFailed",
+            "-o",
+            "jsonpath={range .items[*]}{.message}{'\\n'}{end}",
+        ).stdout.splitlines()
+        return lines if any("past the progress deadline" in e for e in lines) else []
+
+    events = env.wait("the HandshakeFailed Event of the deadline", handshake_events)
     # One Event per handshake when it starts failing and one when the topology turns
     # Degraded, not one per round.
     degraded_events = [e for e in events if "past the progress deadline" in e]

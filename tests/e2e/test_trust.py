@@ -125,9 +125,15 @@ def test_endpoints_not_the_pods_are_refused_and_never_dialled(env: Env, sink: Si
     )
     degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
     assert (degraded["status"], degraded["reason"]) == ("True", "EndpointRefused")
-    events = env.cluster.kubectl(
-        "get", "events", "-n", env.namespace, "--field-selector", "reason=EndpointRefused"
-    ).stdout
+
+    def refused_events() -> str:
+        # Events are posted off the reconcile path: shortly after the status says so.
+        out: str = env.cluster.kubectl(
+            "get", "events", "-n", env.namespace, "--field-selector", "reason=EndpointRefused"
+        ).stdout
+        return out if all(n in out for n in names) else ""
+
+    events = env.wait("an EndpointRefused Event for each pod", refused_events)
     assert all(n in events for n in names), events
     # The real pair is untouched by its hostile neighbours.
     p0, d0 = env.workers["p0"], env.workers["d0"]

@@ -126,9 +126,14 @@ def test_a_spec_this_operator_cannot_read_is_an_invalid_spec_condition(skewed: E
     assert "spec.transfer.mode" in conditions["Degraded"]["message"], conditions["Degraded"]
     assert st["engines"], "the engines are kept, not forgotten"
     assert st.get("failures", {}) == counts_before
-    events = env.cluster.kubectl(
-        "get", "events", "-n", env.namespace, "--field-selector", "reason=InvalidSpec"
-    ).stdout
+
+    def invalid_spec_event() -> str:
+        # Events are posted off the reconcile path: shortly after the status says so.
+        return env.cluster.kubectl(
+            "get", "events", "-n", env.namespace, "--field-selector", "reason=InvalidSpec"
+        ).stdout
+
+    events = env.wait("the InvalidSpec Event", lambda: invalid_spec_event() or "")
     assert "spec.transfer.mode" in events, events
     # Nothing was undone meanwhile: the pair stays connected while the spec is unreadable.
     p0, d0 = env.workers["p0"], env.workers["d0"]
