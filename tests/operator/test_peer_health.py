@@ -14,7 +14,6 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from aiohttp import web
 
 from kvtopo_operator import workers as workers_module
 from kvtopo_operator.api import KVTopologySpec, KVTopologyStatus
@@ -33,8 +32,7 @@ from kvtopo_operator.model import (
     WorkerUnreachable,
     WorkerView,
 )
-from kvtopo_operator.workers import WorkerClient
-from tests.operator.test_workers import serve
+from tests.operator.test_workers import read_state
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 SPEC = KVTopologySpec.model_validate(
@@ -193,23 +191,11 @@ def test_the_client_reads_dropped_and_failing_and_takes_an_unknown_health_for_ok
         "started_at": 0.0,
     }
 
-    async def body() -> WorkerView | WorkerUnreachable:
-        app = web.Application()
-
-        async def get(_: web.Request) -> web.Response:
-            return web.json_response(state)
-
-        app.router.add_get("/v1/state", get)
-        runner, endpoint = await serve(app)
-        client = WorkerClient(None, token="tok")
-        try:
-            return await client.state(endpoint, 2.0)
-        finally:
-            await client.close()
-            await runner.cleanup()
+    def body() -> object:
+        return read_state(state, 2.0)
 
     with caplog.at_level(logging.WARNING, logger="kvtopo_operator.workers"):
-        view = asyncio.run(body())
+        view = body()
     assert isinstance(view, WorkerView), view
     assert view.unhealthy_peers == {"P0": "dropped: NIXL_ERR_REMOTE_DISCONNECT", "P1": "failing"}
     assert view.peers == {"P0", "P1", "P2", "P3", "P4", "P5"}

@@ -5,12 +5,10 @@ worker client."""
 
 from __future__ import annotations
 
-import asyncio
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from aiohttp import web
 from pydantic import ValidationError
 
 from kvtopo_operator.api import (
@@ -23,8 +21,7 @@ from kvtopo_operator.api import (
 )
 from kvtopo_operator.logic import invalid_spec
 from kvtopo_operator.model import WorkerView
-from kvtopo_operator.workers import WorkerClient
-from tests.operator.test_workers import serve
+from tests.operator.test_workers import read_state
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 SPEC = {
@@ -172,22 +169,10 @@ def test_a_newer_worker_is_read_not_called_unreachable() -> None:
         "accelerator": "h200",
     }
 
-    async def body() -> WorkerView | object:
-        app = web.Application()
+    def body() -> object:
+        return read_state(state, 2.0)
 
-        async def get(_: web.Request) -> web.Response:
-            return web.json_response(state)
-
-        app.router.add_get("/v1/state", get)
-        runner, endpoint = await serve(app)
-        client = WorkerClient(None, token="tok")
-        try:
-            return await client.state(endpoint, 2.0)
-        finally:
-            await client.close()
-            await runner.cleanup()
-
-    view = asyncio.run(body())
+    view = body()
     assert isinstance(view, WorkerView), view
     # One closed vocabulary in the status: a type this operator does not know is "other".
     assert view.failures == {"other": 3, "transfer_failed": 1}
@@ -219,21 +204,9 @@ def test_a_prefill_holding_thousands_of_peers_is_read_whole() -> None:
         "started_at": 0.0,
     }
 
-    async def body() -> WorkerView | object:
-        app = web.Application()
+    def body() -> object:
+        return read_state(state, 5.0)
 
-        async def get(_: web.Request) -> web.Response:
-            return web.json_response(state)
-
-        app.router.add_get("/v1/state", get)
-        runner, endpoint = await serve(app)
-        client = WorkerClient(None, token="tok")
-        try:
-            return await client.state(endpoint, 5.0)
-        finally:
-            await client.close()
-            await runner.cleanup()
-
-    view = asyncio.run(body())
+    view = body()
     assert isinstance(view, WorkerView), view
     assert len(view.peers) == 3000

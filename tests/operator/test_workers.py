@@ -30,6 +30,28 @@ async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
     return runner, f"127.0.0.1:{port}"
 
 
+def read_state(state: dict[str, object], timeout_s: float = 5.0) -> object:
+    """What `WorkerClient.state` makes of a worker answering `state` to `GET /v1/state`
+    (a real server on 127.0.0.1)."""
+
+    async def body() -> object:
+        app = web.Application()
+
+        async def get(_: web.Request) -> web.Response:
+            return web.json_response(state)
+
+        app.router.add_get("/v1/state", get)
+        runner, endpoint = await serve(app)
+        client = WorkerClient(None, token="tok")
+        try:
+            return await client.state(endpoint, timeout_s)
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    return asyncio.run(body())
+
+
 def run(body: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(body())
 
