@@ -1,49 +1,42 @@
 """Thin kopf handlers: watches in, pokes out. No decisions are made here.
 
-Owns the kopf registrations: the engine-pod index (pods filtered server-side on the
-`kvtopo.dev/role` label, grouped by namespace), the KVTopology index (each topology's name,
-creation time and spec, grouped by namespace: what the claim of a pod by at most one
-topology needs, see `logic.owned_pods`), the pod and KVTopology event handlers that poke the
-per-topology loops of `reconcile.Reconciler`, and start-up/clean-up. kopf fills every index
-from its initial listing before any handler runs, so no loop starts before it knows the
-other topologies of its namespace. The operator's configuration arrives in kopf's `memo`
-(see `main`). Handlers never return values (kopf would store them in `status.<handler>`)
-and add no finalizers.
+Owns the kopf registrations: the KVTopology index (each topology's name, creation time and
+spec, grouped by namespace: what the claim of a pod by at most one topology needs, see
+`logic.owned_pods`), the KVTopology event handler that starts, pokes and stops the
+per-topology loops of `reconcile.Reconciler`, and start-up/clean-up. Engine pods do not go
+through kopf: start-up starts the engine-pod watch (`podwatch.PodWatch`: a list and a watch
+per watched namespace, into one `PodStore`) and waits for its first lists, as kopf fills its
+index from its initial listing before any handler runs; a change to a namespace's engine
+pods pokes that namespace's loops, which read the pods through `_pod_source`. The
+operator's configuration arrives in kopf's `memo` (see `main`). Handlers never return values
+(kopf would store them in `status.<handler>`) and add no finalizers.
 
-With leader election (`memo.election`, see `leader`) kopf runs on every replica, so each one's
-pod index and its set of known KVTopology keys (with generations) stay current, but loops run
-only while this replica holds the Lease: gaining it starts a loop for every known topology at
-once, losing it cancels every loop at once. Without it this replica always acts.
+With leader election (`memo.election`, see `leader`) kopf and the pod watch run on every
+replica, so each one's pods and its set of known KVTopology keys (with generations) stay
+current, but loops run only while this replica holds the Lease: gaining it starts a loop for
+every known topology at once, losing it cancels every loop at once. Without it this replica
+always acts.
 
-The operator's own liveness: every `memo.relist_s` seconds the engine pods are listed afresh
-(`relist`), and an indexed pod whose UID that list no longer has is hidden from the loops
-(`LiveUids`): a watch that restarts after "410 Gone" replays only the pods still present,
-so kopf never hears of the deletions in the gap. kopf's own API calls get timeouts, as the
-operator's do (`kube.REQUEST_TIMEOUT_S`). A probe (`loops_probe`, served on kopf's
-`--liveness` endpoint) reports each loop's time since its last successful round and fails
-while a loop has not ended a round for `memo.stuck_after_s`.
+The operator's own liveness: every `memo.relist_s` seconds the pod watch lists its scope
+afresh, which drops the pods whose deletion a watch missed (one that restarts after "410
+Gone" replays only the pods still present); such drops are counted. kopf's own API calls get
+timeouts, as the operator's do (`kube.REQUEST_TIMEOUT_S`). A probe (`loops_probe`, served on
+kopf's `--liveness` endpoint) reports each loop's time since its last successful round and
+fails while a loop has not ended a round for `memo.stuck_after_s`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-import math
-import time
-from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import kopf
 from pydantic import ValidationError
 
 from kvtopo_operator.api import (
-    ENDPOINT_ANNOTATION,
     GROUP,
-    KV_CONNECTED_GATE,
     PLURAL,
-    ROLE_LABEL,
     VERSION,
     KVTopologySpec,
     read_tolerant,
@@ -54,6 +47,7 @@ from kvtopo_operator.model import (
     PodView,
     TopologyView,
 )
+from kvtopo_operator.podwatch import EnginePod, NotListedYet, PodApi, PodStore, PodWatch
 from kvtopo_operator.reconcile import Reconciler, Settings
 from kvtopo_operator.workers import WorkerClient
 from kvtopo_worker.endpoints import pod_endpoint
@@ -61,178 +55,97 @@ from kvtopo_worker.endpoints import pod_endpoint
 log = logging.getLogger(__name__)
 
 _state: dict[str, Any] = {}
-
-
-def _condition(status: dict[str, Any], kind: str) -> dict[str, Any] | None:
-    for cond in status.get("conditions") or []:
-        if isinstance(cond, dict) and cond.get("type") == kind:
-            return cond
-    return None
-
-
-def _engine_up(status: dict[str, Any]) -> tuple[bool, float | None]:
-    """Whether the pod's engine is up, and since when: ContainersReady (the pod's Ready may
-    wait for the kv-connected readiness gate, which waits for the operator); a pod whose
-    status has no ContainersReady (written by a tool, not a kubelet) is judged by Ready."""
-    cond = _condition(status, "ContainersReady") or _condition(status, "Ready")
-    if cond is None:
-        return False, None
-    ok = cond.get("status") == "True"
-    since = cond.get("lastTransitionTime")
-    ts = None
-    if ok and since:
-        ts = datetime.fromisoformat(str(since).replace("Z", "+00:00")).timestamp()
-    return ok, ts
-
-
-@kopf.index("pods", labels={ROLE_LABEL: kopf.PRESENT})
-def engine_pods(**kwargs: Any) -> dict[str, dict[str, Any]]:
-    """Index: namespace -> the engine pods in it (what the reconciler needs of each)."""
-    labels, annotations = kwargs["labels"], kwargs["annotations"]
-    status, meta, spec = kwargs["status"], kwargs["meta"], kwargs["spec"]
-    ready, since = _engine_up(status)
-    gates = spec.get("readinessGates") or []
-    gate = _condition(status, KV_CONNECTED_GATE) or {}
-    return {
-        kwargs["namespace"]: {
-            "name": kwargs["name"],
-            "role": labels.get(ROLE_LABEL, ""),
-            "labels": dict(labels),
-            "ready": ready,
-            "ready_since": since,
-            "deleting": meta.get("deletionTimestamp") is not None,
-            "uid": meta.get("uid") or "",
-            "pod_ips": _pod_ips(status),
-            "endpoint": str(annotations.get(ENDPOINT_ANNOTATION, ""))[:256],
-            "indexed_at": time.monotonic(),  # see LiveUids
-            "gated": any(
-                isinstance(g, dict) and g.get("conditionType") == KV_CONNECTED_GATE for g in gates
-            ),
-            "gate": str(gate.get("status") or ""),
-        }
-    }
-
-
-def _pod_ips(status: dict[str, Any]) -> list[str]:
-    """The pod's IPs, primary first (`status.podIPs`, else `status.podIP`)."""
-    ips = [str(x.get("ip", "")) for x in status.get("podIPs") or [] if isinstance(x, dict)]
-    ips = [ip for ip in ips if ip]
-    if not ips and status.get("podIP"):
-        ips = [str(status["podIP"])]
-    return ips
+LIST_WAIT_S = 30.0  # how long start-up waits for the first lists of the engine pods
 
 
 def _pod_source(namespace: str, control_port: int) -> Iterable[PodView]:
-    index = _state.get("engine_pods")
-    if index is None or namespace not in index:
-        return []
+    """The namespace's engine pods as the loops see them (from the pod watch's store). A
+    pod's view is built once per version of it and control port."""
+    store: PodStore | None = _state.get("pods")
+    if store is None:
+        raise NotListedYet("the engine-pod watch has not started")
     allow_host = bool(_state.get("allow_endpoint_host"))
-    live: LiveUids | None = _state.get("live")
+    cache: dict[str, tuple[EnginePod, int, PodView]] = _state.setdefault("views", {})
     out = []
-    for rec in index[namespace]:
-        if live is not None and live.gone(namespace, rec):
-            continue  # deleted while the watch was away (see `relist`)
+    for pod in store.pods(namespace):
+        hit = cache.get(pod.uid)
+        if hit is not None and hit[0] is pod and hit[1] == control_port:
+            out.append(hit[2])
+            continue
         endpoint, refused = pod_endpoint(
-            rec["pod_ips"], rec["endpoint"], control_port, allow_host=allow_host
+            pod.pod_ips, pod.endpoint, control_port, allow_host=allow_host
         )
-        out.append(
-            PodView(
-                name=rec["name"],
-                role=rec["role"],
-                labels=rec["labels"],
-                ready=rec["ready"],
-                deleting=rec["deleting"],
-                endpoint=str(endpoint) if endpoint is not None else "",
-                ready_since=rec["ready_since"],
-                uid=rec["uid"],
-                endpoint_error=refused,
-                gated=rec.get("gated", False),
-                gate=rec.get("gate", ""),
-            )
+        view = PodView(
+            name=pod.name,
+            role=pod.role,
+            labels=pod.labels,
+            ready=pod.ready,
+            deleting=pod.deleting,
+            endpoint=str(endpoint) if endpoint is not None else "",
+            ready_since=pod.ready_since,
+            uid=pod.uid,
+            endpoint_error=refused,
+            gated=pod.gated,
+            gate=pod.gate,
         )
+        cache[pod.uid] = (pod, control_port, view)
+        out.append(view)
     return out
 
 
-class LiveUids:
-    """What the latest relist of each scope (a namespace; None: the whole cluster) found:
-    when it started (monotonic) and the UIDs of the engine pods it listed.
-
-    An engine-pod index record is gone when the latest relist covering its namespace
-    started after the record was indexed (its `indexed_at`) and did not list its UID: the
-    pod was deleted, or lost its role label, and the watch never said so. A record indexed
-    after the list started (a pod created or changed meanwhile) is kept whatever the list
-    found, and so is one of a namespace no relist has covered yet.
-    """
-
-    def __init__(self) -> None:
-        self._seen: dict[str | None, tuple[float, frozenset[str]]] = {}
-        self._gone: set[str] = set()  # the UIDs gone at the last sweep
-
-    def observe(self, scope: str | None, started: float, uids: Iterable[str]) -> None:
-        """A list of `scope` that started at `started` found `uids`."""
-        self._seen[scope] = (started, frozenset(uids))
-
-    def gone(self, namespace: str, rec: Mapping[str, Any]) -> bool:
-        seen = self._seen.get(namespace) or self._seen.get(None)
-        if seen is None:
-            return False
-        started, uids = seen
-        return rec.get("uid") not in uids and float(rec.get("indexed_at", math.inf)) < started
-
-    def sweep(self, index: Mapping[str, Iterable[Mapping[str, Any]]]) -> dict[str, list[str]]:
-        """The records of `index` gone now that were not at the last sweep: their names, by
-        namespace (each one is counted once)."""
-        gone: set[str] = set()
-        new: dict[str, list[str]] = {}
-        for namespace in index:
-            for rec in index[namespace]:
-                if self.gone(namespace, rec):
-                    gone.add(rec["uid"])
-                    if rec["uid"] not in self._gone:
-                        new.setdefault(namespace, []).append(rec["name"])
-        self._gone = gone
-        return new
-
-
-async def relist(api: ClusterApi, namespaces: Sequence[str] | None) -> dict[str, list[str]]:
-    """Lists the engine pods of each watched namespace afresh (`namespaces`; None: the whole
-    cluster, in one list; metadata only) and hides from the loops every indexed pod whose
-    UID the list did not find (`LiveUids`); pokes the loops of each namespace that lost a
-    pod. Returns the pods dropped now, by namespace. A namespace whose list fails keeps
-    what the last list of it found."""
-    live: LiveUids = _state.setdefault("live", LiveUids())
-    metrics = _state["metrics"]
-    for scope in [None] if namespaces is None else namespaces:
-        started = time.monotonic()
-        try:
-            items = await asyncio.to_thread(api.list_pods, scope, ROLE_LABEL, metadata_only=True)
-        except Exception as exc:  # 403, a timeout: the next relist tries again
-            metrics.relist_failures.inc()
-            log.warning("relisting the engine pods of %s: %s", scope or "all namespaces", exc)
-            continue
-        live.observe(scope, started, (str(i["metadata"].get("uid") or "") for i in items))
-    dropped = live.sweep(_state.get("engine_pods") or {})
+def _pods_changed(namespace: str) -> None:
     reconciler: Reconciler | None = _state.get("reconciler")
-    for namespace, names in dropped.items():
-        metrics.stale_pods_dropped.inc(len(names))
-        log.warning(
-            "%s: dropping %d engine pods whose deletion the watch missed: %s",
-            namespace,
-            len(names),
-            ", ".join(sorted(names)[:20]),
-        )
-        if reconciler is not None:
-            reconciler.poke_namespace(namespace)
-    return dropped
+    if reconciler is not None:
+        reconciler.poke_namespace(namespace)
 
 
-async def _relist_every(api: ClusterApi, namespaces: Sequence[str] | None, period_s: float) -> None:
-    while True:
-        await asyncio.sleep(period_s)  # the period itself, not a wait for something
-        try:
-            await relist(api, namespaces)
-        except Exception:
-            log.exception("relisting the engine pods failed")
+def _pods_dropped(pods: list[EnginePod]) -> None:
+    """A list dropped pods whose deletion the watch never reported (a relist after "410
+    Gone", or the periodic relist): counted and logged; the loops were poked already."""
+    views: dict[str, Any] = _state.get("views", {})
+    for pod in pods:
+        views.pop(pod.uid, None)
+    metrics = _state.get("metrics")
+    if metrics is not None:
+        metrics.stale_pods_dropped.inc(len(pods))
+    names = sorted(f"{p.namespace}/{p.name}" for p in pods)
+    log.warning(
+        "dropping %d engine pods whose deletion the watch missed: %s",
+        len(names),
+        ", ".join(names[:20]),
+    )
+
+
+def _watch_failed(scope: str | None, exc: Exception) -> None:
+    metrics = _state.get("metrics")
+    if metrics is not None:
+        metrics.relist_failures.inc()
+
+
+def start_pod_watch(
+    api: PodApi,
+    namespaces: Sequence[str] | None,
+    relist_s: float,
+    store: PodStore | None = None,
+) -> PodWatch:
+    """Starts the engine-pod watch of `namespaces` (None: the whole cluster) into the store
+    the loops read (`_pod_source`): a new one, or `store` (what an earlier watch left)."""
+    store = store if store is not None else PodStore()
+    _state["pods"] = store
+    _state.setdefault("views", {})
+    watch = PodWatch(
+        api,
+        [None] if namespaces is None else list(namespaces),
+        store,
+        on_change=_pods_changed,
+        dropped=_pods_dropped,
+        failed=_watch_failed,
+        malformed=lambda: None,
+        relist_s=relist_s,
+    )
+    watch.start()
+    _state["pod_watch"] = watch
+    return watch
 
 
 @kopf.index(GROUP, VERSION, PLURAL)
@@ -299,14 +212,15 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     _state.setdefault("known", {})
     resync_s = float(memo.get("resync_s", 2.0))
     _state["stuck_after_s"] = float(memo.get("stuck_after_s") or max(120.0, 10 * resync_s))
-    relist_s = float(memo.get("relist_s") or 0)
-    if relist_s > 0:
-        _state["relister"] = asyncio.create_task(
-            _relist_every(
-                ClusterApi(memo.get("kubeconfig")), memo.get("watch_namespaces"), relist_s
-            ),
-            name="kvtopo-relist",
-        )
+    watch = start_pod_watch(
+        ClusterApi(memo.get("kubeconfig")),
+        memo.get("watch_namespaces"),
+        float(memo.get("relist_s") or 0),
+    )
+    # Like kopf's indexes: no loop starts before it knows the pods (a loop asking earlier
+    # gets NotListedYet, and its round fails and is retried).
+    if not await watch.wait_listed(LIST_WAIT_S):
+        log.warning("engine pods not listed after %gs; the loops wait for them", LIST_WAIT_S)
     election = memo.get("election")
     if election is None:  # standalone: this replica always acts
         _set_leading(True)
@@ -383,11 +297,9 @@ async def loops_probe(**_: Any) -> dict[str, Any]:
 
 @kopf.on.cleanup()
 async def stop(**_: Any) -> None:
-    relister: asyncio.Task[None] | None = _state.pop("relister", None)
-    if relister is not None:
-        relister.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await relister
+    watch: PodWatch | None = _state.pop("pod_watch", None)
+    if watch is not None:
+        watch.stop()
     elector: LeaderElector | None = _state.pop("elector", None)
     if elector is not None:  # stops the loops first, then releases the Lease
         await elector.stop()
@@ -396,18 +308,8 @@ async def stop(**_: Any) -> None:
         await reconciler.stop()
 
 
-@kopf.on.event("pods", labels={ROLE_LABEL: kopf.PRESENT})
-async def pod_changed(**kwargs: Any) -> None:
-    _state["engine_pods"] = kwargs["engine_pods"]
-    _state["kv_topologies"] = kwargs["kv_topologies"]
-    reconciler = _state.get("reconciler")
-    if reconciler is not None:
-        reconciler.poke_namespace(kwargs["namespace"])
-
-
 @kopf.on.event(GROUP, VERSION, PLURAL)
 async def topology_changed(**kwargs: Any) -> None:
-    _state["engine_pods"] = kwargs["engine_pods"]
     _state["kv_topologies"] = kwargs["kv_topologies"]
     key = (kwargs["namespace"], kwargs["name"])
     known: dict[tuple[str, str], int] = _state.setdefault("known", {})

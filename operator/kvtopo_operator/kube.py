@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -140,6 +141,56 @@ class ClusterApi:
             resp = self.core.list_namespaced_pod(namespace, **kwargs)
         items: list[dict[str, Any]] = json.loads(resp.data)["items"]
         return items
+
+    def list_pods_raw(
+        self, namespace: str | None, label_selector: str, *, limit: int, cont: str
+    ) -> bytes:
+        """One page of a pod list, as the API server's JSON (`podwatch` decodes it)."""
+        kwargs: dict[str, Any] = {
+            "label_selector": label_selector,
+            "limit": limit,
+            "_preload_content": False,
+            "_request_timeout": self.request_timeout,
+        }
+        if cont:
+            kwargs["_continue"] = cont
+        if namespace is None:
+            resp = self.core.list_pod_for_all_namespaces(**kwargs)
+        else:
+            resp = self.core.list_namespaced_pod(namespace, **kwargs)
+        return cast(bytes, resp.data)
+
+    def watch_pods_raw(
+        self, namespace: str | None, label_selector: str, *, resource_version: str, timeout_s: int
+    ) -> Iterator[bytes]:
+        """A watch of pods from `resource_version`: its lines (one JSON event each) as they
+        arrive, until the server ends it after `timeout_s` (bookmarks on). A read waits at most
+        `timeout_s` plus the request timeout."""
+        kwargs: dict[str, Any] = {
+            "label_selector": label_selector,
+            "watch": True,
+            "resource_version": resource_version,
+            "timeout_seconds": timeout_s,
+            "allow_watch_bookmarks": True,
+            "_preload_content": False,
+            "_request_timeout": (self.request_timeout[0], timeout_s + self.request_timeout[1]),
+        }
+        if namespace is None:
+            resp = self.core.list_pod_for_all_namespaces(**kwargs)
+        else:
+            resp = self.core.list_namespaced_pod(namespace, **kwargs)
+        try:
+            rest = b""
+            for chunk in resp.stream(65536, decode_content=True):
+                rest += chunk
+                *lines, rest = rest.split(b"\n")
+                for line in lines:
+                    if line.strip():
+                        yield line
+            if rest.strip():
+                yield rest
+        finally:
+            resp.release_conn()
 
     def annotate_pod(self, namespace: str, name: str, annotations: dict[str, str]) -> None:
         """Sets annotations on a pod (a merge patch)."""

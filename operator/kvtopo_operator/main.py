@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         memo.lease_identity = args.leader_elect_identity or default_identity(
             os.environ.get("POD_NAME")
         )
-    assert handlers.engine_pods is not None
+    assert handlers.kv_topologies is not None
     kopf.run(
         standalone=args.peering is None,
         peering_name=args.peering,

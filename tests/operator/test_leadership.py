@@ -117,7 +117,6 @@ async def event(kind: str | None, name: str, generation: int) -> None:
         namespace="ns",
         name=name,
         meta={"generation": generation},
-        engine_pods={},
         kv_topologies={},
     )
 
@@ -141,7 +140,7 @@ async def test_handlers_remember_topologies_as_standby_and_act_only_while_leadin
     await event("MODIFIED", "b", 3)
     await event("ADDED", "c", 1)
     await event("DELETED", "c", 1)
-    await handlers.pod_changed(namespace="ns", engine_pods={}, kv_topologies={})
+    handlers._pods_changed("ns")  # the pod watch saw a change
     assert handlers._state["known"] == {("ns", "a"): 1, ("ns", "b"): 3}
     assert [c for c in rec.calls if c[0] != "poke"] == []
 

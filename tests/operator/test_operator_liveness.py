@@ -7,10 +7,8 @@
 - The request timeouts keep a loop from wedging: a reconciler with a real `KubeClient` whose
   API server accepts the connection and never answers ends its first round (failed) within
   the timeout instead of hanging in it.
-- The relist rule (`handlers.LiveUids`): an indexed pod is dropped only when a list that
-  started after it was indexed did not find its UID; `handlers.relist` drops, counts once,
-  pokes, and keeps a pod indexed while it listed; `handlers._pod_source` hides what it
-  dropped.
+- (The relist that drops pods whose deletion a watch missed: `test_podwatch.py` and
+  `test_relist_cluster.py`.)
 - The command line's --relist-seconds and --stuck-after-seconds.
 
 Every wait polls real state with a deadline.
@@ -30,8 +28,7 @@ import kopf
 import pytest
 
 from kvtopo_operator import handlers
-from kvtopo_operator.handlers import LiveUids
-from kvtopo_operator.kube import ClusterApi, KubeClient
+from kvtopo_operator.kube import KubeClient
 from kvtopo_operator.main import parse_args
 from kvtopo_operator.metrics import OperatorMetrics
 from kvtopo_operator.reconcile import Reconciler, Settings
@@ -40,7 +37,6 @@ from kvtopo_operator.workers import WorkerClient
 KEY = ("ns", "llama")
 # kopf's decorators type what they register as kopf's callbacks; called here directly.
 probe = cast(Callable[[], Awaitable[dict[str, Any]]], handlers.loops_probe)
-index_pod = cast(Callable[..., dict[str, Any]], handlers.engine_pods)
 SPEC = {
     "prefill": {"selector": {"matchLabels": {"kvtopo.dev/role": "prefill"}}},
     "decode": {"selector": {"matchLabels": {"kvtopo.dev/role": "decode"}}},
@@ -212,139 +208,6 @@ async def test_request_timeouts_end_a_round_against_an_api_server_that_never_ans
         assert r.stuck(10) == []
     finally:
         await r.stop()
-
-
-# --- the relist -----------------------------------------------------------------------------
-
-
-def record(name: str, uid: str, indexed_at: float | None = None) -> dict[str, Any]:
-    """An engine-pod index record, as `handlers.engine_pods` makes one from a pod."""
-    pod: dict[str, Any] = {
-        "metadata": {
-            "name": name,
-            "namespace": "ns",
-            "uid": uid,
-            "labels": {"kvtopo.dev/role": "prefill", "app": "llama"},
-            "annotations": {},
-        },
-        "spec": {},
-        "status": {"podIP": "10.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
-    }
-    meta: dict[str, Any] = pod["metadata"]
-    (rec,) = index_pod(
-        namespace="ns",
-        name=name,
-        uid=uid,
-        labels=meta["labels"],
-        annotations=meta["annotations"],
-        meta=meta,
-        spec=pod["spec"],
-        status=pod["status"],
-        body=pod,
-    ).values()
-    if indexed_at is not None:
-        rec["indexed_at"] = indexed_at
-    return cast(dict[str, Any], rec)
-
-
-def test_a_pod_is_gone_only_when_a_list_that_started_after_it_was_indexed_lacks_it() -> None:
-    live = LiveUids()
-    old, new = record("old", "u-old", 10.0), record("new", "u-new", 20.0)
-    assert not live.gone("ns", old), "no list has covered the namespace yet"
-
-    live.observe("ns", 15.0, ["u-other"])
-    assert live.gone("ns", old)  # indexed at 10, not in a list started at 15
-    assert not live.gone("ns", new), "indexed after the list started: it may be newer"
-    assert not live.gone("other-ns", old), "another namespace's list says nothing of it"
-    assert not live.gone("ns", {"uid": "u-x", "name": "x"}), "no indexing time: kept"
-
-    live.observe("ns", 25.0, ["u-old"])
-    assert not live.gone("ns", old), "listed again"
-    assert live.gone("ns", new)
-
-    everywhere = LiveUids()
-    everywhere.observe(None, 15.0, ["u-new"])  # a cluster-wide list covers every namespace
-    assert everywhere.gone("ns", old) and everywhere.gone("other-ns", old)
-    assert not everywhere.gone("ns", new)
-
-
-def test_sweep_reports_each_gone_pod_once() -> None:
-    live = LiveUids()
-    index = {"ns": [record("a", "u-a", 1.0), record("b", "u-b", 1.0)], "ns2": []}
-    live.observe("ns", 2.0, ["u-a"])
-    assert live.sweep(index) == {"ns": ["b"]}
-    assert live.sweep(index) == {}, "counted once"
-    live.observe("ns", 3.0, [])
-    assert live.sweep(index) == {"ns": ["a"]}
-
-
-class Lister:
-    """`list_pods` of a `ClusterApi`: answers `uids` by namespace; while it lists, it runs
-    `during` once (what kopf may index meanwhile); `fail` namespaces raise."""
-
-    def __init__(self, uids: dict[str | None, list[str]], fail: tuple[str, ...] = ()) -> None:
-        self.uids = uids
-        self.fail = fail
-        self.during: Callable[[], None] = lambda: None
-        self.calls: list[tuple[str | None, str, bool]] = []
-
-    def list_pods(
-        self, namespace: str | None, selector: str, *, metadata_only: bool = False
-    ) -> list[dict[str, Any]]:
-        self.calls.append((namespace, selector, metadata_only))
-        during, self.during = self.during, lambda: None  # once
-        during()
-        if namespace in self.fail:
-            raise TimeoutError("read timed out")
-        return [{"metadata": {"uid": u}} for u in self.uids.get(namespace, [])]
-
-
-class Pokes:
-    def __init__(self) -> None:
-        self.namespaces: list[str] = []
-
-    def poke_namespace(self, namespace: str) -> None:
-        self.namespaces.append(namespace)
-
-
-@pytest.mark.asyncio
-async def test_relist_drops_gone_pods_keeps_one_indexed_meanwhile_counts_and_pokes(
-    state: dict[str, Any],
-) -> None:
-    index: dict[str, list[dict[str, Any]]] = {
-        "ns": [record("alive", "u-alive"), record("gone", "u-gone")],
-        "ns2": [record("elsewhere", "u-e")],
-    }
-    pokes = Pokes()
-    state.update(engine_pods=index, reconciler=pokes, allow_endpoint_host=False)
-    lister = Lister({"ns": ["u-alive"]}, fail=("ns2",))
-    # A pod created while the list runs (and indexed then) is not in the list: kept.
-    lister.during = lambda: index["ns"].append(record("born", "u-born"))
-    metrics: OperatorMetrics = state["metrics"]
-
-    def dropped_total() -> float | None:
-        return metrics.registry.get_sample_value("kvtopo_operator_stale_pods_dropped_total")
-
-    names = [p.name for p in handlers._pod_source("ns", 8975)]
-    assert names == ["alive", "gone"], "before the relist the loops see the gone pod"
-
-    dropped = await handlers.relist(cast(ClusterApi, lister), ["ns", "ns2"])
-    assert dropped == {"ns": ["gone"]}
-    assert lister.calls == [
-        ("ns", "kvtopo.dev/role", True),
-        ("ns2", "kvtopo.dev/role", True),
-    ]
-    assert [p.name for p in handlers._pod_source("ns", 8975)] == ["alive", "born"]
-    # The namespace whose list failed keeps its pods.
-    assert [p.name for p in handlers._pod_source("ns2", 8975)] == ["elsewhere"]
-    assert pokes.namespaces == ["ns"]
-    assert dropped_total() == 1.0
-    assert metrics.registry.get_sample_value("kvtopo_operator_relist_failures_total") == 1.0
-
-    # The next relist finds nothing new to drop: no count, no poke.
-    lister.uids["ns"] = ["u-alive", "u-born"]
-    assert await handlers.relist(cast(ClusterApi, lister), ["ns"]) == {}
-    assert dropped_total() == 1.0 and pokes.namespaces == ["ns"]
 
 
 # --- the command line -----------------------------------------------------------------------

@@ -1,21 +1,23 @@
-"""The periodic relist against the real kube-apiserver (tier a): a stale pod-index entry is
-dropped.
+"""The engine-pod watch against the real kube-apiserver (tier a): it follows the server, and
+a list after a gap drops the pods whose deletion the watch missed.
 
-kopf's gap is reproduced as kopf would leave it: the engine-pod index is filled by the real
-index function (`handlers.engine_pods`) from the pods as the API server has them, then pods
-are deleted on the server without the index hearing of it (a watch that restarted after
-"410 Gone" replays only the pods still present). One pod is deleted and created again under
-the same name, the watch having seen only the new one, so the index holds both (the double
-count of a reused name or IP). `handlers.relist` lists the engine pods from the API server
-(metadata only, per namespace or cluster-wide) and the loops' view of the pods
-(`handlers._pod_source`) then holds exactly the live ones; the drops are counted once and the
-namespace's loops are poked.
+- The real `PodWatch` (`handlers.start_pod_watch`, the operator's `ClusterApi`) lists and
+  then watches: pods created, made Ready and deleted on the server reach the loops' view
+  (`handlers._pod_source`), and each change pokes the namespace.
+- The gap, as a watch restarted after "410 Gone" leaves it: a watch is stopped, pods are
+  deleted on the server (one deleted and created again under the same name: the double count
+  of a reused name or IP), and a new watch starts on the store the first one left. Its list
+  replaces the namespace's pods: the loops' view then holds exactly the live ones, and the
+  drops are counted once (`stale_pods_dropped`) and the namespace's loops are poked. Per
+  namespace and cluster-wide.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Callable, Iterator
-from typing import Any, cast
+from typing import Any
 
 import pytest
 
@@ -24,10 +26,7 @@ from kvtopo.drill.manifests import Role
 from kvtopo_operator import handlers
 from kvtopo_operator.kube import ClusterApi
 from kvtopo_operator.metrics import OperatorMetrics
-from tests.cluster.kube import create_engine_pod, create_namespace, get_json
-
-# kopf's decorator types the index function as kopf's callback; called here directly.
-index_pod = cast(Callable[..., dict[str, Any]], handlers.engine_pods)
+from tests.cluster.kube import create_engine_pod, create_namespace, mark_pod_ready
 
 
 @pytest.fixture
@@ -35,26 +34,6 @@ def ns(cluster_a: LocalCluster) -> Iterator[str]:
     name = create_namespace(cluster_a, "kvt-relist", wait_for_sa=False)
     yield name
     cluster_a.kubectl("delete", "namespace", name, "--wait=false", check=False)
-
-
-def indexed(cluster: LocalCluster, namespace: str, name: str) -> dict[str, Any]:
-    """The pod's engine-pod index record, made by kopf's index function from the pod as the
-    API server has it."""
-    pod = get_json(cluster, "pod", name, "-n", namespace)
-    meta = pod["metadata"]
-    (rec,) = index_pod(
-        namespace=namespace,
-        name=name,
-        uid=meta["uid"],
-        labels=meta.get("labels", {}),
-        annotations=meta.get("annotations", {}),
-        meta=meta,
-        spec=pod.get("spec", {}),
-        status=pod.get("status", {}),
-        body=pod,
-    ).values()
-    assert isinstance(rec, dict)
-    return rec
 
 
 def delete(cluster: LocalCluster, namespace: str, name: str) -> None:
@@ -69,52 +48,73 @@ class Pokes:
         self.namespaces.append(namespace)
 
 
+async def until(what: str, probe: Callable[[], Any], timeout_s: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("scope", ["namespaced", "cluster-wide"])
-async def test_relist_drops_the_pods_deleted_while_the_watch_was_away(
+async def test_a_list_after_a_gap_drops_the_pods_deleted_while_the_watch_was_away(
     cluster_a: LocalCluster, ns: str, scope: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pods: list[tuple[str, Role]] = [("keep", "prefill"), ("gone", "decode"), ("again", "decode")]
-    for name, role in pods:
-        create_engine_pod(cluster_a, ns, name, role)
-    index: dict[str, list[dict[str, Any]]] = {
-        ns: [indexed(cluster_a, ns, n) for n in ("keep", "gone", "again")]
-    }
-    # The gap: "gone" is deleted, "again" deleted and created anew; the watch came back
-    # with only the new "again".
-    delete(cluster_a, ns, "gone")
-    delete(cluster_a, ns, "again")
-    new_uid = create_engine_pod(cluster_a, ns, "again", "decode")
-    index[ns].append(indexed(cluster_a, ns, "again"))
-
     metrics, pokes = OperatorMetrics(), Pokes()
     monkeypatch.setattr(
         handlers,
         "_state",
-        {
-            "engine_pods": index,
-            "metrics": metrics,
-            "reconciler": pokes,
-            "allow_endpoint_host": False,
-        },
+        {"metrics": metrics, "reconciler": pokes, "allow_endpoint_host": False},
     )
+    api = ClusterApi(cluster_a.kubeconfig)
+    namespaces = [ns] if scope == "namespaced" else None
 
     def seen() -> list[tuple[str, str]]:
         return sorted((p.name, p.uid) for p in handlers._pod_source(ns, 8975))
 
-    assert len(seen()) == 4, "without a relist the loops see the deleted pods"
+    first = handlers.start_pod_watch(api, namespaces, relist_s=0)
+    try:
+        assert await first.wait_listed(30)
+        pods: list[tuple[str, Role]] = [
+            ("keep", "prefill"),
+            ("gone", "decode"),
+            ("again", "decode"),
+        ]
+        uids = {name: create_engine_pod(cluster_a, ns, name, role) for name, role in pods}
+        await until("the watch to see the three pods", lambda: len(seen()) == 3)
+        assert ns in pokes.namespaces
+        mark_pod_ready(cluster_a, ns, "keep", ["10.9.0.1"])
+        await until(
+            "the watch to see keep Ready",
+            lambda: [p.ready for p in handlers._pod_source(ns, 8975) if p.name == "keep"] == [True],
+        )
+    finally:
+        first.stop()
+    store = handlers._state["pods"]
 
-    api = ClusterApi(cluster_a.kubeconfig)
-    namespaces = [ns] if scope == "namespaced" else None
-    dropped = await handlers.relist(api, namespaces)
-    assert {k: sorted(v) for k, v in dropped.items()} == {ns: ["again", "gone"]}
-    keep_uid = get_json(cluster_a, "pod", "keep", "-n", ns)["metadata"]["uid"]
-    assert seen() == [("again", new_uid), ("keep", keep_uid)]
-    assert pokes.namespaces == [ns]
+    # The gap: "gone" is deleted, "again" deleted and created anew; no watch runs.
+    delete(cluster_a, ns, "gone")
+    delete(cluster_a, ns, "again")
+    new_uid = create_engine_pod(cluster_a, ns, "again", "decode")
+    assert seen() == sorted((n, u) for n, u in uids.items()), "the store still has them"
+
+    pokes.namespaces.clear()
     total = "kvtopo_operator_stale_pods_dropped_total"
-    assert metrics.registry.get_sample_value(total) == 2.0
-
-    # Counted once: the next relist drops nothing new.
-    assert await handlers.relist(api, namespaces) == {}
-    assert metrics.registry.get_sample_value(total) == 2.0 and pokes.namespaces == [ns]
-    assert seen() == [("again", new_uid), ("keep", keep_uid)]
+    second = handlers.start_pod_watch(api, namespaces, relist_s=0, store=store)
+    try:
+        await until(
+            "the list to drop the deleted pods", lambda: metrics.registry.get_sample_value(total)
+        )
+        assert seen() == sorted([("again", new_uid), ("keep", uids["keep"])])
+        assert metrics.registry.get_sample_value(total) == 2.0
+        assert ns in pokes.namespaces
+        # Counted once: what the watch sees next is followed, not dropped again.
+        delete(cluster_a, ns, "keep")
+        await until("the watch to see keep deleted", lambda: seen() == [("again", new_uid)])
+        assert metrics.registry.get_sample_value(total) == 2.0
+    finally:
+        second.stop()
