@@ -219,12 +219,16 @@ class KubeClient:
     async def patch_status(
         self, namespace: str, name: str, status: dict[str, Any], resource_version: str
     ) -> bool:
-        """Replaces `.status` (merge patch of the whole object); False on a conflict."""
+        """Replaces `.status` (merge patch of the whole object); False on a conflict or when
+        the object is gone. With `resource_version` ("" for none) the write is conditional
+        on that version."""
 
         def call() -> bool:
-            body = {"metadata": {"resourceVersion": resource_version}, "status": status}
+            body: dict[str, Any] = {"status": status}
+            if resource_version:
+                body["metadata"] = {"resourceVersion": resource_version}
             try:
-                # A dict body is sent as a JSON merge patch; the resourceVersion in it makes
+                # A dict body is sent as a JSON merge patch; a resourceVersion in it makes
                 # the write conditional on the version we read.
                 self._custom.patch_namespaced_custom_object_status(
                     GROUP,

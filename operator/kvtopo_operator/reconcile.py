@@ -93,6 +93,13 @@ class _Loop:
     # when one last succeeded (None: never); monotonic. See `Reconciler.stuck`.
     round_ended: float = field(default_factory=time.monotonic)
     succeeded: float | None = None
+    # The status: the last one a round decided (the next round's "previous"; read from the
+    # server only by a loop's first round), what the server was last known to hold, and the
+    # one still to write (see `Reconciler._write_status`).
+    status: KVTopologyStatus | None = None
+    written: dict[str, Any] | None = None
+    unwritten: dict[str, Any] | None = None
+    writer: asyncio.Task[None] | None = None
 
 
 @dataclass
@@ -155,6 +162,8 @@ class Reconciler:
         loop = self._loops.pop(key, None)
         if loop is not None:
             loop.task.cancel()
+            if loop.writer is not None:
+                loop.writer.cancel()
 
     def cancel_all(self) -> None:
         """Cancels every loop at once (leadership lost); the clients stay open, so `ensure`
@@ -236,11 +245,18 @@ class Reconciler:
         loop.generation = generation
         # Read tolerantly: what a newer CRD or operator wrote and this one does not know is
         # ignored (and logged once), never a reason to skip the topology or forget its status.
-        try:
-            previous, ignored = read_tolerant(KVTopologyStatus, body.get("status"), ".status")
-        except ValidationError as exc:  # nothing of it could be kept
-            log.warning("%s/%s: the status cannot be read, starting afresh: %s", *key, exc)
-            previous, ignored = KVTopologyStatus(), [".status"]
+        # The server's status is read by a loop's first round (an operator restart or a new
+        # leader carries on from it); later rounds carry on from the one the last decided,
+        # whether or not its write has landed yet.
+        ignored: list[str] = []
+        previous = loop.status
+        if previous is None:
+            try:
+                previous, ignored = read_tolerant(KVTopologyStatus, body.get("status"), ".status")
+            except ValidationError as exc:  # nothing of it could be kept
+                log.warning("%s/%s: the status cannot be read, starting afresh: %s", *key, exc)
+                previous, ignored = KVTopologyStatus(), [".status"]
+            loop.written = dump(previous)
         try:
             spec, ignored_spec = read_tolerant(
                 KVTopologySpec, body.get("spec"), ".spec", drop_invalid=False
@@ -308,20 +324,10 @@ class Reconciler:
                 plan.memory, counts=dict(status.failures.counts), last=status.failures.last
             )
         acted, act_events = out.acted, [*out.events, *settle_events]
-        new, old = dump(status), dump(previous)
-        if new != old:
-            try:
-                written = await self.kube.patch_status(
-                    namespace, name, new, body["metadata"]["resourceVersion"]
-                )
-            except Exception as exc:  # 403, 429, an admission webhook, a timeout
-                # The round's decisions stand and its timers are remembered (loop.memory);
-                # only the record is late: written again next round.
-                log.warning("%s/%s: the status write failed: %s", *key, exc)
-                self.metrics.status_write_failures.inc()
-                written = True  # nothing moved under us: no need to re-read at once
-            if not written:
-                loop.poke.set()  # the object moved under us: read it again at once
+        loop.status = status
+        new = dump(status)
+        if new != loop.written or loop.unwritten is not None:
+            self._write_status(key, loop, new)
         for event in (*plan.events, *act_events):
             self.events.record(body, event)
         # The readiness gate of the pods that list it, from the outcome of acting.
@@ -330,6 +336,41 @@ class Reconciler:
             await self._set_gates(namespace, pods, changes, sem, now)
         self._observe(key, loop, plan, pods, time.monotonic() - started)
         return acted, plan.wake_in_s
+
+    def _write_status(self, key: TopologyKey, loop: _Loop, status: dict[str, Any]) -> None:
+        """Hands the round's status to the loop's writer, off the round's path: one write in
+        flight at a time, and a status decided while one is in flight replaces any still
+        waiting (only the newest is written). The status subresource has one writer, the
+        leading replica's loop, so the write (a merge patch of the whole status) carries no
+        resourceVersion precondition: a loop's own writes would otherwise conflict with each
+        other. A write that fails (403, 429, an admission webhook, a timeout) is retried,
+        newest first, after `retry_s`; the rounds' decisions and timers never wait for it
+        (`loop.memory`, `loop.status`)."""
+        loop.unwritten = status
+        if loop.writer is None or loop.writer.done():
+            loop.writer = asyncio.create_task(
+                self._writer(key, loop), name=f"kvtopo-status-{key[0]}/{key[1]}"
+            )
+
+    async def _writer(self, key: TopologyKey, loop: _Loop) -> None:
+        namespace, name = key
+        while loop.unwritten is not None:
+            status, loop.unwritten = loop.unwritten, None
+            if status == loop.written:
+                continue
+            try:
+                found = await self.kube.patch_status(namespace, name, status, "")
+            except Exception as exc:
+                log.warning("%s/%s: the status write failed: %s", *key, exc)
+                self.metrics.status_write_failures.inc()
+                if loop.unwritten is None:
+                    loop.unwritten = status
+                await asyncio.sleep(self.settings.retry_s)  # pacing the retries
+                continue
+            if not found:  # deleted meanwhile: the loop's next read forgets it
+                loop.poke.set()
+                return
+            loop.written = status
 
     async def _set_gates(
         self,

@@ -1,7 +1,7 @@
 """Test fakes for the reconciler's two clients, one copy for every operator unit test.
 
 `FakeKube` stands in for `kube.KubeClient` (the topologies' bodies; records status writes,
-Events and pod-condition writes; can answer a status write with a conflict) and
+Events and pod-condition writes; can fail status writes) and
 `RecordingWorkers` for `workers.WorkerClient` (each endpoint's worker state; applies and
 records peer changes and idle-TTL calls). Both only answer the calls the reconciler makes;
 the `Reconciler` itself is built through its real constructor with them.
@@ -28,7 +28,7 @@ class FakeKube:
         self.bodies = bodies
         self.events: list[tuple[str, str, str, str]] = []
         self.status_writes = 0
-        self.conflicts = 0  # status writes still to answer with a conflict (409)
+        self.failures = 0  # status writes still to fail (as a 429 would)
         self.pod_conditions: list[tuple[str, str, dict[str, str]]] = []  # (pod, uid, cond)
 
     async def get_topology(self, namespace: str, name: str) -> dict[str, Any] | None:
@@ -38,12 +38,16 @@ class FakeKube:
         self, namespace: str, name: str, status: dict[str, Any], resource_version: str
     ) -> bool:
         self.status_writes += 1
-        if self.conflicts:
-            self.conflicts -= 1
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("(429) Too Many Requests")
+        body = self.bodies.get(name)
+        if body is None:
             return False
-        body = self.bodies[name]
+        if resource_version and resource_version != body["metadata"]["resourceVersion"]:
+            return False
         body["status"] = status
-        body["metadata"]["resourceVersion"] = str(int(resource_version) + 1)
+        body["metadata"]["resourceVersion"] = str(int(body["metadata"]["resourceVersion"]) + 1)
         return True
 
     async def record_event(self, body: dict[str, Any], type_: str, reason: str, msg: str) -> None:

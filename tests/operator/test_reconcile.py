@@ -1,7 +1,7 @@
 """The reconcile loop itself (`reconcile.Reconciler`, built through its real constructor
-with the fakes of `tests.operator.fakes`): a status write that loses a conflict (409) has the
-topology read again at once, a handshake that keeps failing raises one Event (not one per
-round), the readiness gate is written only where it changes, and loops start, stop with
+with the fakes of `tests.operator.fakes`): a status write that fails is retried off the
+round's path (the pair is made meanwhile), a handshake that keeps failing raises one Event
+(not one per round), the readiness gate is written only where it changes, and loops start, stop with
 their topology and are cancelled together. Every wait polls the fakes' state against a
 deadline far below the resync period, so a pass shows the poke, not the timer."""
 
@@ -83,15 +83,22 @@ async def until(what: str, probe: Callable[[], bool], timeout_s: float = 3.0) ->
         await asyncio.sleep(0.005)  # yields to the loop under test; polls its effects
 
 
-async def test_a_status_write_that_loses_a_conflict_is_read_and_written_again_at_once() -> None:
+async def test_a_status_write_that_fails_is_retried_off_the_rounds_path() -> None:
     pods = [pod("p0", "prefill"), pod("d0", "decode")]
     kube = FakeKube({"llama": topology_body()})
-    kube.conflicts = 1
-    reconciler = build(lambda: pods, kube, RecordingWorkers.for_pods(pods))
+    kube.failures = 2
+    workers = RecordingWorkers.for_pods(pods)
+    reconciler = build(lambda: pods, kube, workers)
     try:
         reconciler.ensure(KEY)
+        # The pair is connected while the status writes still fail: acting never waits.
+        await until("the pair", lambda: workers.peers_of(pods[1].endpoint) == {"P0"})
         await until("a written status", lambda: "status" in kube.bodies["llama"])
-        assert kube.status_writes >= 2 and kube.conflicts == 0
+        assert kube.status_writes >= 3 and kube.failures == 0
+        await until(
+            "the newest status written",
+            lambda: kube.bodies["llama"]["status"]["summary"]["pairs"] == "1/1",
+        )
     finally:
         await reconciler.stop()
 
