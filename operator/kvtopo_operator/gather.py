@@ -88,27 +88,44 @@ class WorkerViews:
     def peer_added(self, pod: str, engine_id: str, incarnation: str = "") -> None:
         """The worker of `pod` answered that it holds `engine_id` (added, renewed or
         present), of its process `incarnation`, healthy."""
-        self._update(
-            pod,
-            lambda v: dataclasses.replace(
-                v,
-                peers=v.peers | {engine_id},
-                peer_incarnations={**v.peer_incarnations, engine_id: incarnation},
-                unhealthy_peers={k: w for k, w in v.unhealthy_peers.items() if k != engine_id},
-            ),
-        )
+        self.peers_changed(pod, {engine_id: incarnation}, {})
 
     def peer_evicted(self, pod: str, engine_id: str, result: str) -> None:
         """The worker of `pod` answered an eviction of `engine_id` with `result`."""
-        if result == "deferred":  # held until its transfers finish
-            self._update(pod, lambda v: dataclasses.replace(v, evicting=v.evicting | {engine_id}))
-        else:  # evicted or absent
-            self._update(
-                pod,
-                lambda v: dataclasses.replace(
-                    v, peers=v.peers - {engine_id}, evicting=v.evicting - {engine_id}
-                ),
+        self.peers_changed(pod, {}, {engine_id: result})
+
+    def peers_changed(self, pod: str, added: Mapping[str, str], evicted: Mapping[str, str]) -> None:
+        """The worker of `pod` answered a batch: it holds each engine of `added` (engine id
+        -> its incarnation; added, renewed or present, healthy), and each of `evicted`
+        (engine id -> the result) is evicted or absent, or "deferred" (held until its
+        transfers finish). One new view per batch, not one per peer (a prefill's view holds
+        a thousand peers)."""
+        if not added and not evicted:
+            return
+
+        def change(v: WorkerView) -> WorkerView:
+            peers, evicting = set(v.peers), set(v.evicting)
+            incarnations = dict(v.peer_incarnations)
+            unhealthy = v.unhealthy_peers
+            if any(eid in unhealthy for eid in added):
+                unhealthy = {k: w for k, w in unhealthy.items() if k not in added}
+            peers.update(added)
+            incarnations.update(added)
+            for eid, result in evicted.items():
+                if result == "deferred":
+                    evicting.add(eid)
+                else:
+                    peers.discard(eid)
+                    evicting.discard(eid)
+            return dataclasses.replace(
+                v,
+                peers=frozenset(peers),
+                evicting=frozenset(evicting),
+                peer_incarnations=incarnations,
+                unhealthy_peers=unhealthy,
             )
+
+        self._update(pod, change)
 
     def view(self, pod: str) -> Seen | None:
         """The last view of the worker of `pod` (None when it was never read)."""

@@ -23,9 +23,11 @@ always give the same plan. Called by `kvtopo_operator.reconcile`.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from itertools import repeat
 
 from kvtopo_operator.api import (
     MAX_ENGINES_IN_STATUS,
@@ -263,17 +265,25 @@ class Pairing:
     # (holder, peer) engine ids of expected pairs whose holder reports the peer unhealthy
     # -> (holder pod, peer pod, "health: reason")
     unhealthy: Mapping[tuple[str, str], tuple[str, str, str]]
+    # Engine id -> the engine ids it must be paired with, and (its pairs connected, its
+    # pairs expected); computed with the pairs (None: from `expected` and `connected`).
+    partner_ids: Mapping[str, frozenset[str]] | None = None
+    pair_counts: Mapping[str, tuple[int, int]] | None = None
 
-    def partners(self) -> dict[str, set[str]]:
+    def partners(self) -> Mapping[str, frozenset[str]]:
         """Engine id -> the engine ids it must be paired with."""
+        if self.partner_ids is not None:
+            return self.partner_ids
         out: dict[str, set[str]] = {}
         for pid, did in self.expected:
             out.setdefault(pid, set()).add(did)
             out.setdefault(did, set()).add(pid)
-        return out
+        return {eid: frozenset(ids) for eid, ids in out.items()}
 
-    def counts(self) -> dict[str, tuple[int, int]]:
+    def counts(self) -> Mapping[str, tuple[int, int]]:
         """Engine id -> (its pairs connected, its pairs expected)."""
+        if self.pair_counts is not None:
+            return self.pair_counts
         out: dict[str, tuple[int, int]] = {}
         for pair in self.expected:
             for eid in pair:
@@ -282,56 +292,117 @@ class Pairing:
         return out
 
 
+def _held_as_is(
+    holder: WorkerView, among: frozenset[str], incarnation: Mapping[str, str]
+) -> set[str]:
+    """The engines of `among` that `holder` holds as they are now (`holds`), by set
+    operations first: a prefill holds a thousand peers."""
+    candidates = holder.peers & among
+    if holder.evicting:
+        candidates = candidates.difference(holder.evicting)
+    if holder.unhealthy_peers:
+        candidates = candidates.difference(holder.unhealthy_peers)
+    known = holder.peer_incarnations
+    return {eid for eid in candidates if known.get(eid, "") == incarnation[eid]}
+
+
 def pair_engines(spec: KVTopologySpec, live: Mapping[str, Usable]) -> Pairing:
     """Policy: every usable prefill with every usable decode whose `pairing.matchLabels`
     agree is a pair, unless their compatibility hashes differ; each half that its holder
-    does not hold as it is now (`holds`) is a handshake to make."""
-    # Engines pair only within a group of equal pairing-label values: grouped once, so a
-    # round costs one pass over the pairs, not a label comparison per (prefill, decode).
+    does not hold as it is now (`holds`) is a handshake to make.
+
+    Costs one pass over the pairs only where something is missing: engines pair within a
+    group of equal pairing-label values and compatibility hash, what each engine holds of
+    its group is found by set operations, and a prefill that holds, and is held by, every
+    decode of its group is settled without visiting its pairs one by one."""
     keys = spec.pairing.match_labels
     groups: dict[tuple[str, ...], tuple[list[Usable], list[Usable]]] = {}
     for e in sorted(live.values(), key=_by_pod):
         group = groups.setdefault(tuple(e.pod.labels.get(k, "") for k in keys), ([], []))
         group[0 if e.pod.role == "prefill" else 1].append(e)
+    incarnation = {eid: e.worker.incarnation for eid, e in live.items()}
     expected: set[tuple[str, str]] = set()
     connected: set[tuple[str, str]] = set()
     incompatible: dict[str, list[str]] = {}
     handshakes: list[Handshake] = []
     unhealthy: dict[tuple[str, str], tuple[str, str, str]] = {}
-    for p, d in (
-        (p, d) for prefills, decodes in groups.values() for p in prefills for d in decodes
-    ):
-        pid, did = p.worker.engine_id, d.worker.engine_id
-        if p.worker.compat_hash != d.worker.compat_hash:
-            msg = (
-                f"{p.pod.name} ({p.worker.compat_hash}) and {d.pod.name} "
-                f"({d.worker.compat_hash}) have different compatibility hashes"
-            )
-            incompatible.setdefault(pid, []).append(msg)
-            incompatible.setdefault(did, []).append(msg)
+    partner_ids: dict[str, frozenset[str]] = {}
+    ok_count: Counter[str] = Counter()
+    for prefills, decodes in groups.values():
+        if not prefills or not decodes:
             continue
-        expected.add((pid, did))
-        for a, b in ((p, d), (d, p)):
-            why = a.worker.unhealthy_peers.get(b.worker.engine_id)
-            if why is not None and b.worker.engine_id in a.worker.peers:
-                unhealthy[(a.worker.engine_id, b.worker.engine_id)] = (
-                    a.pod.name,
-                    b.pod.name,
-                    why,
-                )
-        p_has, d_has = holds(p.worker, d.worker), holds(d.worker, p.worker)
-        if p_has and d_has:
-            connected.add((pid, did))
-        if not p_has:
-            handshakes.append(_handshake(p, d, "decode"))
-        if not d_has:
-            handshakes.append(_handshake(d, p, "prefill"))
+        # Incompatible pairs (different hashes) are reported per pair, in pair order.
+        hashes = {e.worker.compat_hash for e in (*prefills, *decodes)}
+        if len(hashes) > 1:
+            for p in prefills:
+                for d in decodes:
+                    if p.worker.compat_hash != d.worker.compat_hash:
+                        msg = (
+                            f"{p.pod.name} ({p.worker.compat_hash}) and {d.pod.name} "
+                            f"({d.worker.compat_hash}) have different compatibility hashes"
+                        )
+                        incompatible.setdefault(p.worker.engine_id, []).append(msg)
+                        incompatible.setdefault(d.worker.engine_id, []).append(msg)
+        for compat in sorted(hashes):
+            ps = [p for p in prefills if p.worker.compat_hash == compat]
+            ds = [d for d in decodes if d.worker.compat_hash == compat]
+            if not ps or not ds:
+                continue
+            pids = [p.worker.engine_id for p in ps]
+            dids = [d.worker.engine_id for d in ds]
+            pset, dset = frozenset(pids), frozenset(dids)
+            for pid in pids:
+                partner_ids[pid] = dset
+            for did in dids:
+                partner_ids[did] = pset
+            d_holds = {d.worker.engine_id: _held_as_is(d.worker, pset, incarnation) for d in ds}
+            held_by_all = pset.intersection(*d_holds.values())
+            for a in (*ps, *ds):  # unhealthy halves: the few a holder reports
+                others = dset if a.pod.role == "prefill" else pset
+                for peer, why in a.worker.unhealthy_peers.items():
+                    if peer in others and peer in a.worker.peers:
+                        b = live[peer]
+                        unhealthy[(a.worker.engine_id, peer)] = (a.pod.name, b.pod.name, why)
+            for p, pid in zip(ps, pids, strict=True):
+                expected.update(zip(repeat(pid), dids))
+                p_holds = _held_as_is(p.worker, dset, incarnation)
+                if len(p_holds) == len(dids) and pid in held_by_all:
+                    connected.update(zip(repeat(pid), dids))  # the whole row, at C speed
+                    ok_count[pid] += len(dids)
+                    ok_count.update(dids)
+                    continue
+                for d, did in zip(ds, dids, strict=True):
+                    p_has, d_has = did in p_holds, pid in d_holds[did]
+                    if p_has and d_has:
+                        connected.add((pid, did))
+                        ok_count[pid] += 1
+                        ok_count[did] += 1
+                    if not p_has:
+                        handshakes.append(_handshake(p, d, "decode"))
+                    if not d_has:
+                        handshakes.append(_handshake(d, p, "prefill"))
     return Pairing(
         expected=frozenset(expected),
         connected=frozenset(connected),
         incompatible={eid: tuple(why) for eid, why in incompatible.items()},
-        handshakes=tuple(sorted(handshakes)),
+        handshakes=tuple(sorted(handshakes, key=_handshake_order)),
         unhealthy=unhealthy,
+        partner_ids=partner_ids,
+        pair_counts={eid: (ok_count[eid], len(ids)) for eid, ids in partner_ids.items()},
+    )
+
+
+def _handshake_order(h: Handshake) -> tuple[str, ...]:
+    """The dataclass order of a Handshake (its fields in turn), without its slow `__lt__`."""
+    return (
+        h.pod,
+        h.endpoint,
+        h.peer_engine_id,
+        h.peer_endpoint,
+        h.peer_role,
+        h.peer_pod_uid,
+        h.peer_incarnation,
+        h.engine_id,
     )
 
 
@@ -431,8 +502,10 @@ def evictions_due(
     partners = pairing.partners()
     unpairing: dict[tuple[str, str], datetime] = {}
     for eid, e in live.items():
-        for peer in sorted(e.worker.peers - e.worker.evicting):
-            if peer not in live or peer in partners.get(eid, set()):
+        # Set differences first (a prefill holds a thousand peers, nearly all partners).
+        held = e.worker.peers - e.worker.evicting - partners.get(eid, set())
+        for peer in sorted(held):
+            if peer not in live:
                 continue
             since = memory.unpairing_since.get((eid, peer), now)
             unpairing[(eid, peer)] = since
@@ -560,8 +633,11 @@ def engine_statuses(
                 failures_seen=dict(tally.seen_now.get(eid, {})),
             )
         )
+    prev_by_pod: dict[str, EngineStatus] = {}
+    for x in obs.previous.engines:
+        prev_by_pod.setdefault(x.pod, x)  # the first line of a pod, as a search would find
     for pod, message, why in sorted(engines.unusable.values(), key=lambda pr: pr[0].name):
-        prev_for_pod = next((x for x in obs.previous.engines if x.pod == pod.name), None)
+        prev_for_pod = prev_by_pod.get(pod.name)
         told = prev_for_pod is not None and prev_for_pod.message == message[:512]
         if why != Reason.WORKER_UNREACHABLE and not told:
             events.append(Event("Warning", why.value, f"{pod.name}: {message}"))
@@ -876,13 +952,16 @@ def settle(
             per_engine[eid] = (ok + (pair in connected), total + 1)
     progress = dataclasses.replace(progress, pair_counts=per_engine)
     engines = []
+    prev_by_id: dict[str, EngineStatus] = {}
+    for x in previous.engines:
+        prev_by_id.setdefault(x.engine_id, x)
     for entry in plan.status.engines:
         ok, total = per_engine.get(entry.engine_id, (0, 0))
         settled = entry
         if entry.state in (EngineState.HANDSHAKING, EngineState.CONNECTED) and total:
             state = EngineState.CONNECTED if ok == total else EngineState.HANDSHAKING
             if state != entry.state:
-                was = next((x for x in previous.engines if x.engine_id == entry.engine_id), None)
+                was = prev_by_id.get(entry.engine_id)
                 since = was.since if was is not None and was.state == state else precise(now)
                 message = f"{ok}/{total} pairs connected"
                 settled = entry.model_copy(

@@ -442,17 +442,18 @@ class Reconciler:
         failures: list[tuple[str, LastFailure]] = []
         made: list[Handshake] = []
         failed: dict[Handshake, str] = {}
+        outcomes: dict[tuple[str, str], int] = {}  # (counter, outcome) -> calls, counted once
         by_worker: dict[tuple[str, str], tuple[list[Handshake], list[Eviction]]] = {}
         for h in plan.handshakes:
             by_worker.setdefault((h.pod, h.endpoint), ([], []))[0].append(h)
         for e in plan.evictions:
             by_worker.setdefault((e.pod, e.endpoint), ([], []))[1].append(e)
 
-        def handshake_done(h: Handshake, res: CallResult) -> bool:
+        def handshake_done(h: Handshake, res: CallResult, added: dict[str, str]) -> bool:
             outcome = "ok" if res.ok else ("unreachable" if res.status == 0 else "failed")
-            self.metrics.handshakes.labels(outcome).inc()
+            outcomes[("handshakes", outcome)] = outcomes.get(("handshakes", outcome), 0) + 1
             if res.ok:
-                views.peer_added(h.pod, h.peer_engine_id, h.peer_incarnation)
+                added[h.peer_engine_id] = h.peer_incarnation
                 made.append(h)
                 return True
             views.mark_dirty(h.pod)
@@ -475,12 +476,11 @@ class Reconciler:
                 )
             return False
 
-        def eviction_done(e: Eviction, res: CallResult) -> bool:
-            self.metrics.evictions.labels(
-                res.result or ("unreachable" if res.status == 0 else "failed")
-            ).inc()
+        def eviction_done(e: Eviction, res: CallResult, evicted: dict[str, str]) -> bool:
+            outcome = res.result or ("unreachable" if res.status == 0 else "failed")
+            outcomes[("evictions", outcome)] = outcomes.get(("evictions", outcome), 0) + 1
             if res.ok:
-                views.peer_evicted(e.pod, e.engine_id, res.result)
+                evicted[e.engine_id] = res.result
                 return True
             views.mark_dirty(e.pod)
             log.warning("evicting %s from %s: %s", e.engine_id, e.pod, res.message)
@@ -516,8 +516,15 @@ class Reconciler:
                         call_timeout,
                         handshake_timeout_s=call_timeout if takes_deadline else None,
                     )
-                done.extend(handshake_done(h, results[("add", h.peer_engine_id)]) for h in add_part)
-                done.extend(eviction_done(e, results[("evict", e.engine_id)]) for e in ev_part)
+                added: dict[str, str] = {}
+                evicted: dict[str, str] = {}
+                done.extend(
+                    handshake_done(h, results[("add", h.peer_engine_id)], added) for h in add_part
+                )
+                done.extend(
+                    eviction_done(e, results[("evict", e.engine_id)], evicted) for e in ev_part
+                )
+                views.peers_changed(pod, added, evicted)
             return done
 
         async def set_idle_ttl(change: SetIdleTTL) -> None:
@@ -538,6 +545,10 @@ class Reconciler:
             ),
             asyncio.gather(*map(set_idle_ttl, plan.idle_ttls)),
         )
+        for (counter, outcome), n in outcomes.items():
+            (self.metrics.handshakes if counter == "handshakes" else self.metrics.evictions).labels(
+                outcome
+            ).inc(n)
         acted = any(ok for worker in results for ok in worker)
         return _Outcome(acted, events, failures, made, failed)
 
