@@ -402,6 +402,7 @@ class SizeRun:
             # The operator is up once it has written the (still empty) topology's status.
             await self.until("operator start", self._status_written, 60)
             cpu0, _ = _proc_cpu_rss(pid)
+            own0 = time.process_time()
             ev0 = self.events
             roles: tuple[tuple[manifests.Role, int], ...] = (
                 ("prefill", self.prefill),
@@ -459,6 +460,19 @@ class SizeRun:
                 if w.serving_at >= t_roll and w.connected_at
             ]
             cpu1, rss = _proc_cpu_rss(pid)
+            own = time.process_time() - own0
+            # Where the rollout's time went: the Deployment replacing its pods (the last new
+            # engine serving, the last old pod gone) vs the operator's tail after that.
+            new = [w for w in self.by_uid.values() if w.serving_at >= t_roll]
+            old = [w for w in self.by_uid.values() if w.gone_at and w.gone_at >= t_roll]
+            timeline = {
+                "last_new_serving_s": max((w.serving_at for w in new), default=t_roll) - t_roll,
+                "last_old_gone_s": max((w.gone_at or t_roll for w in old), default=t_roll) - t_roll,
+                "last_connected_s": max((w.connected_at or t_roll for w in new), default=t_roll)
+                - t_roll,
+                "last_evicted_s": max((w.evicted_at or t_roll for w in old), default=t_roll)
+                - t_roll,
+            }
             pod_events = max(1, len(self.by_uid) * 3)  # add, ready, annotate (+delete) per pod
             ready = initial + replaced + later
             return {
@@ -478,11 +492,14 @@ class SizeRun:
                 "gone_to_evicted_p99_s": round(_pct(gone, 0.99), 3),
                 "grace_s": GRACE,
                 "rollout_converge_s": round(rollout_s, 2),
+                "rollout_timeline_s": {k: round(v, 2) for k, v in timeline.items()},
                 "operator_rss_mb": round(rss, 1),
                 "operator_cpu_s": round(cpu1 - cpu0, 2),
                 "pod_events_estimate": pod_events,
                 "cpu_s_per_1k_events": round((cpu1 - cpu0) / pod_events * 1000, 2),
                 "agent_polls": self.events - ev0,
+                # The benchmark's own load (fake workers, pod lists, sampling), same window.
+                "bench_cpu_s": round(own, 2),
             }
         finally:
             agent.cancel()

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +30,7 @@ from kvtopo_operator.model import Event
 
 log = logging.getLogger(__name__)
 
-Post = Callable[[dict[str, Any], str, str, str], Awaitable[None]]
+Post = Callable[[Mapping[str, Any], str, str, str], Awaitable[None]]
 
 KEYS_KEPT = 4096  # (object, reason, message) remembered for the repeat window
 
@@ -63,10 +63,10 @@ class EventRecorder:
         self._clock = clock
         self._recent: OrderedDict[tuple[str, str, str], float] = OrderedDict()
         self._buckets: dict[str, _Bucket] = {}
-        self._queue: asyncio.Queue[tuple[dict[str, Any], Event]] = asyncio.Queue(queue_limit)
+        self._queue: asyncio.Queue[tuple[Mapping[str, Any], Event]] = asyncio.Queue(queue_limit)
         self._task: asyncio.Task[None] | None = None
 
-    def _object(self, body: dict[str, Any]) -> str:
+    def _object(self, body: Mapping[str, Any]) -> str:
         meta = body.get("metadata") or {}
         return str(meta.get("uid") or f"{meta.get('namespace')}/{meta.get('name')}")
 
@@ -90,7 +90,7 @@ class EventRecorder:
             self._recent.popitem(last=False)
         return None
 
-    def record(self, body: dict[str, Any], event: Event) -> bool:
+    def record(self, body: Mapping[str, Any], event: Event) -> bool:
         """Queues `event` on the object `body` unless it is noise; never waits. True when
         it was queued."""
         why = self._admit(self._object(body), event)

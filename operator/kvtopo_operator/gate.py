@@ -65,14 +65,7 @@ def gate_changes(
     """The gate conditions to write: one per gated pod whose condition is not the wanted
     one, given the pairs after acting (`progress`) and the spec's minConnectedPartners."""
     engine_of: dict[str, str] = dict(progress.live)
-    partners = progress.pair_counts  # engine id -> (connected, expected), from `settle`
-    if partners is None:
-        counted: dict[str, tuple[int, int]] = {}
-        for pair in progress.expected:
-            for engine_id in pair:
-                ok, total = counted.get(engine_id, (0, 0))
-                counted[engine_id] = (ok + (pair in progress.connected), total + 1)
-        partners = counted
+    partners = progress.pair_counts or {}  # engine id -> (connected, expected)
     changes = []
     for pod in pods:
         if not pod.gated:

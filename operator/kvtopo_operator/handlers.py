@@ -205,6 +205,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
         workers=WorkerClient(memo.get("token_file"), memo.get("token")),
         pods=_pod_source,
         topologies=_topology_source,
+        bodies=lambda key: _state.get("bodies", {}).get(key),
         metrics=memo["metrics"],
         settings=Settings(resync_s=memo.get("resync_s", 2.0)),
     )
@@ -312,6 +313,12 @@ async def stop(**_: Any) -> None:
 async def topology_changed(**kwargs: Any) -> None:
     _state["kv_topologies"] = kwargs["kv_topologies"]
     key = (kwargs["namespace"], kwargs["name"])
+    # The latest body: each round reads its spec from here, not from the API server.
+    bodies: dict[tuple[str, str], Any] = _state.setdefault("bodies", {})
+    if kwargs["type"] == "DELETED":
+        bodies.pop(key, None)
+    elif kwargs.get("body") is not None:
+        bodies[key] = kwargs["body"]
     known: dict[tuple[str, str], int] = _state.setdefault("known", {})
     generation = int(kwargs["meta"].get("generation", 0))
     # A topology that comes, goes or changes its spec may change which pods the others of

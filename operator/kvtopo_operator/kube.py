@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -248,7 +248,7 @@ class KubeClient:
         return await asyncio.to_thread(call)
 
     async def record_event(
-        self, topology: dict[str, Any], event_type: str, reason: str, message: str
+        self, topology: Mapping[str, Any], event_type: str, reason: str, message: str
     ) -> None:
         meta = topology["metadata"]
         now = datetime.now(UTC)

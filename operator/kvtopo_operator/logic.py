@@ -25,9 +25,8 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from itertools import repeat
 
 from kvtopo_operator.api import (
     MAX_ENGINES_IN_STATUS,
@@ -256,40 +255,48 @@ def holds(holder: WorkerView, peer: WorkerView) -> bool:
 
 @dataclass(frozen=True)
 class Pairing:
-    """Which pairs must be connected, which are, and the handshakes that are missing."""
+    """Which pairs must be connected, which are, and the handshakes that are missing.
 
-    expected: frozenset[tuple[str, str]]  # (prefill engine id, decode engine id)
-    connected: frozenset[tuple[str, str]]
+    The pairs are kept by engine, not one by one (32 prefills and 1,000 decodes make 32,000
+    pairs every round): each engine's partners, and the pairs not connected (those with a
+    handshake to make). `expected` and `connected` spell the pairs out on demand."""
+
+    partner_ids: Mapping[str, frozenset[str]]  # engine id -> the engine ids it pairs with
+    missing: frozenset[tuple[str, str]]  # expected (prefill, decode) pairs not connected
     incompatible: Mapping[str, tuple[str, ...]]  # engine id -> why (compatibility hashes)
     handshakes: tuple[Handshake, ...]
     # (holder, peer) engine ids of expected pairs whose holder reports the peer unhealthy
     # -> (holder pod, peer pod, "health: reason")
     unhealthy: Mapping[tuple[str, str], tuple[str, str, str]]
-    # Engine id -> the engine ids it must be paired with, and (its pairs connected, its
-    # pairs expected); computed with the pairs (None: from `expected` and `connected`).
-    partner_ids: Mapping[str, frozenset[str]] | None = None
-    pair_counts: Mapping[str, tuple[int, int]] | None = None
+    pair_counts: Mapping[str, tuple[int, int]]  # engine id -> (connected, expected) pairs
+    n_expected: int
+    roles: Mapping[str, str] = field(default_factory=dict)  # engine id -> its role
+
+    @property
+    def n_connected(self) -> int:
+        return self.n_expected - len(self.missing)
+
+    @property
+    def expected(self) -> frozenset[tuple[str, str]]:
+        """Every (prefill, decode) pair that must be connected."""
+        return frozenset(
+            (eid, other)
+            for eid, others in self.partner_ids.items()
+            if self.roles.get(eid) == "prefill"
+            for other in others
+        )
+
+    @property
+    def connected(self) -> frozenset[tuple[str, str]]:
+        return self.expected - self.missing
 
     def partners(self) -> Mapping[str, frozenset[str]]:
         """Engine id -> the engine ids it must be paired with."""
-        if self.partner_ids is not None:
-            return self.partner_ids
-        out: dict[str, set[str]] = {}
-        for pid, did in self.expected:
-            out.setdefault(pid, set()).add(did)
-            out.setdefault(did, set()).add(pid)
-        return {eid: frozenset(ids) for eid, ids in out.items()}
+        return self.partner_ids
 
     def counts(self) -> Mapping[str, tuple[int, int]]:
         """Engine id -> (its pairs connected, its pairs expected)."""
-        if self.pair_counts is not None:
-            return self.pair_counts
-        out: dict[str, tuple[int, int]] = {}
-        for pair in self.expected:
-            for eid in pair:
-                ok, total = out.get(eid, (0, 0))
-                out[eid] = (ok + (pair in self.connected), total + 1)
-        return out
+        return self.pair_counts
 
 
 def _held_as_is(
@@ -311,23 +318,21 @@ def pair_engines(spec: KVTopologySpec, live: Mapping[str, Usable]) -> Pairing:
     agree is a pair, unless their compatibility hashes differ; each half that its holder
     does not hold as it is now (`holds`) is a handshake to make.
 
-    Costs one pass over the pairs only where something is missing: engines pair within a
-    group of equal pairing-label values and compatibility hash, what each engine holds of
-    its group is found by set operations, and a prefill that holds, and is held by, every
-    decode of its group is settled without visiting its pairs one by one."""
+    Costs in proportion to the engines and the missing halves, not to the pairs: engines
+    pair within a group of equal pairing-label values and compatibility hash, and what each
+    engine holds of its group is found by set operations."""
     keys = spec.pairing.match_labels
     groups: dict[tuple[str, ...], tuple[list[Usable], list[Usable]]] = {}
     for e in sorted(live.values(), key=_by_pod):
         group = groups.setdefault(tuple(e.pod.labels.get(k, "") for k in keys), ([], []))
         group[0 if e.pod.role == "prefill" else 1].append(e)
     incarnation = {eid: e.worker.incarnation for eid, e in live.items()}
-    expected: set[tuple[str, str]] = set()
-    connected: set[tuple[str, str]] = set()
     incompatible: dict[str, list[str]] = {}
     handshakes: list[Handshake] = []
     unhealthy: dict[tuple[str, str], tuple[str, str, str]] = {}
     partner_ids: dict[str, frozenset[str]] = {}
-    ok_count: Counter[str] = Counter()
+    missing: set[tuple[str, str]] = set()
+    misses: Counter[str] = Counter()  # engine id -> its pairs not connected
     for prefills, decodes in groups.values():
         if not prefills or not decodes:
             continue
@@ -348,47 +353,51 @@ def pair_engines(spec: KVTopologySpec, live: Mapping[str, Usable]) -> Pairing:
             ds = [d for d in decodes if d.worker.compat_hash == compat]
             if not ps or not ds:
                 continue
-            pids = [p.worker.engine_id for p in ps]
-            dids = [d.worker.engine_id for d in ds]
-            pset, dset = frozenset(pids), frozenset(dids)
-            for pid in pids:
+            pset = frozenset(p.worker.engine_id for p in ps)
+            dset = frozenset(d.worker.engine_id for d in ds)
+            for pid in pset:
                 partner_ids[pid] = dset
-            for did in dids:
+            for did in dset:
                 partner_ids[did] = pset
-            d_holds = {d.worker.engine_id: _held_as_is(d.worker, pset, incarnation) for d in ds}
-            held_by_all = pset.intersection(*d_holds.values())
+            # The decodes that do not hold a prefill as it is now, by prefill (only the
+            # missing halves are visited).
+            lacking: dict[str, list[Usable]] = {}
+            for d in ds:
+                not_held = pset - _held_as_is(d.worker, pset, incarnation)
+                for pid in not_held:
+                    lacking.setdefault(pid, []).append(d)
             for a in (*ps, *ds):  # unhealthy halves: the few a holder reports
                 others = dset if a.pod.role == "prefill" else pset
                 for peer, why in a.worker.unhealthy_peers.items():
                     if peer in others and peer in a.worker.peers:
                         b = live[peer]
                         unhealthy[(a.worker.engine_id, peer)] = (a.pod.name, b.pod.name, why)
-            for p, pid in zip(ps, pids, strict=True):
-                expected.update(zip(repeat(pid), dids))
-                p_holds = _held_as_is(p.worker, dset, incarnation)
-                if len(p_holds) == len(dids) and pid in held_by_all:
-                    connected.update(zip(repeat(pid), dids))  # the whole row, at C speed
-                    ok_count[pid] += len(dids)
-                    ok_count.update(dids)
-                    continue
-                for d, did in zip(ds, dids, strict=True):
-                    p_has, d_has = did in p_holds, pid in d_holds[did]
-                    if p_has and d_has:
-                        connected.add((pid, did))
-                        ok_count[pid] += 1
-                        ok_count[did] += 1
-                    if not p_has:
-                        handshakes.append(_handshake(p, d, "decode"))
-                    if not d_has:
-                        handshakes.append(_handshake(d, p, "prefill"))
+            for p in ps:
+                pid = p.worker.engine_id
+                p_lacks = dset - _held_as_is(p.worker, dset, incarnation)
+                d_lack = lacking.get(pid, [])
+                if not p_lacks and not d_lack:
+                    continue  # the whole row is connected
+                for did in p_lacks:
+                    handshakes.append(_handshake(p, live[did], "decode"))
+                for d in d_lack:
+                    handshakes.append(_handshake(d, p, "prefill"))
+                row = {(pid, did) for did in p_lacks}
+                row.update((pid, d.worker.engine_id) for d in d_lack)
+                missing |= row
+                misses[pid] += len(row)
+                misses.update(did for _, did in row)
     return Pairing(
-        expected=frozenset(expected),
-        connected=frozenset(connected),
+        partner_ids=partner_ids,
+        missing=frozenset(missing),
         incompatible={eid: tuple(why) for eid, why in incompatible.items()},
         handshakes=tuple(sorted(handshakes, key=_handshake_order)),
         unhealthy=unhealthy,
-        partner_ids=partner_ids,
-        pair_counts={eid: (ok_count[eid], len(ids)) for eid, ids in partner_ids.items()},
+        pair_counts={eid: (len(ids) - misses[eid], len(ids)) for eid, ids in partner_ids.items()},
+        n_expected=sum(
+            len(ids) for eid, ids in partner_ids.items() if live[eid].pod.role == "prefill"
+        ),
+        roles={eid: live[eid].pod.role for eid in partner_ids},
     )
 
 
@@ -762,7 +771,7 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
     tally = tally_failures(engines.live, obs.previous, obs.memory)
     statuses, events = engine_statuses(obs, engines, pairing, gone, evicting, tally, now)
     events += topology_events(obs, pairing, tally)
-    partnered = {eid for pair in pairing.expected for eid in pair}
+    partnered = pairing.partner_ids
     unpaired = tuple(
         sorted(
             e.pod.name
@@ -771,8 +780,9 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
         )
     )
     progress = Progress(
-        expected=pairing.expected,
-        connected=pairing.connected,
+        pairs_expected=pairing.n_expected,
+        missing=pairing.missing,
+        pair_counts=pairing.pair_counts,
         unpaired=unpaired,
         handshakes_left=len(pairing.handshakes),
         draining=sum(1 for e in statuses if e.state == EngineState.DRAINING),
@@ -798,8 +808,8 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
         evictions=evicting.evictions,
         status=status,
         events=tuple(events),
-        expected_pairs=pairing.expected,
-        connected_pairs=pairing.connected,
+        pairs_expected=pairing.n_expected,
+        pairs_connected=pairing.n_connected,
         progress=progress,
         memory=dataclasses.replace(
             memory,
@@ -842,7 +852,7 @@ def conditions_of(
     names the worst problem: incompatible engines, engines that cannot be acted on, then
     handshakes failing past the progress deadline (`HandshakeFailed`)."""
     prev = {c.type.value: c for c in previous}
-    n_exp, n_conn = len(progress.expected), len(progress.connected)
+    n_exp, n_conn = progress.pairs_expected, progress.pairs_connected
     pairs = f"{n_conn}/{n_exp} pairs connected"
     lonely = ""
     if progress.unpaired:
@@ -924,16 +934,24 @@ def settle(
     """The plan's status after acting: pairs whose missing halves were all made are
     connected, their engines too, and the conditions are computed from that and from the
     handshakes failing past `deadline` (one Warning Event when that first happens). Also
-    returns the progress after acting (what the readiness gate is decided from)."""
-    made_set = set(made)
-    missing: dict[tuple[str, str], list[Handshake]] = {}
+    returns the progress after acting (what the readiness gate is decided from). `made`
+    holds the plan's own handshake objects that were made."""
+    # The plan's own handshakes, by identity (`made` holds those of them that were made):
+    # hashing 16,000 handshakes field by field cost more than the rest of a round.
+    made_ids = {id(h) for h in made}
+    not_made: set[tuple[str, str]] = set()
+    planned: set[tuple[str, str]] = set()
     for h in plan.handshakes:
-        missing.setdefault(h.pair, []).append(h)
-    connected = set(plan.progress.connected) | {
-        pair
-        for pair, halves in missing.items()
-        if pair in plan.progress.expected and all(h in made_set for h in halves)
-    }
+        pair = h.pair
+        planned.add(pair)
+        if id(h) not in made_ids:
+            not_made.add(pair)
+    now_connected = (planned - not_made) & plan.progress.missing
+    per_engine = dict(plan.progress.pair_counts or {})
+    for pair in now_connected:
+        for eid in pair:
+            ok, total = per_engine[eid]
+            per_engine[eid] = (ok + 1, total)
     late = [
         f"{h.pod} adding {h.peer_role} {h.peer_engine_id}: {f.message}"[:300]
         for h, f in sorted(failing.items())
@@ -941,16 +959,11 @@ def settle(
     ]
     progress = dataclasses.replace(
         plan.progress,
-        connected=frozenset(connected),
-        handshakes_left=len(plan.handshakes) - len(made_set & set(plan.handshakes)),
+        missing=plan.progress.missing - now_connected,
+        handshakes_left=len(plan.handshakes) - len(made_ids & {id(h) for h in plan.handshakes}),
         failing=tuple(late),
+        pair_counts=per_engine,
     )
-    per_engine: dict[str, tuple[int, int]] = {}
-    for pair in progress.expected:
-        for eid in pair:
-            ok, total = per_engine.get(eid, (0, 0))
-            per_engine[eid] = (ok + (pair in connected), total + 1)
-    progress = dataclasses.replace(progress, pair_counts=per_engine)
     engines = []
     prev_by_id: dict[str, EngineStatus] = {}
     for x in previous.engines:
@@ -994,7 +1007,7 @@ def summary_of(engines: Iterable[EngineStatus], progress: Progress) -> Summary:
     return Summary(
         prefill=f"{done['prefill']}/{n_prefill}",
         decode=f"{done['decode']}/{n_decode}",
-        pairs=f"{len(progress.connected)}/{len(progress.expected)}",
+        pairs=f"{progress.pairs_connected}/{progress.pairs_expected}",
     )
 
 

@@ -140,8 +140,8 @@ class Progress:
     """What the conditions are computed from: before acting (in the plan) and again after
     acting, with the handshakes made and the failures that persist (`settle`)."""
 
-    expected: frozenset[tuple[str, str]] = frozenset()
-    connected: frozenset[tuple[str, str]] = frozenset()
+    pairs_expected: int = 0  # (prefill, decode) pairs that must be connected
+    missing: frozenset[tuple[str, str]] = frozenset()  # those of them not connected
     unpaired: tuple[str, ...] = ()  # pods of usable engines with no partner to pair with
     handshakes_left: int = 0
     draining: int = 0
@@ -151,9 +151,12 @@ class Progress:
     claimed: tuple[tuple[str, str], ...] = ()  # (pod, older topology owning it): Conflict
     selected: tuple[int, int] = (0, 0)  # (prefill, decode) pods this topology owns
     live: tuple[tuple[str, str], ...] = ()  # (pod, engine id) of each usable engine, sorted
-    # engine id -> (its pairs connected, its pairs expected), after acting (`settle`); None
-    # before acting (count them from `expected` and `connected`)
+    # engine id -> (its pairs connected, its pairs expected)
     pair_counts: Mapping[str, tuple[int, int]] | None = None
+
+    @property
+    def pairs_connected(self) -> int:
+        return self.pairs_expected - len(self.missing)
 
 
 @dataclass(frozen=True, order=True)
@@ -187,8 +190,8 @@ class Plan:
     evictions: tuple[Eviction, ...]
     status: KVTopologyStatus
     events: tuple[Event, ...]
-    expected_pairs: frozenset[tuple[str, str]]
-    connected_pairs: frozenset[tuple[str, str]]
+    pairs_expected: int
+    pairs_connected: int
     wake_in_s: float | None = None  # when the next eviction falls due, if one is waiting
     idle_ttls: tuple[SetIdleTTL, ...] = ()  # workers whose idle TTL differs from the spec's
     progress: Progress = Progress()  # what the conditions were computed from, before acting

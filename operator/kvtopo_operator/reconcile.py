@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -66,11 +66,18 @@ TopologyKey = tuple[str, str]  # (namespace, name)
 PodSource = Callable[[str, int], Iterable[PodView]]  # (namespace, control port) -> pods
 # namespace -> the KVTopologies in it (for the claim: a pod belongs to at most one)
 TopologySource = Callable[[str], Iterable[TopologyView]]
+# (namespace, name) -> the topology's latest body as a watch delivered it (None: not known;
+# it is then read from the API server)
+BodySource = Callable[[TopologyKey], Mapping[str, Any] | None]
 
 
 @dataclass
 class Settings:
     resync_s: float = 2.0  # worker state is polled at least this often
+    # Status writes at most this often per topology (the newest status is written at the
+    # end of the interval): a rollout changes it every round, and each write of up to
+    # 2,048 engine lines costs the API server and every watcher of KVTopologies.
+    status_interval_s: float = 1.0
     retry_s: float = 0.2  # re-reconcile this soon after acting
     max_backoff_s: float = 10.0
 
@@ -123,6 +130,7 @@ class Reconciler:
         workers: WorkerClient,
         pods: PodSource,
         topologies: TopologySource = lambda namespace: (),
+        bodies: BodySource = lambda key: None,
         metrics: OperatorMetrics,
         settings: Settings | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
@@ -131,6 +139,7 @@ class Reconciler:
         self.workers = workers
         self.pods = pods
         self.topologies = topologies
+        self.bodies = bodies
         self.metrics = metrics
         self.settings = settings or Settings()
         self.clock = clock
@@ -197,7 +206,7 @@ class Reconciler:
         }
 
     async def _post_event(
-        self, body: dict[str, Any], event_type: str, reason: str, message: str
+        self, body: Mapping[str, Any], event_type: str, reason: str, message: str
     ) -> None:
         await self.kube.record_event(body, event_type, reason, message)
 
@@ -237,7 +246,9 @@ class Reconciler:
         the next eviction falls due."""
         started = time.monotonic()
         namespace, name = key
-        body = await self.kube.get_topology(namespace, name)
+        # The body kopf's watch delivered last (its spec and generation are what a poke
+        # announced), else a read; the status in it matters only to a loop's first round.
+        body = self.bodies(key) or await self.kube.get_topology(namespace, name)
         if body is None:
             self.forget(key)
             return False, None
@@ -262,7 +273,7 @@ class Reconciler:
                 KVTopologySpec, body.get("spec"), ".spec", drop_invalid=False
             )
         except ValidationError as exc:
-            await self._invalid_spec(key, body, previous, generation, exc)
+            await self._invalid_spec(key, loop, body, previous, generation, exc)
             return False, None
         ignored = ignored_spec + ignored
         if ignored and ignored != loop.ignored:
@@ -338,14 +349,14 @@ class Reconciler:
         return acted, plan.wake_in_s
 
     def _write_status(self, key: TopologyKey, loop: _Loop, status: dict[str, Any]) -> None:
-        """Hands the round's status to the loop's writer, off the round's path: one write in
-        flight at a time, and a status decided while one is in flight replaces any still
-        waiting (only the newest is written). The status subresource has one writer, the
-        leading replica's loop, so the write (a merge patch of the whole status) carries no
-        resourceVersion precondition: a loop's own writes would otherwise conflict with each
-        other. A write that fails (403, 429, an admission webhook, a timeout) is retried,
-        newest first, after `retry_s`; the rounds' decisions and timers never wait for it
-        (`loop.memory`, `loop.status`)."""
+        """Hands the round's status to the loop's writer, off the round's path: one write
+        in flight at a time, at most one per `status_interval_s`, and a status decided
+        meanwhile replaces any still waiting (only the newest is written). The status
+        subresource has one writer, the leading replica's loop, so the write (a merge patch
+        of the whole status) carries no resourceVersion precondition: a loop's own writes
+        would otherwise conflict with each other. A write that fails (403, 429, an admission
+        webhook, a timeout) is retried, newest first, after `retry_s`; the rounds' decisions
+        and timers never wait for it (`loop.memory`, `loop.status`)."""
         loop.unwritten = status
         if loop.writer is None or loop.writer.done():
             loop.writer = asyncio.create_task(
@@ -371,6 +382,7 @@ class Reconciler:
                 loop.poke.set()
                 return
             loop.written = status
+            await asyncio.sleep(self.settings.status_interval_s)  # pacing the writes
 
     async def _set_gates(
         self,
@@ -408,7 +420,8 @@ class Reconciler:
     async def _invalid_spec(
         self,
         key: TopologyKey,
-        body: dict[str, Any],
+        loop: _Loop,
+        body: Mapping[str, Any],
         previous: KVTopologyStatus,
         generation: int,
         exc: ValidationError,
@@ -419,8 +432,9 @@ class Reconciler:
             f"spec.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:5]
         )
         status, events = invalid_spec(previous, generation, problems, self.clock())
-        if dump(status) != dump(previous):
-            await self.kube.patch_status(*key, dump(status), body["metadata"]["resourceVersion"])
+        loop.status = status
+        if dump(status) != loop.written:
+            self._write_status(key, loop, dump(status))
         for event in events:
             self.events.record(body, event)
         log.error("%s/%s: %s", *key, problems)
@@ -564,6 +578,6 @@ class Reconciler:
                 self.metrics.ready_to_connected.observe(
                     max(0.0, time.time() - ready_since[engine.pod])
                 )
-        self.metrics.pairs_expected.labels(*key).set(len(plan.expected_pairs))
-        self.metrics.pairs_connected.labels(*key).set(len(plan.connected_pairs))
+        self.metrics.pairs_expected.labels(*key).set(plan.pairs_expected)
+        self.metrics.pairs_connected.labels(*key).set(plan.pairs_connected)
         self.metrics.peers_unhealthy.labels(*key).set(len(plan.unhealthy_peers))

@@ -55,8 +55,9 @@ def test_the_wanted_condition(
 
 def test_only_gated_pods_whose_condition_differs_are_written() -> None:
     progress = Progress(
-        expected=frozenset({("p", "d1"), ("p", "d2")}),
-        connected=frozenset({("p", "d1")}),
+        pairs_expected=2,
+        missing=frozenset({("p", "d2")}),
+        pair_counts={"p": (1, 2), "d1": (1, 1), "d2": (0, 1)},
         live=(("p0", "p"), ("d1", "d1"), ("d2", "d2")),
     )
     pods = [

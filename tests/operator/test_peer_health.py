@@ -104,7 +104,7 @@ def warnings(plan: Plan) -> list[str]:
 
 def test_a_holder_reporting_a_peer_unhealthy_gets_a_handshake_for_it_and_one_warning() -> None:
     healthy = plan_of(mesh())
-    assert healthy.handshakes == () and len(healthy.connected_pairs) == 2
+    assert healthy.handshakes == () and healthy.pairs_connected == 2
     # d0 reports the prefill dropped: only d0's half of (P0, D0) is planned again, with the
     # prefill's identity (the worker renews it on this add).
     why = "dropped: send_notif to kvtopo-P0-r0: NIXL_ERR_REMOTE_DISCONNECT"
@@ -113,7 +113,7 @@ def test_a_holder_reporting_a_peer_unhealthy_gets_a_handshake_for_it_and_one_war
     assert plan.handshakes == (
         Handshake("d0", d0.endpoint, "P0", p0.endpoint, "prefill", "", "i-P0", "D0"),
     )
-    assert plan.connected_pairs == {("P0", "D1")}
+    assert plan.pairs_connected == 1 and plan.progress.missing == {("P0", "D0")}
     assert plan.unhealthy_peers == {("D0", "P0")}
     ready = next(c for c in plan.status.conditions if c.type.value == "Ready")
     assert (ready.status, ready.reason) == ("False", "PairsMissing")
