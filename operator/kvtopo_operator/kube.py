@@ -2,23 +2,27 @@
 
 Owns connecting to an API server (`ClusterApi`: in-cluster, a kubeconfig, or the default
 kubeconfig) and the calls made through the client: for the operator (`KubeClient`: reading a
-KVTopology fresh, writing its status through the `/status` subresource with an
-optimistic-concurrency precondition, recording Events; from a worker thread, so the asyncio
+KVTopology fresh, writing its status through the `/status` subresource, recording Events,
+setting a pod condition; from a worker thread, so the asyncio
 loop never blocks) and for kvtopo's tools (the drill, the benchmarks and the tests: applying
 the CRD, KVTopology objects, pods as raw JSON). `LeaseClient` reads, creates and replaces the
 one `coordination.k8s.io/v1` Lease that `leader` elects on (each call resourceVersion-conditional
 where it writes, with a request timeout). Every call made through `ClusterApi` and
 `KubeClient` carries a request timeout (`REQUEST_TIMEOUT_S` unless the constructor is given
-another): a half-open connection fails the call instead of wedging its caller. No other
-operator module imports `kubernetes`.
+another): a half-open connection fails the call instead of wedging its caller. The
+operator's calls go through `ClusterApi.request` (the client's connection, authentication
+and REST layer, with plain JSON): the client's generated API groups build a validator per
+method when constructed, which cost the operator about 100 MB, so they are built only for
+the tools that use them. No other operator module imports `kubernetes`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -39,6 +43,14 @@ idempotent request (GET) after a failed read at most 3 times, so a read that nev
 fails within 4 of these; a write fails within one."""
 # Only the objects' metadata in a list (the API server's PartialObjectMetadataList).
 _METADATA_ONLY = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
+
+
+def _pods(namespace: str | None) -> str:
+    return "/api/v1/pods" if namespace is None else f"/api/v1/namespaces/{namespace}/pods"
+
+
+def _topologies(namespace: str) -> str:
+    return f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}"
 
 
 class ClusterApi:
@@ -63,10 +75,86 @@ class ClusterApi:
             except config.ConfigException:
                 config.load_kube_config()
             api_client = client.ApiClient()
-        self.core: Any = client.CoreV1Api(api_client)
-        self.apps: Any = client.AppsV1Api(api_client)
-        self.custom: Any = client.CustomObjectsApi(api_client)
-        self.ext: Any = client.ApiextensionsV1Api(api_client)
+        self.api_client = api_client
+
+    # The client's generated API groups build a validator for each of their hundreds of
+    # methods when constructed (CoreV1Api alone costs about 85 MB): built on first use only.
+    # The operator's own calls go through `request`, which needs none of them.
+
+    @functools.cached_property
+    def core(self) -> Any:
+        return client.CoreV1Api(self.api_client)
+
+    @functools.cached_property
+    def apps(self) -> Any:
+        return client.AppsV1Api(self.api_client)
+
+    @functools.cached_property
+    def custom(self) -> Any:
+        return client.CustomObjectsApi(self.api_client)
+
+    @functools.cached_property
+    def ext(self) -> Any:
+        return client.ApiextensionsV1Api(self.api_client)
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: Sequence[tuple[str, Any]] = (),
+        body: Any = None,
+        content_type: str = "application/json",
+        accept: str = "application/json",
+        timeout: tuple[float, float] | None = None,
+    ) -> Any:
+        """One request through the client's connection and authentication (its REST layer,
+        not its generated API groups); the response, not read yet. Raises `ApiException`
+        on a status other than 2xx."""
+        headers = {"Accept": accept}
+        if body is not None:
+            headers["Content-Type"] = content_type
+        method, url, headers, body, post = self.api_client.param_serialize(
+            method=method,
+            resource_path=path,
+            query_params=list(query),
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        resp = self.api_client.call_api(
+            method, url, headers, body, post, _request_timeout=timeout or self.request_timeout
+        )
+        if not 200 <= resp.status <= 299:
+            resp.read()
+            raise ApiException(http_resp=resp)
+        return resp
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: Sequence[tuple[str, Any]] = (),
+        body: Any = None,
+        content_type: str = "application/json",
+        accept: str = "application/json",
+        timeout: tuple[float, float] | None = None,
+    ) -> bytes:
+        """A request's whole answer (its JSON, as bytes); `ApiException` unless 2xx."""
+        resp = self._send(
+            method,
+            path,
+            query=query,
+            body=body,
+            content_type=content_type,
+            accept=accept,
+            timeout=timeout,
+        )
+        return cast(bytes, resp.read())
+
+    def request_json(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        return cast(dict[str, Any], json.loads(self.request(method, path, **kwargs)))
 
     def apply_crd(self, body: dict[str, Any]) -> None:
         """Creates the CustomResourceDefinition, or replaces the one already there."""
@@ -95,9 +183,7 @@ class ClusterApi:
     def create_namespace(self, name: str) -> bool:
         """Creates namespace `name`; False when it exists already."""
         try:
-            self.core.create_namespace(
-                {"metadata": {"name": name}}, _request_timeout=self.request_timeout
-            )
+            self.request("POST", "/api/v1/namespaces", body={"metadata": {"name": name}})
         except ApiException as exc:
             if exc.status != 409:
                 raise
@@ -106,21 +192,16 @@ class ClusterApi:
 
     def create_topology(self, namespace: str, body: dict[str, Any]) -> None:
         """Creates a KVTopology object."""
-        self.custom.create_namespaced_custom_object(
-            GROUP, VERSION, namespace, PLURAL, body, _request_timeout=self.request_timeout
-        )
+        self.request("POST", _topologies(namespace), body=body)
 
     def read_topology(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The KVTopology `name` as the server has it, or None when there is none."""
         try:
-            obj = self.custom.get_namespaced_custom_object(
-                GROUP, VERSION, namespace, PLURAL, name, _request_timeout=self.request_timeout
-            )
+            return self.request_json("GET", f"{_topologies(namespace)}/{name}")
         except ApiException as exc:
             if exc.status == 404:
                 return None
             raise
-        return cast(dict[str, Any], obj)
 
     def list_pods(
         self, namespace: str | None, label_selector: str, *, metadata_only: bool = False
@@ -128,37 +209,23 @@ class ClusterApi:
         """Pods as plain JSON mappings (the client's models cost seconds of CPU per thousand
         pods to build); of every namespace when `namespace` is None; with `metadata_only`,
         each item holds only the pod's `metadata`."""
-        kwargs: dict[str, Any] = {
-            "label_selector": label_selector,
-            "_preload_content": False,
-            "_request_timeout": self.request_timeout,
-        }
-        if metadata_only:
-            kwargs["_headers"] = {"Accept": _METADATA_ONLY}
-        if namespace is None:
-            resp = self.core.list_pod_for_all_namespaces(**kwargs)
-        else:
-            resp = self.core.list_namespaced_pod(namespace, **kwargs)
-        items: list[dict[str, Any]] = json.loads(resp.data)["items"]
+        data = self.request(
+            "GET",
+            _pods(namespace),
+            query=[("labelSelector", label_selector)],
+            accept=_METADATA_ONLY if metadata_only else "application/json",
+        )
+        items: list[dict[str, Any]] = json.loads(data)["items"]
         return items
 
     def list_pods_raw(
         self, namespace: str | None, label_selector: str, *, limit: int, cont: str
     ) -> bytes:
         """One page of a pod list, as the API server's JSON (`podwatch` decodes it)."""
-        kwargs: dict[str, Any] = {
-            "label_selector": label_selector,
-            "limit": limit,
-            "_preload_content": False,
-            "_request_timeout": self.request_timeout,
-        }
+        query: list[tuple[str, Any]] = [("labelSelector", label_selector), ("limit", limit)]
         if cont:
-            kwargs["_continue"] = cont
-        if namespace is None:
-            resp = self.core.list_pod_for_all_namespaces(**kwargs)
-        else:
-            resp = self.core.list_namespaced_pod(namespace, **kwargs)
-        return cast(bytes, resp.data)
+            query.append(("continue", cont))
+        return self.request("GET", _pods(namespace), query=query)
 
     def watch_pods_raw(
         self, namespace: str | None, label_selector: str, *, resource_version: str, timeout_s: int
@@ -166,19 +233,18 @@ class ClusterApi:
         """A watch of pods from `resource_version`: its lines (one JSON event each) as they
         arrive, until the server ends it after `timeout_s` (bookmarks on). A read waits at most
         `timeout_s` plus the request timeout."""
-        kwargs: dict[str, Any] = {
-            "label_selector": label_selector,
-            "watch": True,
-            "resource_version": resource_version,
-            "timeout_seconds": timeout_s,
-            "allow_watch_bookmarks": True,
-            "_preload_content": False,
-            "_request_timeout": (self.request_timeout[0], timeout_s + self.request_timeout[1]),
-        }
-        if namespace is None:
-            resp = self.core.list_pod_for_all_namespaces(**kwargs)
-        else:
-            resp = self.core.list_namespaced_pod(namespace, **kwargs)
+        resp = self._send(
+            "GET",
+            _pods(namespace),
+            query=[
+                ("labelSelector", label_selector),
+                ("watch", "true"),
+                ("resourceVersion", resource_version),
+                ("timeoutSeconds", timeout_s),
+                ("allowWatchBookmarks", "true"),
+            ],
+            timeout=(self.request_timeout[0], timeout_s + self.request_timeout[1]),
+        ).response  # the urllib3 response, read as it streams
         try:
             rest = b""
             for chunk in resp.stream(65536, decode_content=True):
@@ -194,11 +260,11 @@ class ClusterApi:
 
     def annotate_pod(self, namespace: str, name: str, annotations: dict[str, str]) -> None:
         """Sets annotations on a pod (a merge patch)."""
-        self.core.patch_namespaced_pod(
-            name,
-            namespace,
-            {"metadata": {"annotations": annotations}},
-            _request_timeout=self.request_timeout,
+        self.request(
+            "PATCH",
+            f"/api/v1/namespaces/{namespace}/pods/{name}",
+            body={"metadata": {"annotations": annotations}},
+            content_type="application/merge-patch+json",
         )
 
 
@@ -210,8 +276,6 @@ class KubeClient:
         api = ClusterApi(kubeconfig, timeout_s)
         self.request_timeout = api.request_timeout
         self._api = api
-        self._custom = api.custom
-        self._core = api.core
 
     async def get_topology(self, namespace: str, name: str) -> dict[str, Any] | None:
         return await asyncio.to_thread(self._api.read_topology, namespace, name)
@@ -230,14 +294,11 @@ class KubeClient:
             try:
                 # A dict body is sent as a JSON merge patch; a resourceVersion in it makes
                 # the write conditional on the version we read.
-                self._custom.patch_namespaced_custom_object_status(
-                    GROUP,
-                    VERSION,
-                    namespace,
-                    PLURAL,
-                    name,
-                    body,
-                    _request_timeout=self.request_timeout,
+                self._api.request(
+                    "PATCH",
+                    f"{_topologies(namespace)}/{name}/status",
+                    body=body,
+                    content_type="application/merge-patch+json",
                 )
             except ApiException as exc:
                 if exc.status in (404, 409):
@@ -254,31 +315,30 @@ class KubeClient:
         now = datetime.now(UTC)
 
         def call() -> None:
-            event = client.CoreV1Event(
-                metadata=client.V1ObjectMeta(
-                    generate_name=f"{meta['name']}.", namespace=meta["namespace"]
-                ),
-                involved_object=client.V1ObjectReference(
-                    api_version=f"{GROUP}/{VERSION}",
-                    kind=KIND,
-                    name=meta["name"],
-                    namespace=meta["namespace"],
-                    uid=meta.get("uid"),
-                    resource_version=meta.get("resourceVersion"),
-                ),
-                reason=reason,
-                message=message[:1024],
-                type=event_type,
-                first_timestamp=now,
-                last_timestamp=now,
-                count=1,
-                source=client.V1EventSource(component=COMPONENT),
-                reporting_component=COMPONENT,
-                reporting_instance=COMPONENT,
-            )
+            stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
+            event = {
+                "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+                "involvedObject": {
+                    "apiVersion": f"{GROUP}/{VERSION}",
+                    "kind": KIND,
+                    "name": meta["name"],
+                    "namespace": meta["namespace"],
+                    "uid": meta.get("uid"),
+                    "resourceVersion": meta.get("resourceVersion"),
+                },
+                "reason": reason,
+                "message": message[:1024],
+                "type": event_type,
+                "firstTimestamp": stamp,
+                "lastTimestamp": stamp,
+                "count": 1,
+                "source": {"component": COMPONENT},
+                "reportingComponent": COMPONENT,
+                "reportingInstance": COMPONENT,
+            }
             try:
-                self._core.create_namespaced_event(
-                    meta["namespace"], event, _request_timeout=self.request_timeout
+                self._api.request(
+                    "POST", f"/api/v1/namespaces/{meta['namespace']}/events", body=event
                 )
             except ApiException as exc:
                 log.warning("could not record event %s on %s: %s", reason, meta["name"], exc.reason)
@@ -296,9 +356,11 @@ class KubeClient:
         def call() -> bool:
             body = {"metadata": {"uid": uid}, "status": {"conditions": [condition]}}
             try:
-                # A dict body to a built-in kind is sent as a strategic merge patch.
-                self._core.patch_namespaced_pod_status(
-                    name, namespace, body, _request_timeout=self.request_timeout
+                self._api.request(
+                    "PATCH",
+                    f"/api/v1/namespaces/{namespace}/pods/{name}/status",
+                    body=body,
+                    content_type="application/strategic-merge-patch+json",
                 )
             except ApiException as exc:
                 if exc.status in (404, 409, 422):
@@ -340,16 +402,17 @@ class LeaseClient:
     """The one Lease `name` in `namespace`: get, create and replace, each from a worker thread
     with a request timeout of `timeout_s`.
 
-    Goes through the client's generic object calls with plain JSON bodies: the typed Lease
+    Goes through `ClusterApi.request` with plain JSON bodies: the typed Lease
     models re-serialize MicroTime values with `isoformat()`, which drops the fraction of a
     whole-second time, and the API server's RFC 3339 micro-time parser refuses that.
     """
 
     def __init__(self, api: ClusterApi, namespace: str, name: str, timeout_s: float = 5.0) -> None:
-        self._custom = api.custom
+        self._api = api
         self.namespace = namespace
         self.name = name
         self.timeout_s = timeout_s
+        self._path = f"/apis/{LEASE_GROUP}/{LEASE_VERSION}/namespaces/{namespace}/{LEASE_PLURAL}"
 
     def _record(self, obj: dict[str, Any]) -> LeaseRecord:
         spec = obj.get("spec") or {}
@@ -385,13 +448,8 @@ class LeaseClient:
 
         def call() -> LeaseRecord | None:
             try:
-                obj = self._custom.get_namespaced_custom_object(
-                    LEASE_GROUP,
-                    LEASE_VERSION,
-                    self.namespace,
-                    LEASE_PLURAL,
-                    self.name,
-                    _request_timeout=self.timeout_s,
+                obj = self._api.request_json(
+                    "GET", f"{self._path}/{self.name}", timeout=(self.timeout_s, self.timeout_s)
                 )
             except ApiException as exc:
                 if exc.status == 404:
@@ -407,13 +465,8 @@ class LeaseClient:
         def call() -> LeaseRecord:
             body = self._body(replace(record, resource_version=""))
             try:
-                obj = self._custom.create_namespaced_custom_object(
-                    LEASE_GROUP,
-                    LEASE_VERSION,
-                    self.namespace,
-                    LEASE_PLURAL,
-                    body,
-                    _request_timeout=self.timeout_s,
+                obj = self._api.request_json(
+                    "POST", self._path, body=body, timeout=(self.timeout_s, self.timeout_s)
                 )
             except ApiException as exc:
                 if exc.status == 409:
@@ -431,14 +484,11 @@ class LeaseClient:
 
         def call() -> LeaseRecord:
             try:
-                obj = self._custom.replace_namespaced_custom_object(
-                    LEASE_GROUP,
-                    LEASE_VERSION,
-                    self.namespace,
-                    LEASE_PLURAL,
-                    self.name,
-                    self._body(record),
-                    _request_timeout=self.timeout_s,
+                obj = self._api.request_json(
+                    "PUT",
+                    f"{self._path}/{self.name}",
+                    body=self._body(record),
+                    timeout=(self.timeout_s, self.timeout_s),
                 )
             except ApiException as exc:
                 if exc.status in (404, 409):
