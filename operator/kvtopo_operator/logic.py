@@ -299,18 +299,42 @@ class Pairing:
         return self.pair_counts
 
 
-def _held_as_is(
-    holder: WorkerView, among: frozenset[str], incarnation: Mapping[str, str]
-) -> set[str]:
+@dataclass(frozen=True)
+class _Among:
+    """The engines of one side of a pairing group: their ids, and their (id, incarnation)
+    pairs (those with an incarnation) for a C-speed comparison with a holder's."""
+
+    ids: frozenset[str]
+    items: frozenset[tuple[str, str]]
+    no_incarnation: frozenset[str]
+
+    @staticmethod
+    def of(ids: frozenset[str], incarnation: Mapping[str, str]) -> _Among:
+        return _Among(
+            ids,
+            frozenset((eid, incarnation[eid]) for eid in ids if incarnation[eid]),
+            frozenset(eid for eid in ids if not incarnation[eid]),
+        )
+
+
+def _held_as_is(holder: WorkerView, among: _Among) -> frozenset[str]:
     """The engines of `among` that `holder` holds as they are now (`holds`), by set
-    operations first: a prefill holds a thousand peers."""
-    candidates = holder.peers & among
+    operations: a prefill holds a thousand peers."""
+    candidates = holder.peers & among.ids
     if holder.evicting:
         candidates = candidates.difference(holder.evicting)
     if holder.unhealthy_peers:
         candidates = candidates.difference(holder.unhealthy_peers)
     known = holder.peer_incarnations
-    return {eid for eid in candidates if known.get(eid, "") == incarnation[eid]}
+    # Held at another incarnation (or at none): what of `among` the holder's record lacks.
+    stale = among.items.difference(known.items())
+    if stale:
+        candidates = candidates.difference(eid for eid, _ in stale)
+    if among.no_incarnation:
+        candidates = candidates.difference(
+            eid for eid in among.no_incarnation & candidates if known.get(eid, "")
+        )
+    return candidates
 
 
 def pair_engines(spec: KVTopologySpec, live: Mapping[str, Usable]) -> Pairing:
@@ -359,11 +383,12 @@ def pair_engines(spec: KVTopologySpec, live: Mapping[str, Usable]) -> Pairing:
                 partner_ids[pid] = dset
             for did in dset:
                 partner_ids[did] = pset
+            p_among, d_among = _Among.of(pset, incarnation), _Among.of(dset, incarnation)
             # The decodes that do not hold a prefill as it is now, by prefill (only the
             # missing halves are visited).
             lacking: dict[str, list[Usable]] = {}
             for d in ds:
-                not_held = pset - _held_as_is(d.worker, pset, incarnation)
+                not_held = pset - _held_as_is(d.worker, p_among)
                 for pid in not_held:
                     lacking.setdefault(pid, []).append(d)
             for a in (*ps, *ds):  # unhealthy halves: the few a holder reports
@@ -374,7 +399,7 @@ def pair_engines(spec: KVTopologySpec, live: Mapping[str, Usable]) -> Pairing:
                         unhealthy[(a.worker.engine_id, peer)] = (a.pod.name, b.pod.name, why)
             for p in ps:
                 pid = p.worker.engine_id
-                p_lacks = dset - _held_as_is(p.worker, dset, incarnation)
+                p_lacks = dset - _held_as_is(p.worker, d_among)
                 d_lack = lacking.get(pid, [])
                 if not p_lacks and not d_lack:
                     continue  # the whole row is connected
@@ -450,7 +475,12 @@ def gone_engines(obs: Observed, engines: Engines, now: datetime) -> dict[str, Go
     grace = timedelta(seconds=obs.spec.eviction.grace_seconds)
     prev_engines = {e.engine_id: e for e in obs.previous.engines if e.engine_id}
     live, cannot_tell = engines.live, set(engines.unusable)
-    held = {peer for e in live.values() for peer in e.worker.peers - e.worker.evicting}
+    held = frozenset().union(
+        *(
+            e.worker.peers - e.worker.evicting if e.worker.evicting else e.worker.peers
+            for e in live.values()
+        )
+    )
     gone: dict[str, Gone] = {}
     for eid, prev in prev_engines.items():
         if eid in live or prev.state == EngineState.EVICTED:
@@ -462,10 +492,12 @@ def gone_engines(obs: Observed, engines: Engines, now: datetime) -> dict[str, Go
         since = parse_time(prev.since) if prev.state == EngineState.DRAINING else now
         since = min(since, obs.memory.gone_since.get(eid, since))
         gone[eid] = Gone(prev.pod, prev.role, prev.endpoint, since)
-    for e in live.values():
-        for peer in e.worker.peers - e.worker.evicting:
-            if peer in live or peer in gone:
-                continue
+    # Peers held by a usable engine that is not usable and not gone yet (found by set
+    # operations; the first holder, in order, tells the role).
+    unknown = set(held.difference(live, gone))
+    for e in live.values() if unknown else ():
+        for peer in sorted((e.worker.peers - e.worker.evicting) & unknown):
+            unknown.discard(peer)
             known = prev_engines.get(peer)
             if (
                 known is not None
@@ -525,10 +557,10 @@ def evictions_due(
     still_held: dict[str, int] = {}
     holders_of: dict[str, list[Usable]] = {}
     if gone:
+        gone_ids = frozenset(gone)
         for e in live.values():
-            for peer in e.worker.peers:
-                if peer in gone:
-                    holders_of.setdefault(peer, []).append(e)
+            for peer in e.worker.peers & gone_ids:
+                holders_of.setdefault(peer, []).append(e)
     for eid, g in gone.items():
         holders = holders_of.get(eid, [])
         still_held[eid] = len(holders)
