@@ -33,9 +33,10 @@ from aiohttp import web
 
 from kvtopo import launch
 from kvtopo.drill import manifests
-from kvtopo_operator.api import ENDPOINT_ANNOTATION, GROUP, PLURAL, ROLE_LABEL
+from kvtopo_operator.api import ENDPOINT_ANNOTATION, GROUP, PLURAL
 from kvtopo_operator.crd import crd_manifest
 from kvtopo_operator.kube import ClusterApi
+from kvtopo_operator.podwatch import PodStore, PodWatch
 from kvtopo_worker.protocol import (
     PeerAddRequest,
     PeerChanges,
@@ -232,48 +233,55 @@ class SizeRun:
                 )
             w.serving_at = time.monotonic()
 
-        def list_pods() -> list[dict[str, Any]]:
-            # Raw JSON: building the client's model objects for a thousand pods took this
-            # process seconds of CPU per poll, on the cores the operator is measured on.
-            return self.api.list_pods(self.ns, f"app={APP}")
-
-        while True:
-            pods = await asyncio.to_thread(list_pods)
-            self.events += 1
-            seen = set()
-            starting = []
-            starts: list[tuple[str, str, str, str]] = []
-            claimed: set[str] = set()
-            for p in pods:
-                meta = p["metadata"]
-                uid = meta["uid"]
-                seen.add(uid)
-                ready = any(
-                    c.get("type") == "Ready" and c.get("status") == "True"
-                    for c in (p.get("status") or {}).get("conditions") or []
-                )
-                usable = ready and meta.get("deletionTimestamp") is None
-                w = self.by_uid.get(uid)
-                ip = (p.get("status") or {}).get("podIP") or ""
-                if w is None and usable and ip and uid not in self.starting:
-                    if ip not in claimed:  # else its IP's old worker is still going
-                        claimed.add(ip)
-                        starts.append((meta["name"], meta["labels"][ROLE_LABEL], uid, ip))
-                elif w is not None and not usable and w.gone_at is None:
-                    w.gone_at = time.monotonic()
-            for uid, w in self.by_uid.items():
-                if uid not in seen and w.gone_at is None:
-                    w.gone_at = time.monotonic()
-            for w in self.by_uid.values():
-                if w.gone_at is not None and w.site is not None:
-                    await self.fleet.remove(w)
-            for name, role, uid, ip in starts:
-                if not self.fleet.holds(ip):
-                    self.starting.add(uid)
-                    starting.append(serve(name, role, uid, ip))
-            if starting:
-                await asyncio.gather(*starting)
-            await asyncio.sleep(0.2)
+        # The pods come from a watch (kvtopo's own engine-pod watch), as a kubelet hears of
+        # its pods: listing a thousand pods every poll cost the API server and this process
+        # more CPU than the operator under test.
+        changed = asyncio.Event()
+        store = PodStore()
+        watch = PodWatch(self.api, [self.ns], store, on_change=lambda ns: changed.set())
+        watch.start()
+        try:
+            while True:
+                await changed.wait()
+                changed.clear()
+                if not store.listed(self.ns):
+                    continue
+                self.events += 1
+                seen = set()
+                starting = []
+                starts: list[tuple[str, str, str, str]] = []
+                claimed: set[str] = set()
+                for p in store.pods(self.ns):
+                    seen.add(p.uid)
+                    usable = p.ready and not p.deleting
+                    w = self.by_uid.get(p.uid)
+                    ip = p.pod_ips[0] if p.pod_ips else ""
+                    if w is None and usable and ip and p.uid not in self.starting:
+                        if ip not in claimed:  # else its IP's old worker is still going
+                            claimed.add(ip)
+                            starts.append((p.name, p.role, p.uid, ip))
+                    elif w is not None and not usable and w.gone_at is None:
+                        w.gone_at = time.monotonic()
+                for uid, w in self.by_uid.items():
+                    if uid not in seen and w.gone_at is None:
+                        w.gone_at = time.monotonic()
+                for w in self.by_uid.values():
+                    if w.gone_at is not None and w.site is not None:
+                        await self.fleet.remove(w)
+                waiting = False  # a pod whose IP's old worker is still going
+                for name, role, uid, ip in starts:
+                    if not self.fleet.holds(ip):
+                        self.starting.add(uid)
+                        starting.append(serve(name, role, uid, ip))
+                    else:
+                        waiting = True
+                if starting:
+                    await asyncio.gather(*starting)
+                if waiting:  # look again shortly (polling the bench's own fleet, not the API)
+                    await asyncio.sleep(0.05)
+                    changed.set()
+        finally:
+            watch.stop()
 
     async def measure(self) -> None:
         """Timestamps connectivity and eviction every 100 ms, independent of the agent."""
@@ -304,27 +312,32 @@ class SizeRun:
                 continue
             if all(o.engine_id in w.peers and w.engine_id in o.peers for o in others):
                 w.connected_at = now
+        # Evicted: no live engine of the other role holds it (only they hold it). This runs
+        # every 100 ms beside the operator: a gone decode is checked against the prefills,
+        # not against every live engine.
         for w in self.by_uid.values():
-            if (
-                w.gone_at is not None
-                and w.evicted_at is None
-                and not any(w.engine_id in o.peers for o in live)
-            ):
-                w.evicted_at = now
+            if w.gone_at is not None and w.evicted_at is None:
+                holders = ds if w.role == "prefill" else ps
+                if not any(w.engine_id in o.peers for o in holders):
+                    w.evicted_at = now
 
     def all_connected(self) -> bool:
         live = self.live()
         return (
             sum(w.role == "prefill" for w in live) == self.prefill
             and sum(w.role == "decode" for w in live) == self.decode
-            and all(
-                o.engine_id in w.peers and w.engine_id in o.peers
-                for w in live
-                if w.role == "prefill"
-                for o in live
-                if o.role == "decode"
-            )
+            and self._meshed(live)
             and all(w.evicted_at is not None for w in self.by_uid.values() if w.gone_at)
+        )
+
+    @staticmethod
+    def _meshed(live: list[FakeWorker]) -> bool:
+        """Every live prefill and decode hold each other (set inclusions, not pair by pair:
+        this runs every 200 ms beside the operator)."""
+        ps = {w.engine_id for w in live if w.role == "prefill"}
+        ds = {w.engine_id for w in live if w.role == "decode"}
+        return all(ds <= w.peers for w in live if w.role == "prefill") and all(
+            ps <= w.peers for w in live if w.role == "decode"
         )
 
     async def until(self, what: str, probe: Callable[[], bool], limit_s: float) -> float:
