@@ -72,9 +72,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--relist-seconds",
         type=float,
         default=60.0,
-        help="how often the engine pods are listed afresh; an indexed pod the list no "
-        "longer has (its deletion missed by the watch, as in a relist after '410 Gone') "
-        "is dropped; 0 turns it off",
+        help="how often the engine pods are listed afresh (the list replaces what the "
+        "watch told: a pod deleted while no watch ran is dropped); 0: only after '410 "
+        "Gone' or an error",
     )
     p.add_argument(
         "--resync-seconds",

@@ -173,7 +173,7 @@ def granted_resources(cluster: LocalCluster, sa: str, namespace: str) -> dict[st
 NAMESPACED_GRANTS = {
     "pods": {"list", "watch"},
     "pods/status": {"patch"},  # the readiness gate's one condition
-    "kvtopologies.kvtopo.dev": {"get", "list", "watch"},
+    "kvtopologies.kvtopo.dev": {"list", "watch"},
     "kvtopologies.kvtopo.dev/status": {"patch"},
     "events": {"create"},
 }
@@ -227,7 +227,7 @@ def test_install_grants_exactly_the_namespaced_permissions(
         n = ["-n", ns]
         for verb in ("list", "watch"):
             assert can_i(cluster, sa, verb, "pods", *n)
-        for verb in ("get", "list", "watch"):
+        for verb in ("list", "watch"):
             assert can_i(cluster, sa, verb, "kvtopologies.kvtopo.dev", *n)
         assert can_i(cluster, sa, "patch", "kvtopologies.kvtopo.dev", *n, subresource="status")
         assert can_i(cluster, sa, "patch", "pods", *n, subresource="status")
@@ -330,7 +330,7 @@ def test_upgrade_and_uninstall(cluster: LocalCluster, helm: Helm, release: tuple
     assert can_i(cluster, sa, "patch", f"clusterkopfpeerings.kopf.dev/{fullname}")
     assert not can_i(cluster, sa, "patch", "clusterkopfpeerings.kopf.dev/someone-else")
     assert can_i(cluster, sa, "patch", "kvtopologies.kvtopo.dev", "-A", subresource="status")
-    assert can_i(cluster, sa, "get", "kvtopologies.kvtopo.dev", "-A")
+    assert not can_i(cluster, sa, "get", "kvtopologies.kvtopo.dev", "-A")
     assert can_i(cluster, sa, "create", "events", "-A")
     assert not can_i(cluster, sa, "patch", "kvtopologies.kvtopo.dev", "-A")
     assert not can_i(cluster, sa, "patch", "events", "-A")

@@ -46,7 +46,6 @@ OPERATOR_RULES = {
     ("", "pods", "*", "list"),
     ("", "pods", "*", "watch"),
     ("", "pods/status", "*", "patch"),
-    ("kvtopo.dev", "kvtopologies", "*", "get"),
     ("kvtopo.dev", "kvtopologies", "*", "list"),
     ("kvtopo.dev", "kvtopologies", "*", "watch"),
     ("kvtopo.dev", "kvtopologies/status", "*", "patch"),

@@ -382,7 +382,6 @@ def check_can_i(cluster: LocalCluster, sa: str, namespace: str, lease: str) -> N
     allowed: list[tuple[str, ...]] = [
         ("list", "pods", *n),
         ("watch", "pods", *n),
-        ("get", "kvtopologies.kvtopo.dev", *n),
         ("list", "kvtopologies.kvtopo.dev", *n),
         ("watch", "kvtopologies.kvtopo.dev", *n),
         ("create", "events", *n),
@@ -401,6 +400,7 @@ def check_can_i(cluster: LocalCluster, sa: str, namespace: str, lease: str) -> N
         ("create", "pods", *n),
         ("patch", "pods", *n),
         ("delete", "pods", *n),
+        ("get", "kvtopologies.kvtopo.dev", *n),  # each round reads it from the watch
         ("patch", "kvtopologies.kvtopo.dev", *n),
         ("update", "kvtopologies.kvtopo.dev", *n),
         ("delete", "kvtopologies.kvtopo.dev", *n),

@@ -134,13 +134,14 @@ The permissions the operator needs, in every namespace it watches (Role) or clus
 (ClusterRole). Exactly the verbs the operator calls (tests/helm/test_rbac_e2e.py compares
 them with the API server's audit log of a real run), nothing else: no Secrets (the worker
 token is a mounted file), no writes to pods other than one condition, no nodes.
-  - pods: the engine-pod watch (kopf's list + watch; pods are never read one by one).
+  - pods: the engine-pod watch (a paged list + watch; pods are never read one by one).
   - pods/status: the readiness gate kvtopo.dev/kv-connected (a strategic merge patch of
     that one condition, on pods that list the gate).
-  - kvtopologies: kopf's list + watch; get for the fresh read before each status write.
-    kopf stores nothing on them (only event and index handlers, no finalizers): no patch.
-  - kvtopologies/status: the single status writer (merge patch through the subresource,
-    conditional on the resourceVersion read).
+  - kvtopologies: kopf's list + watch (each round reads its topology from the watch, never
+    with a get). kopf stores nothing on them (only event and index handlers, no
+    finalizers): no patch.
+  - kvtopologies/status: the single status writer (the leading replica's loop: a merge
+    patch of the whole status through the subresource, at most once a second).
   - events: the operator's and kopf's Events (always created, never patched).
 */}}
 {{- define "kvtopo.rbacRules" -}}
@@ -152,7 +153,7 @@ token is a mounted file), no writes to pods other than one condition, no nodes.
   verbs: [patch]
 - apiGroups: [kvtopo.dev]
   resources: [kvtopologies]
-  verbs: [get, list, watch]
+  verbs: [list, watch]
 - apiGroups: [kvtopo.dev]
   resources: [kvtopologies/status]
   verbs: [patch]
