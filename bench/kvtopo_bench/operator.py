@@ -8,9 +8,14 @@ process (a thousand real workers would not fit on the machine). Each listens at 
 pod's identity, so the operator reaches it exactly as a real worker. The fake servers speak
 the worker control API (`/v1/state`, `PUT|DELETE /v1/peers/{id}`) without NIXL.
 
+A kubelet-like agent hears the pods through kvtopo's own pod watch (`podwatch`) and gives
+each Ready pod its fake worker and its endpoint annotation.
+
 Measured per size: pod serving (its endpoint annotated) -> all of its pairs Connected both
 ways (p50/p99), pod deleted -> evicted from every peer (p50/p99), a full decode rollout ->
-converged, and the operator's peak RSS and CPU seconds per 1,000 pod events.
+converged (with its timeline: the Deployment's last change vs the operator's tail), the
+operator's peak RSS and CPU seconds per 1,000 pod events, and this process's own CPU over
+the same window (`bench_cpu_s`: the machine is shared with the control plane).
 """
 
 from __future__ import annotations
@@ -510,8 +515,8 @@ class SizeRun:
                 "operator_cpu_s": round(cpu1 - cpu0, 2),
                 "pod_events_estimate": pod_events,
                 "cpu_s_per_1k_events": round((cpu1 - cpu0) / pod_events * 1000, 2),
-                "agent_polls": self.events - ev0,
-                # The benchmark's own load (fake workers, pod lists, sampling), same window.
+                "agent_polls": self.events - ev0,  # the agent's passes over the pods
+                # The benchmark's own load (fake workers, the agent, sampling), same window.
                 "bench_cpu_s": round(own, 2),
             }
         finally:

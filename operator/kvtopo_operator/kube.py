@@ -282,19 +282,18 @@ class KubeClient:
 
     async def patch_status(
         self, namespace: str, name: str, status: dict[str, Any], resource_version: str
-    ) -> bool:
-        """Replaces `.status` (merge patch of the whole object); False on a conflict or when
-        the object is gone. With `resource_version` ("" for none) the write is conditional
-        on that version."""
+    ) -> str | None:
+        """Replaces `.status` (a merge patch of the whole status through the subresource),
+        conditional on `resource_version` ("" for unconditional). The object's new
+        resourceVersion; None when the write was refused because the object changed since
+        that version (409) or is gone (404)."""
 
-        def call() -> bool:
+        def call() -> str | None:
             body: dict[str, Any] = {"status": status}
             if resource_version:
                 body["metadata"] = {"resourceVersion": resource_version}
             try:
-                # A dict body is sent as a JSON merge patch; a resourceVersion in it makes
-                # the write conditional on the version we read.
-                self._api.request(
+                obj = self._api.request_json(
                     "PATCH",
                     f"{_topologies(namespace)}/{name}/status",
                     body=body,
@@ -302,9 +301,9 @@ class KubeClient:
                 )
             except ApiException as exc:
                 if exc.status in (404, 409):
-                    return False
+                    return None
                 raise
-            return True
+            return str(obj.get("metadata", {}).get("resourceVersion") or "")
 
         return await asyncio.to_thread(call)
 

@@ -107,6 +107,7 @@ class _Loop:
     status: KVTopologyStatus | None = None
     written: dict[str, Any] | None = None
     unwritten: dict[str, Any] | None = None
+    version: str = ""  # the resourceVersion the next status write is conditional on
     writer: asyncio.Task[None] | None = None
 
 
@@ -277,7 +278,9 @@ class Reconciler:
             except ValidationError as exc:  # nothing of it could be kept
                 log.warning("%s/%s: the status cannot be read, starting afresh: %s", *key, exc)
                 previous, ignored = KVTopologyStatus(), [".status"]
-            loop.written = dump(previous)
+            # Nothing counts as written yet: a loop's first status is always written.
+            loop.written = None
+            loop.version = str(body["metadata"].get("resourceVersion") or "")
         try:
             spec, ignored_spec = read_tolerant(
                 KVTopologySpec, body.get("spec"), ".spec", drop_invalid=False
@@ -362,9 +365,12 @@ class Reconciler:
         """Hands the round's status to the loop's writer, off the round's path: one write
         in flight at a time, at most one per `status_interval_s`, and a status decided
         meanwhile replaces any still waiting (only the newest is written). The status
-        subresource has one writer, the leading replica's loop, so the write (a merge patch
-        of the whole status) carries no resourceVersion precondition: a loop's own writes
-        would otherwise conflict with each other. A write that fails (403, 429, an admission
+        subresource has one writer, the leading replica's loop: each write (a merge patch
+        of the whole status) is conditional on the resourceVersion of the loop's own last
+        write (at first, of the body its first round read), so a write a replaced leader
+        still had in flight is refused once the new one wrote, and one that landed first is
+        overwritten. A refused write is tried again on the version the watch delivered last.
+        A loop's first status is always written. A write that fails (403, 429, an admission
         webhook, a timeout) is retried, newest first, after `retry_s`; the rounds' decisions
         and timers never wait for it (`loop.memory`, `loop.status`)."""
         loop.unwritten = status
@@ -380,7 +386,7 @@ class Reconciler:
             if status == loop.written:
                 continue
             try:
-                found = await self.kube.patch_status(namespace, name, status, "")
+                version = await self.kube.patch_status(namespace, name, status, loop.version)
             except Exception as exc:
                 log.warning("%s/%s: the status write failed: %s", *key, exc)
                 self.metrics.status_write_failures.inc()
@@ -388,10 +394,22 @@ class Reconciler:
                     loop.unwritten = status
                 await asyncio.sleep(self.settings.retry_s)  # pacing the retries
                 continue
-            if not found:  # deleted meanwhile: the loop's next read forgets it
-                loop.poke.set()
-                return
-            loop.written = status
+            if version is None:
+                # The object changed since the version written last (its spec, or a
+                # write of a replaced leader) or is gone: carry on from the latest the
+                # watch delivered, with the newest status.
+                body = self.bodies(key) or await self.kube.get_topology(namespace, name)
+                if body is None:  # deleted: the loop's next round forgets it
+                    loop.poke.set()
+                    return
+                latest = str(body["metadata"].get("resourceVersion") or "")
+                if loop.unwritten is None:
+                    loop.unwritten = status
+                if latest == loop.version:  # the watch has not caught up yet
+                    await asyncio.sleep(self.settings.retry_s)
+                loop.version = latest
+                continue
+            loop.written, loop.version = status, version
             await asyncio.sleep(self.settings.status_interval_s)  # pacing the writes
 
     async def _set_gates(

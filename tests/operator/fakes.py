@@ -29,6 +29,7 @@ class FakeKube:
         self.events: list[tuple[str, str, str, str]] = []
         self.status_writes = 0
         self.failures = 0  # status writes still to fail (as a 429 would)
+        self.conflicts = 0  # status writes refused: the version they named was not current
         self.pod_conditions: list[tuple[str, str, dict[str, str]]] = []  # (pod, uid, cond)
 
     async def get_topology(self, namespace: str, name: str) -> dict[str, Any] | None:
@@ -36,19 +37,20 @@ class FakeKube:
 
     async def patch_status(
         self, namespace: str, name: str, status: dict[str, Any], resource_version: str
-    ) -> bool:
+    ) -> str | None:
         self.status_writes += 1
         if self.failures:
             self.failures -= 1
             raise RuntimeError("(429) Too Many Requests")
         body = self.bodies.get(name)
         if body is None:
-            return False
+            return None
         if resource_version and resource_version != body["metadata"]["resourceVersion"]:
-            return False
+            self.conflicts += 1
+            return None
         body["status"] = status
         body["metadata"]["resourceVersion"] = str(int(body["metadata"]["resourceVersion"]) + 1)
-        return True
+        return str(body["metadata"]["resourceVersion"])
 
     async def record_event(self, body: dict[str, Any], type_: str, reason: str, msg: str) -> None:
         self.events.append((body["metadata"]["name"], type_, reason, msg))

@@ -1,6 +1,7 @@
 """The reconcile loop itself (`reconcile.Reconciler`, built through its real constructor
 with the fakes of `tests.operator.fakes`): a status write that fails is retried off the
-round's path (the pair is made meanwhile), a handshake that keeps failing raises one Event
+round's path (the pair is made meanwhile), one refused because another writer moved the
+object on is made again on the latest version, a handshake that keeps failing raises one Event
 (not one per round), the readiness gate is written only where it changes, and loops start, stop with
 their topology and are cancelled together. Every wait polls the fakes' state against a
 deadline far below the resync period, so a pass shows the poke, not the timer."""
@@ -99,6 +100,32 @@ async def test_a_status_write_that_fails_is_retried_off_the_rounds_path() -> Non
             "the newest status written",
             lambda: kube.bodies["llama"]["status"]["summary"]["pairs"] == "1/1",
         )
+    finally:
+        await reconciler.stop()
+
+
+async def test_a_status_write_refused_for_a_moved_version_is_made_again_on_the_latest() -> None:
+    all_pods = [pod("p0", "prefill"), pod("d0", "decode"), pod("d1", "decode")]
+    pods = all_pods[:2]
+    kube = FakeKube({"llama": topology_body()})
+    reconciler = build(lambda: pods, kube, RecordingWorkers.for_pods(all_pods))
+    reconciler.settings.status_interval_s = 0.01
+    body = kube.bodies["llama"]
+
+    def pairs() -> str:
+        return str(body.get("status", {}).get("summary", {}).get("pairs"))
+
+    try:
+        reconciler.ensure(KEY)
+        await until("the loop's status", lambda: pairs() == "1/1")
+        # Another writer moves the object on (a replaced leader's late write): the loop's
+        # next write names the version of its own last one and is refused.
+        body["status"] = {"summary": {"pairs": "stale"}}
+        body["metadata"]["resourceVersion"] = str(int(body["metadata"]["resourceVersion"]) + 1)
+        pods.append(all_pods[2])
+        reconciler.poke_namespace("ns")
+        await until("the newest status, written on the latest version", lambda: pairs() == "2/2")
+        assert kube.conflicts >= 1
     finally:
         await reconciler.stop()
 
