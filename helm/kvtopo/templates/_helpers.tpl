@@ -141,7 +141,8 @@ token is a mounted file), no writes to pods other than one condition, no nodes.
     with a get). kopf stores nothing on them (only event and index handlers, no
     finalizers): no patch.
   - kvtopologies/status: the single status writer (the leading replica's loop: a merge
-    patch of the whole status through the subresource, at most once a second).
+    patch of the whole status through the subresource, conditional on the resourceVersion
+    of its own last write, at most once a second).
   - events: the operator's and kopf's Events (always created, never patched).
 */}}
 {{- define "kvtopo.rbacRules" -}}
