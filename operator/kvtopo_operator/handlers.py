@@ -65,11 +65,16 @@ def _pod_source(namespace: str, control_port: int) -> Iterable[PodView]:
     if store is None:
         raise NotListedYet("the engine-pod watch has not started")
     allow_host = bool(_state.get("allow_endpoint_host"))
-    cache: dict[str, tuple[EnginePod, int, PodView]] = _state.setdefault("views", {})
+    # namespace -> uid -> (pod, port, view); rebuilt each call from the pods there now,
+    # so a deleted pod's view goes with it.
+    views: dict[str, dict[str, tuple[EnginePod, int, PodView]]] = _state.setdefault("views", {})
+    cache = views.get(namespace, {})
+    fresh: dict[str, tuple[EnginePod, int, PodView]] = {}
     out = []
     for pod in store.pods(namespace):
         hit = cache.get(pod.uid)
         if hit is not None and hit[0] is pod and hit[1] == control_port:
+            fresh[pod.uid] = hit
             out.append(hit[2])
             continue
         endpoint, refused = pod_endpoint(
@@ -88,8 +93,9 @@ def _pod_source(namespace: str, control_port: int) -> Iterable[PodView]:
             gated=pod.gated,
             gate=pod.gate,
         )
-        cache[pod.uid] = (pod, control_port, view)
+        fresh[pod.uid] = (pod, control_port, view)
         out.append(view)
+    views[namespace] = fresh
     return out
 
 
@@ -102,9 +108,6 @@ def _pods_changed(namespace: str) -> None:
 def _pods_dropped(pods: list[EnginePod]) -> None:
     """A list dropped pods whose deletion the watch never reported (a relist after "410
     Gone", or the periodic relist): counted and logged; the loops were poked already."""
-    views: dict[str, Any] = _state.get("views", {})
-    for pod in pods:
-        views.pop(pod.uid, None)
     metrics = _state.get("metrics")
     if metrics is not None:
         metrics.stale_pods_dropped.inc(len(pods))
@@ -120,6 +123,12 @@ def _watch_failed(scope: str | None, exc: Exception) -> None:
     metrics = _state.get("metrics")
     if metrics is not None:
         metrics.relist_failures.inc()
+
+
+def _pod_malformed() -> None:
+    metrics = _state.get("metrics")
+    if metrics is not None:
+        metrics.pod_watch_malformed.inc()
 
 
 def start_pod_watch(
@@ -140,7 +149,7 @@ def start_pod_watch(
         on_change=_pods_changed,
         dropped=_pods_dropped,
         failed=_watch_failed,
-        malformed=lambda: None,
+        malformed=_pod_malformed,
         relist_s=relist_s,
     )
     watch.start()

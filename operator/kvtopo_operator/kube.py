@@ -130,28 +130,10 @@ class ClusterApi:
             raise ApiException(http_resp=resp)
         return resp
 
-    def request(
-        self,
-        method: str,
-        path: str,
-        *,
-        query: Sequence[tuple[str, Any]] = (),
-        body: Any = None,
-        content_type: str = "application/json",
-        accept: str = "application/json",
-        timeout: tuple[float, float] | None = None,
-    ) -> bytes:
-        """A request's whole answer (its JSON, as bytes); `ApiException` unless 2xx."""
-        resp = self._send(
-            method,
-            path,
-            query=query,
-            body=body,
-            content_type=content_type,
-            accept=accept,
-            timeout=timeout,
-        )
-        return cast(bytes, resp.read())
+    def request(self, method: str, path: str, **kwargs: Any) -> bytes:
+        """A request's whole answer (its JSON, as bytes); `ApiException` unless 2xx. The
+        keywords are `_send`'s."""
+        return cast(bytes, self._send(method, path, **kwargs).read())
 
     def request_json(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         return cast(dict[str, Any], json.loads(self.request(method, path, **kwargs)))

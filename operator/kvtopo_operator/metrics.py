@@ -92,13 +92,20 @@ class OperatorMetrics:
         )
         self.stale_pods_dropped = Counter(
             "kvtopo_operator_stale_pods_dropped",
-            "Engine pods dropped from the operator's pod index because a periodic relist "
-            "(--relist-seconds) no longer found their UID: deletions the pod watch missed.",
+            "Engine pods dropped because a fresh list of their namespace (after '410 Gone', "
+            "an error, or every --relist-seconds) no longer had them: deletions the pod "
+            "watch missed.",
             registry=self.registry,
         )
         self.relist_failures = Counter(
             "kvtopo_operator_relist_failures",
-            "Periodic relists of a namespace's engine pods that failed (nothing is dropped "
-            "from that namespace until one succeeds).",
+            "Lists and watches of a namespace's engine pods that failed (the pods known stay "
+            "as they are until a list succeeds).",
+            registry=self.registry,
+        )
+        self.pod_watch_malformed = Counter(
+            "kvtopo_operator_pod_watch_malformed",
+            "Pods or watch lines from the API server that the engine-pod watch could not "
+            "decode (skipped).",
             registry=self.registry,
         )

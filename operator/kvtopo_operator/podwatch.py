@@ -320,7 +320,6 @@ class PodWatch:
         self._lock = threading.Lock()
         self._scheduled = False
         self._listed: dict[Scope, asyncio.Event] = {}
-        self.lists = 0  # lists made (each a full list of a scope)
 
     # --- lifecycle (event loop) ------------------------------------------------------------
 
@@ -384,7 +383,6 @@ class PodWatch:
             cont = page.metadata.next
             if not cont:
                 break
-        self.lists += 1
         self._post(("replace", (scope, pods)))
         return version
 

@@ -33,6 +33,7 @@ from kvtopo_operator.main import parse_args
 from kvtopo_operator.metrics import OperatorMetrics
 from kvtopo_operator.reconcile import Reconciler, Settings
 from kvtopo_operator.workers import WorkerClient
+from tests.operator.polling import until
 
 KEY = ("ns", "llama")
 # kopf's decorators type what they register as kopf's callbacks; called here directly.
@@ -54,18 +55,6 @@ BODY = {
     },
     "spec": SPEC,
 }
-
-
-async def until(what: str, probe: Callable[[], Any], timeout_s: float = 10.0) -> Any:
-    """Polls `probe` on the event loop until it is truthy; fails at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 class GatedKube:

@@ -14,12 +14,10 @@ Every wait polls real state with a deadline.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import queue
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -33,6 +31,7 @@ from kvtopo_operator.podwatch import (
     PodWatch,
     decode_pod,
 )
+from tests.operator.polling import until
 
 
 def pod_json(
@@ -73,17 +72,6 @@ def pod_json(
 
 def line(kind: str, obj: dict[str, Any]) -> bytes:
     return json.dumps({"type": kind, "object": obj}).encode()
-
-
-async def until(what: str, probe: Callable[[], Any], timeout_s: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 # --- decoding and the store -----------------------------------------------------------------
@@ -339,5 +327,15 @@ async def test_the_loops_see_the_pods_of_the_store_and_wait_for_its_first_list(
         assert other.endpoint == "10.1.2.3:9000"
         failures = metrics.registry.get_sample_value("kvtopo_operator_relist_failures_total")
         assert failures is not None and failures >= 1
+        # A line the watch cannot decode is counted; a deleted pod's view goes with it.
+        await until("the watch", lambda: api.watches)
+        api.lines.put(b"{not json")
+        api.lines.put(line("DELETED", pod_json("d0", ready=True, ip="10.1.2.3")))
+        malformed = "kvtopo_operator_pod_watch_malformed_total"
+        await until(
+            "the malformed line counted", lambda: metrics.registry.get_sample_value(malformed)
+        )
+        await until("the deletion", lambda: not list(handlers._pod_source("ns", 8975)))
+        assert handlers._state["views"]["ns"] == {}
     finally:
         watch.stop()

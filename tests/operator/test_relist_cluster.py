@@ -14,10 +14,7 @@ a list after a gap drops the pods whose deletion the watch missed.
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
 
@@ -27,6 +24,7 @@ from kvtopo_operator import handlers
 from kvtopo_operator.kube import ClusterApi
 from kvtopo_operator.metrics import OperatorMetrics
 from tests.cluster.kube import create_engine_pod, create_namespace, mark_pod_ready
+from tests.operator.polling import until
 
 
 @pytest.fixture
@@ -48,15 +46,7 @@ class Pokes:
         self.namespaces.append(namespace)
 
 
-async def until(what: str, probe: Callable[[], Any], timeout_s: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
-        await asyncio.sleep(0.02)
+UNTIL_S = 30.0  # the real API server, on a loaded machine
 
 
 @pytest.mark.asyncio
@@ -85,12 +75,13 @@ async def test_a_list_after_a_gap_drops_the_pods_deleted_while_the_watch_was_awa
             ("again", "decode"),
         ]
         uids = {name: create_engine_pod(cluster_a, ns, name, role) for name, role in pods}
-        await until("the watch to see the three pods", lambda: len(seen()) == 3)
+        await until("the watch to see the three pods", lambda: len(seen()) == 3, UNTIL_S)
         assert ns in pokes.namespaces
         mark_pod_ready(cluster_a, ns, "keep", ["10.9.0.1"])
         await until(
             "the watch to see keep Ready",
             lambda: [p.ready for p in handlers._pod_source(ns, 8975) if p.name == "keep"] == [True],
+            UNTIL_S,
         )
     finally:
         first.stop()
@@ -107,14 +98,18 @@ async def test_a_list_after_a_gap_drops_the_pods_deleted_while_the_watch_was_awa
     second = handlers.start_pod_watch(api, namespaces, relist_s=0, store=store)
     try:
         await until(
-            "the list to drop the deleted pods", lambda: metrics.registry.get_sample_value(total)
+            "the list to drop the deleted pods",
+            lambda: metrics.registry.get_sample_value(total),
+            UNTIL_S,
         )
         assert seen() == sorted([("again", new_uid), ("keep", uids["keep"])])
         assert metrics.registry.get_sample_value(total) == 2.0
         assert ns in pokes.namespaces
         # Counted once: what the watch sees next is followed, not dropped again.
         delete(cluster_a, ns, "keep")
-        await until("the watch to see keep deleted", lambda: seen() == [("again", new_uid)])
+        await until(
+            "the watch to see keep deleted", lambda: seen() == [("again", new_uid)], UNTIL_S
+        )
         assert metrics.registry.get_sample_value(total) == 2.0
     finally:
         second.stop()
