@@ -6,7 +6,8 @@ lightweight fake worker control server per Ready pod, all served by one asyncio 
 process (a thousand real workers would not fit on the machine). Each listens at its pod's IP
 (kwok gives every pod a loopback address of its own) on the control port, and reports its
 pod's identity, so the operator reaches it exactly as a real worker. The fake servers speak
-the worker control API (`/v1/state`, `PUT|DELETE /v1/peers/{id}`) without NIXL.
+the worker control API (`/v1/state` with its ETag and 304, `PUT|DELETE /v1/peers/{id}`,
+`PATCH /v1/peers`) without NIXL.
 
 A kubelet-like agent hears the pods through kvtopo's own pod watch (`podwatch`) and gives
 each Ready pod its fake worker and its endpoint annotation.
@@ -50,6 +51,7 @@ from kvtopo_worker.protocol import (
     PeerState,
     PodIdentity,
     WorkerState,
+    tag_matches,
 )
 
 SIZES = ((16, 64), (32, 1000))
@@ -74,6 +76,14 @@ class FakeWorker:
     gone_at: float | None = None
     connected_at: float | None = None
     evicted_at: float | None = None
+    # Its `/v1/state` answer as last encoded, and that answer's ETag; None once the peers
+    # changed (as a real worker, it answers 304 to its tag while nothing changed).
+    answer: tuple[bytes, str] | None = None
+    generation: int = 0
+
+    def changed(self) -> None:
+        self.generation += 1
+        self.answer = None
 
 
 class FakeFleet:
@@ -90,6 +100,8 @@ class FakeFleet:
         app.router.add_patch("/v1/peers", self._patch)
         self.runner = web.AppRunner(app, access_log=None)
         self.requests = 0
+        self.state_reads = 0
+        self.not_modified = 0  # state reads answered 304
 
     async def start(self) -> None:
         await self.runner.setup()
@@ -118,11 +130,24 @@ class FakeFleet:
         transport = request.transport
         if transport is None:
             raise web.HTTPServiceUnavailable(text="connection closed")
-        return self.by_ip[str(transport.get_extra_info("sockname")[0])]
+        w = self.by_ip.get(str(transport.get_extra_info("sockname")[0]))
+        if w is None:  # a connection accepted just before its worker stopped listening
+            raise web.HTTPServiceUnavailable(text="no worker listens here any more")
+        return w
 
     async def _state(self, request: web.Request) -> web.Response:
         self.requests += 1
         w = self._worker(request)
+        if w.answer is None:
+            w.answer = (self._encode_state(w), f'"{w.engine_id}-{w.generation}"')
+        body, tag = w.answer
+        self.state_reads += 1
+        if tag_matches(request.headers.get("If-None-Match"), tag):
+            self.not_modified += 1
+            return web.Response(status=304, headers={"ETag": tag})
+        return web.Response(body=body, content_type="application/json", headers={"ETag": tag})
+
+    def _encode_state(self, w: FakeWorker) -> bytes:
         state = WorkerState(
             engine_id=w.engine_id,
             role=w.role,  # type: ignore[arg-type]
@@ -147,7 +172,7 @@ class FakeFleet:
             incarnation=w.engine_id,
             pod=PodIdentity(namespace=self.namespace, name=w.pod, uid=w.uid),
         )
-        return web.Response(body=msgspec.json.encode(state), content_type="application/json")
+        return msgspec.json.encode(state)
 
     async def _put(self, request: web.Request) -> web.Response:
         self.requests += 1
@@ -157,6 +182,7 @@ class FakeFleet:
         result = "present" if eid in w.peers else "added"
         w.peers.add(eid)
         w.peer_incarnations[eid] = body.incarnation
+        w.changed()
         return web.json_response({"engine_id": eid, "result": result, "agents": {"0": eid}})
 
     async def _delete(self, request: web.Request) -> web.Response:
@@ -165,6 +191,7 @@ class FakeFleet:
         eid = request.match_info["engine_id"]
         result = "evicted" if eid in w.peers else "absent"
         w.peers.discard(eid)
+        w.changed()
         return web.json_response({"engine_id": eid, "result": result})
 
     async def _patch(self, request: web.Request) -> web.Response:
@@ -189,6 +216,8 @@ class FakeFleet:
             result = "evicted" if eid in w.peers else "absent"
             w.peers.discard(eid)
             results.append(PeerOutcome(engine_id=eid, op="evict", status=200, result=result))
+        if results:
+            w.changed()
         body = msgspec.json.encode(PeerChangesResult(results=results))
         return web.Response(body=body, content_type="application/json")
 

@@ -7,6 +7,8 @@ older than the full-resync age; the others keep their last view, updated with th
 of the operator's own calls (a peer it added is a peer the worker holds). So a pod event in
 a fleet of a thousand workers costs the reads of the pods that changed, not a thousand, and
 drift the operator did not cause (failures, restarts) is still seen within the resync age.
+A re-read is conditional: a view exactly as read is sent back by its ETag, and a worker
+whose state has not changed answers 304 with no body (the reader then returns that view).
 Called by `reconcile`; the reader and clock are injected.
 """
 
@@ -24,7 +26,9 @@ from kvtopo_operator.model import (
     WorkerView,
 )
 
-Reader = Callable[[str, float], Awaitable[WorkerView | WorkerUnreachable]]
+# (endpoint, timeout, the view last read from that endpoint or None) -> the view now; the
+# reader may answer the known view itself when the worker confirms it unchanged (a 304).
+Reader = Callable[[str, float, WorkerView | None], Awaitable[WorkerView | WorkerUnreachable]]
 Seen = WorkerView | WorkerUnreachable
 
 
@@ -47,6 +51,7 @@ class WorkerViews:
         self._clock = clock
         self._entries: dict[str, _Entry] = {}  # by pod name
         self.reads = 0  # state reads made so far (for metrics and tests)
+        self.unchanged = 0  # of which the worker confirmed the view kept (304)
 
     def _due(self, pod: PodView, now: float) -> bool:
         entry = self._entries.get(pod.name)
@@ -71,9 +76,19 @@ class WorkerViews:
         sem = asyncio.Semaphore(max(1, concurrency))
 
         async def read(pod: PodView) -> None:
+            entry = self._entries.get(pod.name)
+            known = (
+                entry.view
+                if entry is not None
+                and entry.endpoint == pod.endpoint
+                and isinstance(entry.view, WorkerView)
+                else None
+            )
             async with sem:
                 started = self._clock()
-                view = await self._read(pod.endpoint, timeout_s)
+                view = await self._read(pod.endpoint, timeout_s, known)
+            if view is known:
+                self.unchanged += 1
             self._entries[pod.name] = _Entry(pod.endpoint, view, started)
 
         await asyncio.gather(*(read(p) for p in due))
@@ -83,7 +98,8 @@ class WorkerViews:
     def _update(self, pod: str, change: Callable[[WorkerView], WorkerView]) -> None:
         entry = self._entries.get(pod)
         if entry is not None and isinstance(entry.view, WorkerView):
-            entry.view = change(entry.view)
+            # No longer the view as read: the worker's ETag no longer vouches for it.
+            entry.view = dataclasses.replace(change(entry.view), etag="")
 
     def peer_added(self, pod: str, engine_id: str, incarnation: str = "") -> None:
         """The worker of `pod` answered that it holds `engine_id` (added, renewed or

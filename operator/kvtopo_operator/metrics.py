@@ -32,6 +32,11 @@ class OperatorMetrics:
             "Worker /v1/state reads (new, failed or stale workers only).",
             registry=self.registry,
         )
+        self.state_unchanged = Counter(
+            "kvtopo_operator_worker_state_unchanged",
+            "Worker /v1/state reads the worker answered 304 Not Modified (the view kept).",
+            registry=self.registry,
+        )
         self.events_dropped = Counter(
             "kvtopo_operator_events_dropped",
             "Events not posted, by why: repeat (said within the repeat window), rate (over "

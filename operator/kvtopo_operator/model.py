@@ -68,6 +68,9 @@ class WorkerView:
     # The worker's settings; None from a worker that predates them (it must not be sent them).
     handshake_timeout_s: float | None = None  # its default; it takes one per batch
     idle_ttl_s: float | None = None  # its idle-TTL backstop (0: off); PUT /v1/settings
+    # The worker's ETag of the answer this view was read from ("": none, or the view was
+    # changed here since: only a view exactly as read may be confirmed by a 304).
+    etag: str = ""
 
 
 @dataclass(frozen=True)

@@ -305,11 +305,12 @@ class Reconciler:
         )
         sem = asyncio.Semaphore(spec.handshake.max_concurrent)
         timeout = float(spec.handshake.timeout_seconds)
-        reads = loop.views.reads
+        reads, unchanged = loop.views.reads, loop.views.unchanged
         workers = await loop.views.gather(
             pods, concurrency=spec.handshake.max_concurrent, timeout_s=timeout
         )
         self.metrics.state_reads.inc(loop.views.reads - reads)
+        self.metrics.state_unchanged.inc(loop.views.unchanged - unchanged)
         now = self.clock()
         plan = evaluate(
             Observed(

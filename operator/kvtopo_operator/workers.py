@@ -155,6 +155,7 @@ def _failure_counts(failures: dict[str, int]) -> dict[str, int]:
 
 
 MAX_STATE_BYTES = 64 << 20
+MAX_ETAG = 128  # a longer ETag is cut (and so never matches: the next read is a full one)
 """The most of a worker's answer the operator reads (a worker holding a thousand peers
 answers well under a megabyte)."""
 
@@ -201,13 +202,21 @@ class WorkerClient:
         return list(self._token.candidates())
 
     async def _call(
-        self, method: str, url: str, timeout_s: float, body: bytes | None = None
-    ) -> tuple[int, bytes]:
-        """One call (status, at most MAX_STATE_BYTES + 1 bytes of the answer). A 401 to the
-        current token is tried again with the previous one: a worker whose Secret kubelet
-        has not updated yet still knows only the old token."""
+        self,
+        method: str,
+        url: str,
+        timeout_s: float,
+        body: bytes | None = None,
+        etag: str = "",
+    ) -> tuple[int, bytes, str]:
+        """One call: status, at most MAX_STATE_BYTES + 1 bytes of the answer, and its ETag
+        (""). A 401 to the current token is tried again with the previous one: a worker
+        whose Secret kubelet has not updated yet still knows only the old token. `etag` is
+        sent as If-None-Match."""
         session = await self._http()
         headers = {"Content-Type": "application/json"} if body is not None else {}
+        if etag:
+            headers["If-None-Match"] = etag
         resp = await request_as(
             session,
             method,
@@ -218,9 +227,12 @@ class WorkerClient:
             timeout=aiohttp.ClientTimeout(total=timeout_s),
         )
         async with resp:
+            tag = resp.headers.get("ETag", "")[:MAX_ETAG]
+            if resp.status == 304:
+                return resp.status, b"", tag
             if resp.status != 200:
-                return resp.status, (await read_bounded(resp.content, 300))[:300]
-            return resp.status, await read_bounded(resp.content, MAX_STATE_BYTES)
+                return resp.status, (await read_bounded(resp.content, 300))[:300], tag
+            return resp.status, await read_bounded(resp.content, MAX_STATE_BYTES), tag
 
     async def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -233,10 +245,20 @@ class WorkerClient:
         if self._session is not None:
             await self._session.close()
 
-    async def state(self, endpoint: str, timeout_s: float) -> WorkerView | WorkerUnreachable:
+    async def state(
+        self, endpoint: str, timeout_s: float, known: WorkerView | None = None
+    ) -> WorkerView | WorkerUnreachable:
+        """The worker's state; `known` itself when it carries the worker's ETag and the
+        worker answers 304 (nothing but its request counters moved since)."""
         try:
             url = parse_endpoint(endpoint).url("/v1/state")
-            status, body = await self._call("GET", url, timeout_s)
+            etag = known.etag if known is not None else ""
+            status, body, tag = await self._call("GET", url, timeout_s, etag=etag)
+            if status == 304:
+                if known is not None and etag and tag == etag:
+                    return known
+                # A 304 that does not confirm what was sent: read the state whole.
+                status, body, tag = await self._call("GET", url, timeout_s)
             if status != 200:
                 return WorkerUnreachable(f"HTTP {status}: {body[:200]!r}")
             if len(body) > MAX_STATE_BYTES:
@@ -271,6 +293,7 @@ class WorkerClient:
             unhealthy_peers=_unhealthy(st.peers),
             handshake_timeout_s=st.handshake_timeout_s,
             idle_ttl_s=st.idle_ttl_s,
+            etag=tag,
         )
 
     async def change_peers(
@@ -307,7 +330,7 @@ class WorkerClient:
         rounds = -(-len(adds) // PEER_BATCH_CONCURRENCY) if adds else 1
         try:
             url = parse_endpoint(endpoint).url("/v1/peers")
-            status, data = await self._call("PATCH", url, timeout_s * rounds + 2, body)
+            status, data, _ = await self._call("PATCH", url, timeout_s * rounds + 2, body)
         except EndpointError as exc:
             return dict.fromkeys(keys, CallResult(False, 0, f"endpoint refused: {exc}"))
         except TokenError as exc:
@@ -337,7 +360,7 @@ class WorkerClient:
         body = msgspec.json.encode(WorkerSettings(idle_ttl_s=idle_ttl_s))
         try:
             url = parse_endpoint(endpoint).url("/v1/settings")
-            status, data = await self._call("PUT", url, timeout_s, body)
+            status, data, _ = await self._call("PUT", url, timeout_s, body)
         except EndpointError as exc:
             return CallResult(False, 0, f"endpoint refused: {exc}")
         except TokenError as exc:

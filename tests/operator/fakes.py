@@ -95,7 +95,9 @@ class RecordingWorkers:
         assert isinstance(view, WorkerView)
         return view.peers
 
-    async def state(self, endpoint: str, timeout_s: float) -> WorkerView | WorkerUnreachable:
+    async def state(
+        self, endpoint: str, timeout_s: float, known: WorkerView | None = None
+    ) -> WorkerView | WorkerUnreachable:
         self.calls.append(("state", endpoint))
         self.reads.append(endpoint)
         return self.views[endpoint]

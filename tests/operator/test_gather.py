@@ -21,7 +21,9 @@ class Workers:
         self.answers: dict[str, WorkerView | WorkerUnreachable] = {}
         self.reads: list[str] = []
 
-    async def read(self, endpoint: str, timeout_s: float) -> WorkerView | WorkerUnreachable:
+    async def read(
+        self, endpoint: str, timeout_s: float, known: WorkerView | None = None
+    ) -> WorkerView | WorkerUnreachable:
         self.reads.append(endpoint)
         return self.answers[endpoint]
 
@@ -124,3 +126,48 @@ def test_pods_that_are_not_usable_are_forgotten_and_read_afresh_when_back() -> N
         workers.answers[a.endpoint] = view("ea")
         views.mark_dirty("a")
         gather(views, [a])
+
+
+def test_a_re_read_offers_the_view_as_read_and_keeps_it_when_the_worker_confirms_it() -> None:
+    """A stale worker is read again with the view last read from its endpoint (so the
+    reader can send its ETag); when the reader answers that same view (a 304) it is kept and
+    counted unchanged. A view changed here since (the operator's own calls) carries no ETag:
+    only the worker's answer can vouch for it."""
+    offered: list[WorkerView | None] = []
+
+    class Conditional(Workers):
+        async def read(
+            self, endpoint: str, timeout_s: float, known: WorkerView | None = None
+        ) -> WorkerView | WorkerUnreachable:
+            offered.append(known)
+            if known is not None and known.etag == "t1":
+                return known  # the worker answered 304
+            return await super().read(endpoint, timeout_s, known)
+
+    workers, clock = Conditional(), Clock()
+    views = WorkerViews(workers.read, max_age_s=2.0, clock=clock)
+    a = pod("a")
+    first = WorkerView("ea", "decode", "h", frozenset({"p1"}), etag="t1")
+    workers.answers[a.endpoint] = first
+    assert gather(views, [a])["a"] is first and offered == [None]
+
+    clock.now += 2.0  # stale: read again, offering the view as read
+    assert gather(views, [a])["a"] is first
+    assert offered[-1] is first and (views.reads, views.unchanged) == (2, 1)
+
+    # The operator added a peer: the view is its own now, with no ETag to offer.
+    views.peer_added("a", "p2")
+    mine = views.view("a")
+    assert isinstance(mine, WorkerView) and mine.peers == {"p1", "p2"} and mine.etag == ""
+    now = WorkerView("ea", "decode", "h", frozenset({"p1", "p2"}), etag="t2")
+    workers.answers[a.endpoint] = now
+    clock.now += 2.0
+    got = gather(views, [a])["a"]
+    assert offered[-1] is mine and isinstance(got, WorkerView) and got.etag == "t2"
+    assert views.unchanged == 1
+
+    # A pod at a new endpoint offers nothing: that view was read from somewhere else.
+    moved = pod("a", endpoint="127.0.0.1:a2")
+    workers.answers[moved.endpoint] = view("ea2")
+    gather(views, [moved])
+    assert offered[-1] is None

@@ -206,7 +206,9 @@ def test_the_client_reads_dropped_and_failing_and_takes_an_unknown_health_for_ok
 def test_the_gather_forgets_an_unhealthy_mark_once_the_operators_add_succeeded() -> None:
     views = {"d0": mesh(d0={"P0": "dropped: x"})["d0"]}
 
-    async def read(endpoint: str, timeout_s: float) -> WorkerView | WorkerUnreachable:
+    async def read(
+        endpoint: str, timeout_s: float, known: WorkerView | None = None
+    ) -> WorkerView | WorkerUnreachable:
         return views["d0"]
 
     gather = WorkerViews(read, max_age_s=60.0, clock=lambda: 0.0)

@@ -22,6 +22,8 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvtopo_operator.model import WorkerView
+from kvtopo_operator.workers import WorkerClient
 from kvtopo_worker.agent import ControlServer, LocalEngine
 from kvtopo_worker.credentials import TokenSource
 from kvtopo_worker.metrics import WorkerMetrics
@@ -531,3 +533,52 @@ def test_the_operator_sets_the_idle_ttl_and_the_state_reports_it(pair: tuple[Nod
         status, body = call("PUT", f"{d.url}/v1/settings", bad)
         assert status == 400 and fragment in str(body["message"]), (bad, body)
     assert d.registry.idle_ttl_s == 0
+
+
+def test_the_state_is_not_sent_again_while_only_its_request_counters_move() -> None:
+    """`GET /v1/state` carries an ETag; `If-None-Match` with it answers 304 and no body while
+    nothing but the moving fields changed, and a full answer with a new tag once a peer is
+    added. The operator's client, against this real control API, keeps its view on a 304 and
+    reads a new one after the change."""
+    p, d = make_node("pre-1", "prefill"), make_node("dec-1", "decode")
+    try:
+
+        def get(tag: str = "") -> tuple[int, str, bytes]:
+            req = urllib.request.Request(f"{d.url}/v1/state")
+            req.add_header("Authorization", f"Bearer {TOKEN}")
+            if tag:
+                req.add_header("If-None-Match", tag)
+            try:
+                with urllib.request.urlopen(req, timeout=10) as resp:
+                    return resp.status, resp.headers.get("ETag", ""), resp.read()
+            except urllib.error.HTTPError as err:
+                return err.code, err.headers.get("ETag", ""), err.read()
+
+        status, tag, body = get()
+        assert status == 200 and tag.startswith('"') and body
+        assert get(tag)[:3] == (304, tag, b"")
+        assert get(f'"other", W/{tag}')[0] == 304  # one of a list, weak form equal
+        assert get('"other"')[0] == 200
+
+        client = WorkerClient(None, token=TOKEN)
+
+        async def reads() -> tuple[object, object, object]:
+            try:
+                first = await client.state(d.server.endpoint, 5.0)
+                assert isinstance(first, WorkerView) and first.etag == tag
+                kept = await client.state(d.server.endpoint, 5.0, first)
+                peer = {"endpoint": p.server.endpoint, "role": "prefill"}
+                added = call("PUT", f"{d.url}/v1/peers/pre-1", peer)
+                assert added[0] == 200
+                return first, kept, await client.state(d.server.endpoint, 5.0, first)
+            finally:
+                await client.close()
+
+        first, kept, after = asyncio.run(reads())
+        assert kept is first  # confirmed by a 304, not decoded again
+        assert isinstance(after, WorkerView) and after.peers == {"pre-1"}
+        assert after.etag not in ("", tag) and get(tag)[0] == 200
+        assert get(after.etag)[0] == 304
+    finally:
+        p.server.stop()
+        d.server.stop()

@@ -18,7 +18,9 @@ Owns the aiohttp server that runs inside the engine process on its own thread an
     PUT    /v1/settings            {idle_ttl_s}: set the idle-TTL backstop (0: off); answers
                                    the effective WorkerSettings
     GET    /v1/state               WorkerState JSON: peers, failure counters, request counts,
-                                   settings
+                                   settings; with an ETag, and 304 (no body) to an
+                                   If-None-Match naming it while nothing but the request
+                                   counters moved (`protocol.state_tag`)
     GET    /metrics                Prometheus text (no token)
     GET    /healthz                liveness (no token)
 
@@ -79,6 +81,8 @@ from kvtopo_worker.protocol import (
     decode_json_body,
     decode_metadata,
     encode_metadata,
+    state_tag,
+    tag_matches,
 )
 from kvtopo_worker.registry import AgentConflict, EngineRegistry
 from kvtopo_worker.transport import TransportError
@@ -376,7 +380,15 @@ class ControlServer:
         )
 
     async def _get_state(self, request: web.Request) -> web.Response:
-        return _json(self.state())
+        """The state, with its `ETag` (`protocol.state_tag`); `304 Not Modified` with no
+        body when `If-None-Match` names the tag of the state now."""
+        state = self.state()
+        tag = state_tag(state)
+        if tag_matches(request.headers.get("If-None-Match"), tag):
+            return web.Response(status=304, headers={"ETag": tag})
+        resp = _json(state)
+        resp.headers["ETag"] = tag
+        return resp
 
     @staticmethod
     def _path_engine_id(request: web.Request) -> str:

@@ -514,6 +514,39 @@ class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
     idle_ttl_s: float | None = None
 
 
+def state_tag(state: WorkerState) -> str:
+    """The `ETag` of a `/v1/state` answer: a digest of every field except the ones that move
+    with each request (`requests_done`, `requests_failed`, `requests_in_flight`, and each
+    peer's `transfers_in_flight` and `idle_s`). A reader that sends it back in
+    `If-None-Match` is answered `304 Not Modified`, with no body, while nothing else has
+    changed: the operator re-reads a thousand idle workers for the cost of their headers.
+    A reader of a 304 must not rely on the moving fields of the answer it kept."""
+    stable = msgspec.structs.replace(
+        state,
+        requests_done=0,
+        requests_failed=0,
+        requests_in_flight=0,
+        failures=dict(sorted(state.failures.items())),  # an equal state, an equal tag
+        peers=[
+            msgspec.structs.replace(
+                p, agents=dict(sorted(p.agents.items())), transfers_in_flight=0, idle_s=0.0
+            )
+            for p in state.peers
+        ],
+    )
+    digest = hashlib.blake2b(msgspec.json.encode(stable), digest_size=12)
+    return f'"{digest.hexdigest()}"'
+
+
+def tag_matches(if_none_match: str | None, tag: str) -> bool:
+    """Whether an `If-None-Match` header names `tag` (one of a comma-separated list, or
+    `*`); weak tags (`W/"..."`) compare equal to their strong form."""
+    if not if_none_match:
+        return False
+    named = (item.strip() for item in if_none_match.split(","))
+    return any(item == "*" or item.removeprefix("W/") == tag for item in named)
+
+
 class SubmitRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """`POST /v1/requests` of the emulated engine: start one request's KV transfer.
 
