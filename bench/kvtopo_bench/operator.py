@@ -14,7 +14,8 @@ each Ready pod its fake worker and its endpoint annotation.
 
 Measured per size: pod serving (its endpoint annotated) -> all of its pairs Connected both
 ways (p50/p99), pod deleted -> evicted from every peer (p50/p99), a full decode rollout ->
-converged (with its timeline: the Deployment's last change vs the operator's tail), the
+converged (with its timeline: the Deployment's last change vs the operator's tail, and beside
+it the same rollout with only the control plane running, measured first in the same run), the
 operator's peak RSS and CPU seconds per 1,000 pod events, and this process's own CPU over
 the same window (`bench_cpu_s`: the machine is shared with the control plane).
 """
@@ -397,8 +398,77 @@ class SizeRun:
             await asyncio.sleep(0.05)
         raise RuntimeError("py-spy did not start the operator within 10 s")
 
+    def _deployment_done(self, ns: str, replicas: int, generation: int) -> bool:
+        """Whether the decode Deployment in `ns` has rolled out `generation` whole: every
+        replica updated and available, and no old pod left."""
+        st = self.apps.read_namespaced_deployment("decode", ns).status
+        return (
+            (st.observed_generation or 0) >= generation
+            and (st.updated_replicas or 0) == replicas
+            and (st.available_replicas or 0) == replicas
+            and (st.replicas or 0) == replicas
+        )
+
+    async def bare_rollout(self) -> float:
+        """The same decode rollout with nothing but the control plane: the same Deployment
+        in a namespace of its own, no operator, no fake workers, no agent (measured before
+        the operator starts, side by side in the same run). The machine is shared and its
+        speed drifts; the operator's rollout is read against this."""
+        ns = f"{self.ns}-bare"
+        await asyncio.to_thread(self.api.create_namespace, ns)
+        await self.until(
+            "ServiceAccount (bare rollout)",
+            lambda: bool(self.core.list_namespaced_service_account(ns).items),
+            60,
+        )
+        deployment = manifests.engine_deployment(
+            "decode",
+            app=APP,
+            role="decode",
+            replicas=self.decode,
+            version=None,
+            max_surge="25%",
+            max_unavailable="25%",
+            termination_grace_seconds=0,
+        )
+        await asyncio.to_thread(self.apps.create_namespaced_deployment, ns, deployment)
+        limit = 120 + self.decode * 0.6
+        await self.until(
+            "bare deployment available",
+            lambda: self._deployment_done(ns, self.decode, 1),
+            limit,
+        )
+        stamp = datetime.now(UTC).isoformat()
+        t0 = time.monotonic()
+        patched = await asyncio.to_thread(
+            self.apps.patch_namespaced_deployment,
+            "decode",
+            ns,
+            {"spec": {"template": {"metadata": {"annotations": {"bench/restartedAt": stamp}}}}},
+        )
+        generation = patched.metadata.generation
+        await self.until(
+            "bare rollout",
+            lambda: self._deployment_done(ns, self.decode, generation),
+            limit * 2,
+        )
+        took = time.monotonic() - t0
+        # Its pods gone before the measured run starts (they would load the machine).
+        await asyncio.to_thread(
+            self.apps.patch_namespaced_deployment, "decode", ns, {"spec": {"replicas": 0}}
+        )
+        await self.until(
+            "bare pods gone",
+            lambda: not self.core.list_namespaced_pod(ns, limit=1).items,
+            limit,
+        )
+        await asyncio.to_thread(self.core.delete_namespace, ns)
+        return took
+
     async def run(self, token_file: Path, log_dir: Path) -> dict[str, Any]:
         await self.fleet.start()
+        bare_s = await self.bare_rollout()
+        self.log(f"  the control plane alone rolls the {self.decode} decodes out in {bare_s:.1f} s")
         await asyncio.to_thread(self.api.create_namespace, self.ns)
         await self.until(
             "ServiceAccount",
@@ -539,6 +609,11 @@ class SizeRun:
                 "gone_to_evicted_p99_s": round(_pct(gone, 0.99), 3),
                 "grace_s": GRACE,
                 "rollout_converge_s": round(rollout_s, 2),
+                # The same rollout on the same cluster in the same run, control plane only:
+                # what this machine allows right now; the ratio is the operator's and the
+                # harness's share.
+                "rollout_control_plane_only_s": round(bare_s, 2),
+                "rollout_vs_control_plane_only": round(rollout_s / bare_s, 2),
                 "rollout_timeline_s": {k: round(v, 2) for k, v in timeline.items()},
                 "operator_rss_mb": round(rss, 1),
                 "operator_cpu_s": round(cpu1 - cpu0, 2),

@@ -70,6 +70,7 @@ _OPERATOR_FIGURES: tuple[tuple[str, str, str], ...] = (
     ("ready_to_connected_p99_s", "ready -> connected p99", "{:.2f} s"),
     ("gone_to_evicted_p99_s", "gone -> evicted p99", "{:.2f} s"),
     ("rollout_converge_s", "rollout converged", "{:.1f} s"),
+    ("rollout_control_plane_only_s", "the same rollout, control plane only", "{:.1f} s"),
     ("operator_rss_mb", "operator RSS", "{:.0f} MB"),
     ("cpu_s_per_1k_events", "operator CPU s / 1k pod events", "{:.2f}"),
 )
@@ -95,6 +96,8 @@ def _operator(report: dict[str, Any]) -> list[Row]:
     for size in report["sizes"]:
         targets = _operator_targets(size)
         for key, label, fmt in _OPERATOR_FIGURES:
+            if key not in size:  # a figure a report from an older bench does not have
+                continue
             value = size[key]
             bound = targets.get(key)
             target, verdict = (
