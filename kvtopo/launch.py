@@ -23,7 +23,7 @@ import select
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -183,12 +183,18 @@ def start_operator(
     wrapper: Sequence[str] = (),
     append: bool = False,
     cwd: Path | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start the operator with `args`, stdout and stderr in `log_path` (appended to when
-    `append`, as for an operator restarted into the same log, else written afresh)."""
+    `append`, as for an operator restarted into the same log, else written afresh); `env`
+    is its environment (default: this process's)."""
     with log_path.open("ab" if append else "wb") as log:  # the child keeps its own descriptor
         return subprocess.Popen(
-            operator_command(args, wrapper), stdout=log, stderr=subprocess.STDOUT, cwd=cwd
+            operator_command(args, wrapper),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            env=None if env is None else dict(env),
         )
 
 

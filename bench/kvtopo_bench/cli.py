@@ -55,7 +55,16 @@ def _bench_report(module: str) -> Callable[[argparse.Namespace], int]:
 
     def run(args: argparse.Namespace) -> int:
         bench = importlib.import_module(f"kvtopo_bench.{module}")
-        bench.run(args.json, quick=args.quick, log=lambda line: print(line, flush=True))
+        extra = {}
+        if getattr(args, "baseline_tree", None) is not None:
+            extra["baseline_tree"] = args.baseline_tree
+        try:
+            bench.run(
+                args.json, quick=args.quick, log=lambda line: print(line, flush=True), **extra
+            )
+        except RuntimeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         if args.json is not None:
             print(f"JSON report: {args.json}")
         return 0
@@ -95,7 +104,8 @@ def add_bench_parser(
             _bench_report("operator"),
             "the operator at fleet scale on a local control plane with kwok",
             "16 x 64 and 32 x 1000 pods with in-process fake worker control servers: pod "
-            "serving -> pairs Connected, pod gone -> evicted, full rollout -> converged, "
+            "serving -> pairs Connected, pod gone -> evicted, full rollout -> converged "
+            "(beside the same rollout with only the control plane, measured first), "
             "operator RSS and CPU per 1,000 pod events.",
             "only the 16 x 64 size",
         ),
@@ -105,6 +115,16 @@ def add_bench_parser(
         kind.add_argument("--json", type=Path, metavar="PATH", help="write the JSON report here")
         kind.add_argument("--quick", action="store_true", help=quick_help)
         kind.set_defaults(func=func)
+        if name == "operator":
+            kind.add_argument(
+                "--baseline-tree",
+                type=Path,
+                metavar="DIR",
+                help="also run the operator of this source tree (a checkout of another "
+                "commit, e.g. `git worktree add DIR COMMIT`): each size four times on one "
+                "cluster, that operator and this one alternating (A B B A); every run in the "
+                "report's side_by_side",
+            )
         if name == "push":
             kind.add_argument(
                 "--device",

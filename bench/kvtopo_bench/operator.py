@@ -23,6 +23,8 @@ the same window (`bench_cpu_s`: the machine is shared with the control plane).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import json
 import os
 import shutil
@@ -241,13 +243,26 @@ def _proc_cpu_rss(pid: int) -> tuple[float, float]:
 
 
 class SizeRun:
-    def __init__(self, cluster: Any, prefill: int, decode: int, log: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        cluster: Any,
+        prefill: int,
+        decode: int,
+        log: Callable[[str], None],
+        *,
+        operator_tree: Path | None = None,
+        run_name: str = "",
+    ) -> None:
+        """One size's run; `operator_tree`: run the operator of that source tree (its
+        `operator/` and `worker/` first on PYTHONPATH) instead of the installed one;
+        `run_name` tells this run's namespace from others of the same size."""
         self.api = api = ClusterApi(cluster.kubeconfig)
         self.core: Any = api.core
         self.apps: Any = api.apps
         self.cluster = cluster
         self.prefill, self.decode = prefill, decode
-        self.ns = f"bench-{prefill}x{decode}"
+        self.operator_tree = operator_tree
+        self.ns = f"bench-{prefill}x{decode}{'-' + run_name if run_name else ''}"
         self.log = log
         self.fleet = FakeFleet(self.ns)
         self.by_uid: dict[str, FakeWorker] = {}
@@ -504,11 +519,18 @@ class SizeRun:
             if profile
             else []
         )
+        env = None
+        if self.operator_tree is not None:
+            tree = self.operator_tree.resolve()
+            env = {**os.environ, "PYTHONPATH": f"{tree / 'operator'}:{tree / 'worker'}"}
         self.operator = await asyncio.to_thread(
-            launch.start_operator,
-            launch.operator_args(self.ns, self.cluster.kubeconfig, token_file, resync_s=2),
-            log_dir / f"operator-{self.ns}.log",
-            wrapper=wrap,
+            functools.partial(
+                launch.start_operator,
+                launch.operator_args(self.ns, self.cluster.kubeconfig, token_file, resync_s=2),
+                log_dir / f"operator-{self.ns}.log",
+                wrapper=wrap,
+                env=env,
+            )
         )
         pid = self.operator.pid
         if profile:  # measure the operator, not py-spy
@@ -632,10 +654,54 @@ class SizeRun:
                 launch.stop_process(self.operator, 10, sig=sig)
             await self.fleet.runner.cleanup()
 
+    async def remove(self) -> None:
+        """Scales the engines to none, waits for their pods to go, and deletes the
+        namespace: a run's thousand idle pods would load the next run's cluster."""
+        for name in ("prefill", "decode"):
+            with contextlib.suppress(Exception):  # a Deployment never created
+                await asyncio.to_thread(
+                    self.apps.patch_namespaced_deployment, name, self.ns, {"spec": {"replicas": 0}}
+                )
+        await self.until(
+            "pods gone", lambda: not self.core.list_namespaced_pod(self.ns, limit=1).items, 300
+        )
+        with contextlib.suppress(Exception):  # a namespace never made
+            await asyncio.to_thread(self.core.delete_namespace, self.ns)
 
-def run(json_path: Path | None, quick: bool, log: Callable[[str], None] = print) -> dict[str, Any]:
+
+SIDE_BY_SIDE_KEYS = (
+    "size",
+    "operator",
+    "ready_to_connected_p50_s",
+    "ready_to_connected_p99_s",
+    "gone_to_evicted_p99_s",
+    "rollout_converge_s",
+    "rollout_control_plane_only_s",
+    "rollout_vs_control_plane_only",
+    "operator_rss_mb",
+    "operator_cpu_s",
+    "bench_cpu_s",
+)
+
+
+def run(
+    json_path: Path | None,
+    quick: bool,
+    log: Callable[[str], None] = print,
+    baseline_tree: Path | None = None,
+) -> dict[str, Any]:
+    """Runs each size (16 x 64 only when `quick`) and writes the report to `json_path`.
+    With `baseline_tree` (a source tree of another commit) each size runs four times on the
+    same cluster, the operator of that tree and this one alternating (A B B A, so a drift of
+    the machine's speed cancels out); the report's `sizes` are this operator's first runs
+    and `side_by_side` lists every run."""
     from kvtopo.cluster.local_cluster import LocalCluster
 
+    if baseline_tree is not None and not (baseline_tree / "operator" / "kvtopo_operator").is_dir():
+        raise RuntimeError(
+            f"{baseline_tree} is not a kvtopo source tree (no operator/kvtopo_operator): make "
+            "one with `git worktree add DIR COMMIT` or `git archive COMMIT | tar -x -C DIR`"
+        )
     sizes = SIZES[:1] if quick else SIZES
     nodes = max(3, (max(p + d for p, d in sizes) * 2) // 100 + 1)
     workdir = Path("out") / "bench-operator"  # beside the drill's, under the working folder
@@ -648,12 +714,37 @@ def run(json_path: Path | None, quick: bool, log: Callable[[str], None] = print)
         api.apply_crd(crd_manifest())
         crd = f"crd/{PLURAL}.{GROUP}"
         cluster.kubectl("wait", "--for=condition=Established", crd, "--timeout=60s")
+        side_by_side: list[dict[str, Any]] = []
         for p, d in sizes:
             log(f"kvtopo bench operator: {p} prefill x {d} decode pods on {nodes} kwok nodes")
-            res = asyncio.run(SizeRun(cluster, p, d, log).run(token, workdir))
-            log("  " + json.dumps(res))
-            results.append(res)
-    report = {"benchmark": "operator", "quick": quick, "sizes": results}
+            if baseline_tree is None:
+                res = asyncio.run(SizeRun(cluster, p, d, log).run(token, workdir))
+                log("  " + json.dumps(res))
+                results.append(res)
+                continue
+            first: dict[str, Any] | None = None
+            for i, tree in enumerate((baseline_tree, None, None, baseline_tree)):
+                which = "baseline" if tree is not None else "this"
+                size_run = SizeRun(cluster, p, d, log, operator_tree=tree, run_name=f"{which}{i}")
+
+                async def one(sr: SizeRun = size_run) -> dict[str, Any]:
+                    try:
+                        return await sr.run(token, workdir)
+                    finally:
+                        await sr.remove()
+
+                res = asyncio.run(one())
+                res["operator"] = which
+                log(f"  {which}: " + json.dumps(res))
+                side_by_side.append({k: res.get(k) for k in SIDE_BY_SIDE_KEYS})
+                if first is None and tree is None:
+                    first = res
+            assert first is not None
+            results.append(first)
+    report: dict[str, Any] = {"benchmark": "operator", "quick": quick, "sizes": results}
+    if baseline_tree is not None:
+        report["side_by_side"] = side_by_side
+        report["baseline_tree"] = str(baseline_tree)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report, indent=2) + "\n")
