@@ -155,9 +155,10 @@ def _failure_counts(failures: dict[str, int]) -> dict[str, int]:
 
 
 MAX_STATE_BYTES = 64 << 20
-MAX_ETAG = 128  # a longer ETag is cut (and so never matches: the next read is a full one)
 """The most of a worker's answer the operator reads (a worker holding a thousand peers
 answers well under a megabyte)."""
+MAX_ETAG = 128
+"""The longest ETag kept; a longer one is cut, so it never matches and the next read is whole."""
 
 
 @dataclass(frozen=True)
