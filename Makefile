@@ -43,7 +43,7 @@ $(UV):
 	    "uv==$(UV_VERSION)"
 
 venv: $(UV)
-	$(call SYNC,drill dev)
+	$(call SYNC,drill dev vllm)
 
 toolchain:
 	@toolchain/build.sh
@@ -55,7 +55,7 @@ crds: $(UV)
 	cp crds/kvtopology.yaml helm/kvtopo/crds/kvtopology.yaml
 
 lint: $(UV)
-	$(call SYNC,drill dev)
+	$(call SYNC,drill dev vllm)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
