@@ -141,14 +141,30 @@ class PodIdentity(msgspec.Struct, frozen=True, kw_only=True):
     uid: str
 
 
+MAX_KV_SEGMENTS = 4096  # slices one KV block may span (e.g. layers x {K, V})
+MAX_KV_DESCRIPTORS = 1 << 24  # blocks x segments one engine rank may register
+
+
+class KVSegment(msgspec.Struct, frozen=True, array_like=True):
+    """One slice of every KV block: block i's part lies at `addr + i * stride`, `length`
+    bytes long (an engine with a tensor per layer, K and V apart, has one per layer and
+    half: block i is then the concatenation of its parts in every segment)."""
+
+    addr: int
+    stride: int
+    length: int
+
+
 class EngineMetadata(msgspec.Struct, frozen=True, kw_only=True):
     """One engine rank as its peers see it: enough to add its NIXL agent and address its KV.
 
-    The KV cache is one region of `num_blocks` blocks of `block_len` bytes, block i at
-    `kv_addr + i * block_len` on device `kv_device` of memory kind `kv_mem`. A peer rebuilds
-    the block descriptors from these numbers (NIXL then checks them against the memory the
-    agent registered); `agent_metadata` is NIXL's own blob, parsed by NIXL, and the agent
-    name inside it must be `agent_name`.
+    The KV cache is `num_blocks` blocks of `block_len` bytes on device `kv_device` of memory
+    kind `kv_mem`. Without `kv_segments` a block is one piece, block i at
+    `kv_addr + i * block_len`; with them, block i is its part in each segment in order (their
+    lengths add up to `block_len`, and `kv_addr` is the first segment's). A peer rebuilds the
+    block descriptors from these numbers (NIXL then checks them against the memory the agent
+    registered); `agent_metadata` is NIXL's own blob, parsed by NIXL, and the agent name
+    inside it must be `agent_name`.
     """
 
     engine_id: str
@@ -166,6 +182,13 @@ class EngineMetadata(msgspec.Struct, frozen=True, kw_only=True):
     compat_hash: str
     incarnation: str = ""  # the engine process's boot id (new on every start)
     pod: PodIdentity | None = None  # None: the engine was started without its pod identity
+    kv_segments: list[KVSegment] = []  # empty: one piece per block (see above)
+
+    def segments(self) -> list[KVSegment]:
+        """The block's segments, the one-piece layout included."""
+        if self.kv_segments:
+            return list(self.kv_segments)
+        return [KVSegment(self.kv_addr, self.block_len, self.block_len)]
 
 
 class Envelope(msgspec.Struct, frozen=True):
@@ -221,14 +244,44 @@ def decode_metadata(data: bytes, expected_hash: str) -> EngineMetadata:
             f"block_len {meta.block_len} differs from the compatibility info's "
             f"{meta.compat.block_len} (or is not positive)"
         )
-    if meta.kv_addr < 0 or meta.kv_addr + meta.num_blocks * meta.block_len > 1 << 64:
+    end = meta.kv_addr + meta.num_blocks * meta.block_len
+    if meta.kv_addr < 0 or (not meta.kv_segments and end > 1 << 64):
         raise MalformedMessage("the KV region does not fit in a 64-bit address space")
+    _check_segments(meta)
     if not 0 <= meta.kv_device < MAX_DEVICE_ID:
         raise MalformedMessage(f"kv_device must be 0..{MAX_DEVICE_ID - 1}")
     if not 0 <= meta.tp_rank < meta.tp_size:
         raise MalformedMessage(f"tp_rank {meta.tp_rank} outside tp_size {meta.tp_size}")
     check_identity(meta.incarnation, meta.pod)
     return meta
+
+
+def _check_segments(meta: EngineMetadata) -> None:
+    """MalformedMessage unless the segments describe `num_blocks` blocks of `block_len`
+    bytes within a 64-bit address space, at a bounded number of descriptors."""
+    segs = meta.kv_segments
+    if not segs:
+        return
+    if len(segs) > MAX_KV_SEGMENTS or len(segs) * meta.num_blocks > MAX_KV_DESCRIPTORS:
+        raise MalformedMessage(
+            f"at most {MAX_KV_SEGMENTS} KV segments and {MAX_KV_DESCRIPTORS} block parts "
+            f"in all, not {len(segs)} x {meta.num_blocks}"
+        )
+    if segs[0].addr != meta.kv_addr:
+        raise MalformedMessage("kv_addr must be the first KV segment's address")
+    total = 0
+    for seg in segs:
+        if seg.length <= 0 or seg.stride < seg.length or seg.addr < 0:
+            raise MalformedMessage(
+                "a KV segment needs a positive length within its stride and an address >= 0"
+            )
+        if seg.addr + (meta.num_blocks - 1) * seg.stride + seg.length > 1 << 64:
+            raise MalformedMessage("a KV segment does not fit in a 64-bit address space")
+        total += seg.length
+    if total != meta.block_len:
+        raise MalformedMessage(
+            f"the KV segments add up to {total} bytes a block, block_len says {meta.block_len}"
+        )
 
 
 def check_identity(incarnation: str, pod: PodIdentity | None) -> None:
@@ -267,6 +320,12 @@ class PushRegistration(msgspec.Struct, frozen=True, kw_only=True):
     decode_tp_rank: int = 0
     expires_at: float
     write_timeout_s: float
+    # The request's blocks from this one on are wanted (the decode holds the ones before
+    # from its own prefix cache): the prefill writes its blocks[first_block:] into block_ids.
+    first_block: int = 0
+    # Where the decode's control API answers (ip:port), for a prefill that does not hold the
+    # decode engine yet and handshakes lazily (no operator); "" when not offered.
+    decode_endpoint: str = ""
 
 
 MAX_REQUESTS_PER_WRITE = 64
@@ -354,6 +413,10 @@ def decode_notification(data: bytes) -> Notification:
                     raise MalformedMessage("block ids must be non-negative")
                 if not 0 < msg.write_timeout_s <= 3600 or msg.expires_at != msg.expires_at:
                     raise MalformedMessage("write_timeout_s must be 0..3600 s, expires_at a time")
+                if not 0 <= msg.first_block < MAX_BLOCKS_PER_REQUEST:
+                    raise MalformedMessage("first_block must be 0..65535")
+                if len(msg.decode_endpoint) > 64:
+                    raise MalformedMessage("decode_endpoint must be at most 64 characters")
             if isinstance(msg, PushCancel):
                 _check_id("decode_engine_id", msg.decode_engine_id)
                 _check_id("prefill_engine_id", msg.prefill_engine_id)

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from kvtopo_worker.protocol import (
     CompatInfo,
     EngineMetadata,
+    KVSegment,
     MemoryKind,
     PodIdentity,
     Role,
@@ -73,6 +74,7 @@ class RemoteKV:
     base: int
     device: int
     mem_enum: Any = None  # NIXL's memory-kind value of the far blocks (for merged WRITEs)
+    segments: int = 1  # descriptors per block (block b's are b * segments ...)
 
 
 def block_runs(local_ids: Sequence[int], remote_ids: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -168,7 +170,8 @@ def _classify(exc: BaseException) -> str:
 
 
 class NixlTransport:
-    """One NIXL agent with one registered KV cache tensor of equal blocks."""
+    """One NIXL agent with one registered KV cache of equal blocks (one tensor, or a block's
+    parts spread over segments of several tensors, as a vLLM KV cache per layer)."""
 
     def __init__(
         self,
@@ -194,7 +197,8 @@ class NixlTransport:
         self._agent: Any = nixl_agent(agent_name, cfg)
         self._reg_descs: Any = None
         self._local_dlist: int | None = None
-        self._kv: torch.Tensor | None = None
+        self._kv: list[torch.Tensor] = []
+        self._segments: list[KVSegment] = []
         self._num_blocks = 0
         self._block_len = 0
         self._mem_type = "DRAM"
@@ -212,18 +216,51 @@ class NixlTransport:
         """Registers a contiguous (num_blocks, block_len) uint8 tensor as the KV cache."""
         if kv.dim() != 2 or not kv.is_contiguous():
             raise ValueError("the KV cache must be a contiguous 2-D (num_blocks, block_len) tensor")
-        num_blocks, block_len = int(kv.shape[0]), int(kv.shape[1]) * kv.element_size()
-        self._mem_type = "VRAM" if kv.is_cuda else "DRAM"
-        dev = kv.device.index or 0 if kv.is_cuda else 0
-        base = kv.data_ptr()
+        block_len = int(kv.shape[1]) * kv.element_size()
+        segment = KVSegment(kv.data_ptr(), block_len, block_len)
+        self.register_kv_segments([kv], [segment], int(kv.shape[0]))
+
+    def register_kv_segments(
+        self, tensors: Sequence[torch.Tensor], segments: Sequence[KVSegment], num_blocks: int
+    ) -> None:
+        """Registers the memory of `tensors` (all on one device) as a KV cache of
+        `num_blocks` blocks, block i being its part in each of `segments` in order
+        (`KVSegment`: block i's part at `addr + i * stride`). One descriptor per block and
+        segment is prepped, block-major. The caller keeps `tensors` alive."""
+        if not tensors or not segments or num_blocks <= 0:
+            raise ValueError("a KV cache needs a tensor, a segment and a block")
+        first = tensors[0]
+        if any(t.device != first.device for t in tensors):
+            raise ValueError("the KV tensors must all live on one device")
+        # The memory behind the tensors, each allocation once (vLLM's layers are views of
+        # one buffer): what NIXL registers, and what every segment must lie in.
+        spans = sorted(
+            {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors}
+        )
+        spans = [(lo, lo + n) for lo, n in spans]
+        for seg in segments:
+            last = seg.addr + (num_blocks - 1) * seg.stride + seg.length
+            if seg.length <= 0 or seg.stride < seg.length:
+                raise ValueError(f"KV segment {seg}: its length must be 1..stride")
+            if not any(lo <= seg.addr and last <= hi for lo, hi in spans):
+                raise ValueError(f"KV segment {seg} leaves the given tensors by block {num_blocks}")
+        self._mem_type = "VRAM" if first.is_cuda else "DRAM"
+        dev = first.device.index or 0 if first.is_cuda else 0
+        segs = list(segments)
         with self._lock:
-            self._reg_descs = self._agent.register_memory(kv)
-            blocks = [(base + i * block_len, block_len, dev) for i in range(num_blocks)]
-            descs = self._agent.get_xfer_descs(blocks, self._mem_type)
+            regions = [(lo, hi - lo, dev, "") for lo, hi in spans]
+            self._reg_descs = self._agent.register_memory(regions, self._mem_type)
+            parts = [
+                (seg.addr + i * seg.stride, seg.length, dev)
+                for i in range(num_blocks)
+                for seg in segs
+            ]
+            descs = self._agent.get_xfer_descs(parts, self._mem_type)
             self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs)
-            self._base, self._device = base, dev
+            self._base, self._device = segs[0].addr, dev
             self._mem_enum, self._dlist_type = descs.getType(), type(descs)
-        self._kv, self._num_blocks, self._block_len = kv, num_blocks, block_len
+        self._kv, self._segments = list(tensors), segs
+        self._num_blocks, self._block_len = num_blocks, sum(s.length for s in segs)
 
     @property
     def num_blocks(self) -> int:
@@ -272,6 +309,7 @@ class NixlTransport:
             compat_hash=compat_hash(compat),
             incarnation=incarnation,
             pod=pod,
+            kv_segments=self._segments if len(self._segments) > 1 else [],
         )
 
     # --- remote agents -------------------------------------------------------------------
@@ -303,7 +341,23 @@ class NixlTransport:
             if name in self._remotes:
                 return name
             bl = meta.block_len
-            blocks = [(meta.kv_addr + i * bl, bl, meta.kv_device) for i in range(meta.num_blocks)]
+            segs = meta.segments()
+            if [s.length for s in segs] != [s.length for s in self._segments] and (
+                len(segs) > 1 or len(self._segments) > 1
+            ):
+                if name not in known:
+                    self._unload(name)
+                raise TransportError(
+                    f"agent {name}'s KV blocks are cut into segments of "
+                    f"{[s.length for s in segs][:8]} bytes, ours into "
+                    f"{[s.length for s in self._segments][:8]}",
+                    "invalid",
+                )
+            blocks = [
+                (seg.addr + i * seg.stride, seg.length, meta.kv_device)
+                for i in range(meta.num_blocks)
+                for seg in segs
+            ]
             try:
                 descs = self._agent.get_xfer_descs(blocks, meta.kv_mem)
                 dlist = self._agent.prep_xfer_dlist(name, descs)
@@ -315,7 +369,7 @@ class NixlTransport:
                     f"the KV region of agent {name}{why}: {type(exc).__name__}: {exc}", kind
                 ) from exc
             remote = RemoteKV(
-                name, meta.num_blocks, bl, meta.kv_addr, meta.kv_device, descs.getType()
+                name, meta.num_blocks, bl, meta.kv_addr, meta.kv_device, descs.getType(), len(segs)
             )
             self._remotes[name] = (dlist, remote)
             return name
@@ -351,8 +405,10 @@ class NixlTransport:
             return self._local_dlist, self._remotes[agent_name][0]
 
     def _layout(self, remote: RemoteKV) -> tuple[int, int] | None:
-        """(base, device) of the peer's blocks when they are as long as ours (runs of them
-        can then be merged into one descriptor), else None."""
+        """(base, device) of the peer's blocks when they are one piece each, as long as ours
+        (runs of them can then be merged into one descriptor), else None."""
+        if remote.segments != 1 or len(self._segments) != 1:
+            return None
         return (remote.base, remote.device) if remote.block_len == self._block_len else None
 
     def raw_bases(self, agent_name: str) -> tuple[int, int, int, int, str, str]:
@@ -452,13 +508,13 @@ class NixlTransport:
                     )
                     handle = self._agent.initialize_xfer("WRITE", local, far, agent_name, notif)
                 else:
+                    n = remote.segments
+                    local_idx, remote_idx = list(local_block_ids), list(remote_block_ids)
+                    if n > 1:  # the same segment count on both sides (add_remote_peer)
+                        local_idx = [b * n + j for b in local_idx for j in range(n)]
+                        remote_idx = [b * n + j for b in remote_idx for j in range(n)]
                     handle = self._agent.make_prepped_xfer(
-                        "WRITE",
-                        self._local_dlist,
-                        list(local_block_ids),
-                        remote_dlist,
-                        list(remote_block_ids),
-                        notif,
+                        "WRITE", self._local_dlist, local_idx, remote_dlist, remote_idx, notif
                     )
                 state = self._agent.transfer(handle)
             except Exception as exc:
