@@ -207,6 +207,9 @@ class ControlServer:
         self.port = port
         self.handshake_timeout_s = handshake_timeout_s
         self._request_counts = request_counts or (lambda: (0, 0, 0))
+        # Engines the operator evicted (whole) and has not added since: an engine that
+        # handshakes lazily (`add_peer`) must not bring them back behind its back.
+        self.operator_evicted: set[str] = set()
         self._metadata_bytes = [encode_metadata(m) for m in engine.ranks]
         # NIXL is not promised thread-safe: handshakes and teardown go through one thread.
         self.nixl_executor = concurrent.futures.ThreadPoolExecutor(
@@ -414,9 +417,30 @@ class ControlServer:
             self.registry.idle_ttl_s = ttl
         return _json(self.settings())
 
+    def add_peer(
+        self, engine_id: str, endpoint: str, role: Role, timeout_s: float | None = None
+    ) -> tuple[int, PeerResult | ErrorBody]:
+        """Adds a peer from another thread (an engine that handshakes lazily, on its own,
+        where no operator connected the pair), exactly as `PUT /v1/peers/{engine_id}` does:
+        its HTTP status and answer. Blocks for at most the handshake timeout and a second."""
+        if self.loop is None:
+            raise RuntimeError("the control server is not running")
+        timeout = self.handshake_timeout_s if timeout_s is None else timeout_s
+        fut = asyncio.run_coroutine_threadsafe(
+            self._add_peer(engine_id, endpoint, role, timeout_s=timeout), self.loop
+        )
+        try:
+            return fut.result(timeout + 1.0)
+        except MalformedMessage as exc:
+            return 400, ErrorBody(error="malformed_message", message=str(exc))
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            return 504, ErrorBody(error="timeout", message=f"no handshake within {timeout:g} s")
+
     async def _put_peer(self, request: web.Request) -> web.Response:
         engine_id = self._path_engine_id(request)
         body = decode_json_body(await request.read(), PeerAddRequest)
+        self.operator_evicted.discard(engine_id)
         status, answer = await self._add_peer(
             engine_id, body.endpoint, body.role, body.rank, body.pod_uid, body.incarnation
         )
@@ -646,6 +670,7 @@ class ControlServer:
         sem = asyncio.Semaphore(PEER_BATCH_CONCURRENCY)
 
         async def add(item: PeerAddItem) -> PeerOutcome:
+            self.operator_evicted.discard(item.engine_id)
             async with sem:
                 try:
                     status, answer = await self._add_peer(
@@ -713,6 +738,8 @@ class ControlServer:
         return _json(await self._evict_peer(engine_id, _query_rank(request)))
 
     async def _evict_peer(self, engine_id: str, rank: int | None = None) -> PeerResult:
+        if rank is None:
+            self.operator_evicted.add(engine_id)
         loop = asyncio.get_running_loop()
         result = await loop.run_in_executor(
             self.nixl_executor, lambda: self.registry.evict(engine_id, "operator", rank)

@@ -209,9 +209,17 @@ class PushConnector:
         tp_rank: int = 0,
         block_len: int = 0,
         outcome_ready: threading.Event | None = None,
+        unknown_decode: Callable[[str, str], None] | None = None,
+        decode_endpoint: str = "",
     ) -> None:
         """`outcome_ready` is set whenever an outcome is queued; ranks of one engine may
-        share one, so that one engine thread waits on all of them."""
+        share one, so that one engine thread waits on all of them.
+
+        `unknown_decode(engine_id, endpoint)` (prefill) is called, on the progress thread,
+        for a registration from a decode engine the registry does not hold that offers its
+        control endpoint: the engine may then handshake lazily (it must not block; the
+        registration waits within its lease). `decode_endpoint` (decode) is the endpoint
+        this engine offers in its registrations ("" offers none)."""
         self.engine_id = engine_id
         self.role = role
         self.tp_rank = tp_rank
@@ -238,6 +246,8 @@ class PushConnector:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._outcome_ready = outcome_ready or threading.Event()
+        self._unknown_decode = unknown_decode
+        self.decode_endpoint = decode_endpoint
         self._threads: list[threading.Thread] = []
         self._stopped = False
         self.requests_done = 0
@@ -308,9 +318,14 @@ class PushConnector:
         self.block_len = int(getattr(self.transport, "block_len", self.block_len))
 
     def request_receive(
-        self, request_id: str, prefill_engine_id: str, block_ids: Sequence[int]
+        self,
+        request_id: str,
+        prefill_engine_id: str,
+        block_ids: Sequence[int],
+        first_block: int = 0,
     ) -> None:
-        """Decode side: ask the prefill engine to push `request_id` into `block_ids`."""
+        """Decode side: ask the prefill engine to push `request_id` into `block_ids` (its
+        blocks from `first_block` on)."""
         if self.role != "decode":
             raise RuntimeError("request_receive is the decode side's call")
         cfg = self.config
@@ -324,6 +339,8 @@ class PushConnector:
             decode_tp_rank=self.tp_rank,
             expires_at=expires_at,
             write_timeout_s=cfg.transfer_timeout_s,
+            first_block=first_block,
+            decode_endpoint=self.decode_endpoint,
         )
         give_up_at = now + cfg.registration_timeout_s + cfg.transfer_timeout_s + cfg.cancel_margin_s
         with self._state_lock:
@@ -783,6 +800,11 @@ class PushConnector:
         # A decode engine whose registrations arrive is in use (the idle-TTL backstop).
         for engine_id in {msg.decode_engine_id for _, msg in regs}:
             self.registry.touch(engine_id)
+        if self._unknown_decode is not None:
+            offered = {m.decode_engine_id: m.decode_endpoint for _, m in regs if m.decode_endpoint}
+            for engine_id, endpoint in offered.items():
+                if not self.registry.snapshot(engine_id):
+                    self._unknown_decode(engine_id, endpoint)
         now, wall = self._clock(), self._wall()
         answers: list[tuple[str, str, FailureType, str]] = []
         duplicates = 0
@@ -931,7 +953,8 @@ class PushConnector:
         wall = self._wall()
         batch: list[tuple[PushRegistration, _PendingSend]] = []
         nbytes = 0
-        for reg, send in work:
+        for reg, offered in work:
+            send = offered
             if wall >= reg.expires_at:
                 self._fail_send(
                     reg.request_id,
@@ -940,9 +963,14 @@ class PushConnector:
                     reg.decode_engine_id,
                 )
                 continue
+            if reg.first_block:  # the decode holds the first blocks from its prefix cache
+                send = _PendingSend(
+                    send.block_ids[reg.first_block :], send.deadline, send.decode_engine_id
+                )
             if len(reg.block_ids) != len(send.block_ids):
                 msg = (
-                    f"decode offered {len(reg.block_ids)} blocks, request has {len(send.block_ids)}"
+                    f"decode offered {len(reg.block_ids)} blocks, request has "
+                    f"{len(send.block_ids)} (from block {reg.first_block} on)"
                 )
                 self._fail_send(
                     reg.request_id, FailureType.TRANSFER_SETUP_FAILED, msg, reg.decode_engine_id
