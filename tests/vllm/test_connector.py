@@ -1,0 +1,326 @@
+"""KVTopoConnector against vLLM's real scheduler: a prefill and a decode engine in two
+processes (`tests.vllm.engine`), the connector loaded by vLLM through
+`kv_connector_module_path`, real per-layer KV tensors and real NIXL (UCX) between them.
+
+The pair is connected the way the operator does it (`PUT /v1/peers` on both control APIs
+with the operator credential), or not at all (the connector then handshakes lazily).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.nixl
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class EngineProc:
+    role: str
+    engine_id: str
+    endpoint: str
+    token: str
+    proc: subprocess.Popen[str]
+    free_blocks: int
+    log: Path
+
+    def ask(self, cmd: dict[str, Any], timeout: float = 60) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, f"{self.role} engine exited: {self.log.read_text()[-3000:]}"
+        answer: dict[str, Any] = json.loads(line)
+        assert "exception" not in answer, answer
+        return answer
+
+    def add(self, rid: str, prompt_len: int, max_tokens: int, params: dict[str, Any]) -> None:
+        self.ask(
+            {
+                "op": "add",
+                "rid": rid,
+                "prompt_len": prompt_len,
+                "max_tokens": max_tokens,
+                "params": params,
+            }
+        )
+
+    def wait(self, rids: list[str], timeout: float = 30) -> dict[str, list[dict[str, Any]]]:
+        answer = self.ask({"op": "wait", "rids": rids, "timeout": timeout}, timeout + 30)
+        assert answer["error"] is None, answer["error"]
+        assert not answer["left"], f"{self.role}: {answer['left']} still held: {answer}"
+        return answer["outcomes"]  # type: ignore[no-any-return]
+
+    def state(self) -> dict[str, Any]:
+        return self.ask({"op": "state"})
+
+    def call(self, method: str, path: str, body: object = None) -> tuple[int, Any]:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(f"http://{self.endpoint}{path}", data=data, method=method)
+        req.add_header("Authorization", f"Bearer {self.token}")
+        try:
+            with urllib.request.urlopen(req, timeout=15) as resp:
+                return resp.status, json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read() or b"null")
+
+    def connect(self, peer: EngineProc) -> None:
+        """What the operator does: add `peer` to this engine's registry."""
+        status, body = self.call(
+            "PUT", f"/v1/peers/{peer.engine_id}", {"endpoint": peer.endpoint, "role": peer.role}
+        )
+        assert status == 200, body
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        self.proc.send_signal(sig)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.proc.pid, signal.SIGCONT)
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(20)
+            except (OSError, subprocess.TimeoutExpired, BrokenPipeError):
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from tests.vllm import harness
+
+    return harness.write_model_dir(tmp_path_factory.mktemp("model"))
+
+
+class Engines:
+    def __init__(self, tmp: Path, model_dir: str) -> None:
+        self.tmp = tmp
+        self.model_dir = model_dir
+        self.token = secrets.token_hex(16)
+        self.token_file = tmp / "token"
+        self.token_file.write_text(self.token + "\n")
+        self.procs: list[EngineProc] = []
+
+    def _spawn(
+        self, role: str, engine_id: str, tp: int = 1, **opts: Any
+    ) -> tuple[subprocess.Popen[str], Path]:
+        port = free_port()
+        log = self.tmp / f"{engine_id}.log"
+        argv = [
+            sys.executable,
+            "-m",
+            "tests.vllm.engine",
+            "--role",
+            role,
+            "--engine-id",
+            engine_id,
+            "--model-dir",
+            self.model_dir,
+            "--port",
+            str(port),
+            "--token-file",
+            str(self.token_file),
+            "--tp",
+            str(tp),
+        ]
+        for key, value in opts.items():
+            flag = "--" + key.replace("_", "-")
+            argv += [flag] if value is True else [flag, str(value)]
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        with log.open("w") as err:
+            proc = subprocess.Popen(
+                argv,
+                cwd=ROOT,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                env=env,
+            )
+        return proc, log
+
+    def _ready(
+        self, role: str, engine_id: str, spawned: tuple[subprocess.Popen[str], Path]
+    ) -> EngineProc:
+        proc, log = spawned
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line, f"{role} engine did not start: {log.read_text()[-3000:]}"
+        ready = json.loads(line)
+        engine = EngineProc(
+            role, engine_id, ready["endpoint"], self.token, proc, ready["free_blocks"], log
+        )
+        self.procs.append(engine)
+        return engine
+
+    def pair(
+        self, name: str, tp: int = 1, prefill: dict[str, Any] | None = None, **decode: Any
+    ) -> tuple[EngineProc, EngineProc]:
+        """A prefill (`p-<name>`) and a decode (`d-<name>`) engine, started side by side;
+        `prefill` and the keywords are each one's extra command-line options."""
+        p = self._spawn("prefill", f"p-{name}", tp, **(prefill or {}))
+        d = self._spawn("decode", f"d-{name}", tp, **decode)
+        return self._ready("prefill", f"p-{name}", p), self._ready("decode", f"d-{name}", d)
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.close()
+
+
+@pytest.fixture
+def engines(tmp_path: Path, model_dir: str) -> Iterator[Engines]:
+    e = Engines(tmp_path, model_dir)
+    try:
+        yield e
+    finally:
+        e.close()
+
+
+def prefill_params(prefill: EngineProc, rid: str) -> dict[str, Any]:
+    """Runs `rid` on the prefill to its end; the kv_transfer_params it answers (what a
+    P/D proxy hands the decode)."""
+    deadline = time.monotonic() + 30
+    while True:
+        state = prefill.ask({"op": "wait", "rids": [rid], "timeout": 0.2})
+        finished = [o for o in state["outcomes"][rid] if o["event"] == "finished"]
+        if finished:
+            params: dict[str, Any] = finished[0]["params"]
+            assert finished[0]["reason"] == "length", finished
+            return params
+        assert time.monotonic() < deadline, f"prefill never finished {rid}: {state}"
+
+
+def events(outcomes: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in outcomes if o["event"] == kind]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_decode_waits_for_pushed_kv_and_the_prefill_holds_its_blocks_until_sent(
+    engines: Engines, tp: int
+) -> None:
+    prefill, decode = engines.pair(f"tp{tp}", tp)
+    decode.connect(prefill)
+    prefill.connect(decode)
+
+    rids = [f"req{i}" for i in range(3)]
+    for i, rid in enumerate(rids):
+        prefill.add(rid, 40 + 13 * i, 1, {"do_remote_decode": True})
+    params = {rid: prefill_params(prefill, rid) for rid in rids}
+    for rid in rids:
+        p = params[rid]
+        # The keys (and meanings) of vLLM's NixlPushConnector, so P/D proxies work unchanged.
+        assert p["do_remote_prefill"] is True and p["do_remote_decode"] is False
+        assert p["remote_engine_id"] == prefill.engine_id
+        assert p["remote_request_id"] == rid
+        assert f"{p['remote_host']}:{p['remote_port']}" == prefill.endpoint
+        assert p["tp_size"] == tp and p["transfer_mode"] == "push"
+        assert len(p["remote_block_ids"]) == -(-p["remote_num_tokens"] // 16)
+    # Finished, but its blocks are held for the WRITE.
+    assert prefill.state()["free_blocks"] < prefill.free_blocks
+
+    for rid in rids:
+        decode.add(f"d-{rid}", 40 + 13 * rids.index(rid), 4, params[rid])
+    outcomes = decode.wait([f"d-{rid}" for rid in rids])
+    for rid in rids:
+        got = outcomes[f"d-{rid}"]
+        recv = events(got, "finished_recving")
+        assert len(recv) == 1 and not events(got, "failed_recving"), got
+        assert recv[0]["bad_blocks"] == 0, got  # every byte of every block, every rank
+        finished = events(got, "finished")
+        assert len(finished) == 1 and finished[0]["reason"] == "length", got
+    sent = prefill.wait(rids)
+    for rid in rids:
+        assert len(events(sent[rid], "finished_sending")) == 1, sent[rid]
+    assert prefill.state()["free_blocks"] == prefill.free_blocks
+    assert decode.state()["free_blocks"] == decode.free_blocks
+
+
+def test_without_an_operator_the_pair_handshakes_lazily(engines: Engines) -> None:
+    prefill, decode = engines.pair("lazy")
+    assert prefill.state()["peers"] == [] and decode.state()["peers"] == []
+    prefill.add("r1", 50, 1, {"do_remote_decode": True})
+    params = prefill_params(prefill, "r1")
+    decode.add("d1", 50, 2, params)
+    got = decode.wait(["d1"])["d1"]
+    assert events(got, "finished_recving")[0]["bad_blocks"] == 0, got
+    assert events(got, "finished")[0]["reason"] == "length", got
+    prefill.wait(["r1"])
+    assert decode.state()["peers"] == ["p-lazy"]
+    assert prefill.state()["peers"] == ["d-lazy"]
+
+
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+def test_a_dead_or_frozen_prefill_fails_the_request_through_vllm_once(
+    engines: Engines, fault: str
+) -> None:
+    prefill, decode = engines.pair(fault, registration_timeout=2, transfer_timeout=2)
+    decode.connect(prefill)
+    prefill.connect(decode)
+    prefill.add("r1", 40, 1, {"do_remote_decode": True})
+    params = prefill_params(prefill, "r1")
+    prefill.kill(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+    decode.add("d1", 40, 4, params)
+    got = decode.wait(["d1"], timeout=30)["d1"]
+    assert len(events(got, "failed_recving")) == 1, got
+    assert not events(got, "finished_recving"), got
+    finished = events(got, "finished")
+    assert len(finished) == 1 and finished[0]["reason"] == "error", got
+    assert decode.state()["free_blocks"] == decode.free_blocks
+
+
+def test_a_failed_load_is_recomputed_under_the_recompute_policy(engines: Engines) -> None:
+    prefill, decode = engines.pair(
+        "rc", registration_timeout=2, transfer_timeout=2, failure_policy="recompute"
+    )
+    decode.connect(prefill)
+    prefill.connect(decode)
+    prefill.add("r1", 40, 1, {"do_remote_decode": True})
+    params = prefill_params(prefill, "r1")
+    prefill.kill()
+    decode.add("d1", 40, 3, params)
+    got = decode.wait(["d1"], timeout=30)["d1"]
+    assert len(events(got, "failed_recving")) == 1, got
+    finished = events(got, "finished")
+    assert len(finished) == 1 and finished[0]["reason"] == "length", got  # ran locally
+    assert decode.state()["free_blocks"] == decode.free_blocks
+
+
+def test_a_prefill_the_operator_evicted_is_not_used_again(engines: Engines) -> None:
+    prefill, decode = engines.pair("ev", registration_timeout=2, transfer_timeout=2)
+    decode.connect(prefill)
+    prefill.connect(decode)
+    prefill.add("r1", 40, 1, {"do_remote_decode": True})
+    params = prefill_params(prefill, "r1")
+    status, body = decode.call("DELETE", f"/v1/peers/{prefill.engine_id}")
+    assert status == 200, body
+    assert decode.state()["peers"] == []
+    decode.add("d1", 40, 2, params)
+    got = decode.wait(["d1"], timeout=30)["d1"]
+    failed = events(got, "failed_recving")
+    assert len(failed) == 1, got
+    assert decode.state()["peers"] == []  # not handshaken again behind the operator's back

@@ -1,0 +1,751 @@
+"""`KVTopoConnector`: vLLM's KV connector over the kvtopo worker (push mode).
+
+The only module of kvtopo that imports vllm. Loaded by vLLM with
+
+    --kv-transfer-config '{"kv_connector": "KVTopoConnector",
+                           "kv_connector_module_path": "kvtopo_worker.vllm",
+                           "kv_role": "kv_producer" | "kv_consumer" | "kv_both",
+                           "kv_connector_extra_config": {...}}'
+
+Owns the mapping between vLLM's connector API (`KVConnectorBase_V1`) and the kvtopo worker:
+
+- scheduler side (`_SchedulerSide`): the prefill's `request_finished` holds a finished
+  request's blocks and answers the same `kv_transfer_params` as vLLM's `NixlPushConnector`
+  (`remote_engine_id`, `remote_request_id`, `remote_host`/`remote_port`: here the kvtopo
+  control endpoint, ...); the decode's `get_num_new_matched_tokens` /
+  `update_state_after_alloc` turn those params into a registration of the decode's newly
+  allocated blocks. Both are handed to the workers in `KVTopoConnectorMetadata`.
+- worker side (`_RankWorker`, one per TP rank): its rank's NIXL agent (`NixlTransport`)
+  over vLLM's per-layer KV tensors (`KVSegment`s: each layer's K and V part of a block) and
+  a `PushConnector`; the prefill WRITEs a request's blocks when the decode's registration
+  comes and holds them until the WRITE is done; outcomes go back to vLLM through
+  `get_transfer_results` (failures in `failed_recving`, their blocks in
+  `get_block_ids_with_load_errors`), each request once.
+- the engine host (`_EngineHost`, one per engine and process): the registry of remote
+  engines and the control API (`ControlServer`) the operator drives, served once every
+  local TP rank has registered its KV cache. When the operator has connected the pair
+  nothing handshakes on the request path; a prefill engine the decode does not hold (no
+  operator) is handshaken lazily with its control endpoint, and the prefill handshakes back
+  with the endpoint the registration offers.
+
+`kv_connector_extra_config` keys: `role` ("prefill"/"decode"; default from `kv_role`),
+`control_host` (default $KVTOPO_POD_IP, else 127.0.0.1), `control_port` (8975),
+`token_file` / `peer_token_file` (default $KVTOPO_TOKEN_FILE / $KVTOPO_PEER_TOKEN_FILE),
+`registration_timeout_s`, `kv_lease_s`, `transfer_timeout_s`, `handshake_timeout_s`,
+`idle_ttl_s`, `lazy_handshake` (default true).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from kvtopo_worker.agent import ControlServer, LocalEngine
+from kvtopo_worker.credentials import TokenSource
+from kvtopo_worker.metrics import WorkerMetrics
+from kvtopo_worker.protocol import (
+    CompatInfo,
+    EngineMetadata,
+    FailureType,
+    KVSegment,
+    PodIdentity,
+    Role,
+)
+from kvtopo_worker.push import PushConfig, PushConnector
+from kvtopo_worker.registry import EngineRegistry
+from kvtopo_worker.transport import NixlTransport
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONTROL_PORT = 8975
+
+
+@dataclass(frozen=True)
+class RecvSpec:
+    """Decode: receive a request's KV from a prefill engine into `block_ids`."""
+
+    prefill_engine_id: str
+    prefill_request_id: str
+    prefill_endpoint: str  # its kvtopo control endpoint (for a lazy handshake)
+    block_ids: list[int]
+    first_block: int  # the prefill's block the first of `block_ids` takes
+
+
+@dataclass
+class KVTopoConnectorMetadata(KVConnectorMetadata):
+    """What one scheduler step hands every TP rank's worker."""
+
+    recv: dict[str, RecvSpec] = field(default_factory=dict)  # by the decode's request id
+    send: dict[str, list[int]] = field(default_factory=dict)  # by the prefill's request id
+    abandon: list[str] = field(default_factory=list)  # decode request ids given up by vLLM
+
+
+@dataclass(frozen=True)
+class _Settings:
+    role: Role
+    engine_id: str
+    control_host: str
+    control_port: int
+    token_file: str
+    peer_token_file: str
+    push: PushConfig
+    handshake_timeout_s: float
+    idle_ttl_s: float
+    lazy_handshake: bool
+    tp_size: int
+    block_size: int
+    model_id: str
+
+    @property
+    def endpoint(self) -> str:
+        host = self.control_host
+        return f"[{host}]:{self.control_port}" if ":" in host else f"{host}:{self.control_port}"
+
+
+def _settings(vllm_config: VllmConfig) -> _Settings:
+    kvc = vllm_config.kv_transfer_config
+    if kvc is None:
+        raise ValueError("KVTopoConnector needs a kv_transfer_config")
+    extra: dict[str, Any] = dict(kvc.kv_connector_extra_config or {})
+    said = extra.get("role")
+    if said is None:
+        said = {"kv_producer": "prefill", "kv_consumer": "decode"}.get(str(kvc.kv_role))
+    role: Role
+    if said == "prefill":
+        role = "prefill"
+    elif said == "decode":
+        role = "decode"
+    else:
+        raise ValueError(
+            "KVTopoConnector: say which side this engine is with "
+            'kv_connector_extra_config {"role": "prefill"} or {"role": "decode"} '
+            f"(kv_role {kvc.kv_role!r} does not say)"
+        )
+    defaults = PushConfig()
+    push = PushConfig(
+        registration_timeout_s=float(
+            extra.get("registration_timeout_s", defaults.registration_timeout_s)
+        ),
+        kv_lease_s=float(extra.get("kv_lease_s", defaults.kv_lease_s)),
+        transfer_timeout_s=float(extra.get("transfer_timeout_s", defaults.transfer_timeout_s)),
+    )
+    return _Settings(
+        role=role,
+        engine_id=str(kvc.engine_id or uuid.uuid4()),
+        control_host=str(
+            extra.get("control_host") or os.environ.get("KVTOPO_POD_IP") or "127.0.0.1"
+        ),
+        control_port=int(extra.get("control_port", DEFAULT_CONTROL_PORT)),
+        token_file=str(extra.get("token_file") or os.environ.get("KVTOPO_TOKEN_FILE", "")),
+        peer_token_file=str(
+            extra.get("peer_token_file") or os.environ.get("KVTOPO_PEER_TOKEN_FILE", "")
+        ),
+        push=push,
+        handshake_timeout_s=float(extra.get("handshake_timeout_s", 5.0)),
+        idle_ttl_s=float(extra.get("idle_ttl_s", 0.0)),
+        lazy_handshake=bool(extra.get("lazy_handshake", True)),
+        tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+        block_size=int(vllm_config.cache_config.block_size),
+        model_id=str(vllm_config.model_config.model),
+    )
+
+
+def _first_group(block_ids: Any) -> list[int]:
+    """The block ids of the one KV cache group kvtopo moves (vLLM gives a tuple of lists,
+    one per group; several groups are refused at registration)."""
+    if isinstance(block_ids, tuple | list) and block_ids and isinstance(block_ids[0], list):
+        if len(block_ids) > 1 and any(block_ids[1:]):
+            raise ValueError("KVTopoConnector moves one KV cache group; this model has several")
+        return list(block_ids[0])
+    return list(block_ids)
+
+
+# --- scheduler side -------------------------------------------------------------------------
+
+
+class _SchedulerSide:
+    """The connector's scheduler-role state: which requests the workers must send, receive
+    or give up next step, and which prefill requests hold blocks until their WRITE ends."""
+
+    def __init__(self, settings: _Settings) -> None:
+        self.s = settings
+        self._recv_new: dict[str, RecvSpec] = {}
+        self._send_new: dict[str, list[int]] = {}
+        self._abandon_new: list[str] = []
+        self._sending: set[str] = set()  # prefill: blocks held until finished_sending
+        self._receiving: set[str] = set()  # decode: registered, not finished yet
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if self.s.role == "decode" and params and params.get("do_remote_prefill"):
+            count = len(request.prompt_token_ids or ()) - num_computed_tokens
+            if count > 0:
+                return count, True
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params
+        if self.s.role != "decode" or not params or not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False  # a second call (after the load) stages nothing
+        if num_external_tokens <= 0:
+            return
+        prompt = len(request.prompt_token_ids or ())
+        bs = self.s.block_size
+        first = (prompt - num_external_tokens) // bs
+        ids = _first_group(blocks.get_block_ids())[first : math.ceil(prompt / bs)]
+        host = str(params.get("remote_host", ""))
+        port = params.get("remote_port", "")
+        endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self._recv_new[request.request_id] = RecvSpec(
+            prefill_engine_id=str(params.get("remote_engine_id", "")),
+            prefill_request_id=str(params.get("remote_request_id") or request.request_id),
+            prefill_endpoint=endpoint,
+            block_ids=ids,
+            first_block=first,
+        )
+        self._receiving.add(request.request_id)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTopoConnectorMetadata:
+        meta = KVTopoConnectorMetadata(
+            recv=self._recv_new, send=self._send_new, abandon=self._abandon_new
+        )
+        self._recv_new, self._send_new, self._abandon_new = {}, {}, []
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for rid in connector_output.finished_sending or ():
+            self._sending.discard(rid)
+        for rid in connector_output.finished_recving or ():
+            self._receiving.discard(rid)
+
+    def request_finished(
+        self, request: Request, block_ids: Any
+    ) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        rid = request.request_id
+        if self.s.role == "decode":
+            if rid in self._receiving:
+                # vLLM gave the request up while its KV may still land: the worker cancels
+                # the registration and the blocks are freed once no WRITE can land
+                # (reported as finished sending).
+                self._receiving.discard(rid)
+                if self._recv_new.pop(rid, None) is None:
+                    self._abandon_new.append(rid)
+                    self._sending.add(rid)
+                    return True, None
+            return False, None
+        if not params or not params.get("do_remote_decode"):
+            return False, None
+        if request.status not in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        ):
+            return False, None
+        computed = int(request.num_computed_tokens)
+        ids = _first_group(block_ids)[: math.ceil(computed / self.s.block_size)]
+        if ids:
+            self._send_new[rid] = ids
+            self._sending.add(rid)
+        return bool(ids), {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": ids,
+            "remote_engine_id": self.s.engine_id,
+            "remote_request_id": rid,
+            "remote_host": self.s.control_host,
+            "remote_port": self.s.control_port,
+            "tp_size": self.s.tp_size,
+            "pp_size": 1,
+            "remote_num_tokens": computed,
+            "transfer_mode": "push",
+        }
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self._sending or self._send_new or self._recv_new or self._abandon_new)
+
+
+# --- the engine host: registry and control API, per engine and process -----------------------
+
+
+class _EngineHost:
+    """What the TP ranks of one engine in this process share: the registry of remote
+    engines, the metrics and the control API, served once every rank has its KV cache."""
+
+    _hosts: dict[str, _EngineHost] = {}
+    _hosts_lock = threading.Lock()
+
+    @classmethod
+    def of(cls, settings: _Settings, local_ranks: int) -> _EngineHost:
+        with cls._hosts_lock:
+            host = cls._hosts.get(settings.engine_id)
+            if host is None:
+                host = cls._hosts[settings.engine_id] = cls(settings, local_ranks)
+            return host
+
+    def __init__(self, settings: _Settings, local_ranks: int) -> None:
+        self.s = settings
+        self.incarnation = uuid.uuid4().hex
+        self.metrics = WorkerMetrics()
+        self.transports: dict[int, NixlTransport] = {}
+        self.registry = EngineRegistry(
+            remove_agent=self._remove_agent, idle_ttl_s=settings.idle_ttl_s
+        )
+        self.local_ranks = local_ranks
+        self._metas: dict[int, EngineMetadata] = {}
+        self._lock = threading.Lock()
+        self.server: ControlServer | None = None
+        self._users = 0
+        self._lazy: dict[str, threading.Thread] = {}
+
+    def _remove_agent(self, agent_name: str) -> None:
+        for transport in list(self.transports.values()):
+            transport.remove_remote(agent_name)
+
+    def pod(self) -> PodIdentity | None:
+        ns, name, uid = (
+            os.environ.get(k, "")
+            for k in ("KVTOPO_POD_NAMESPACE", "KVTOPO_POD_NAME", "KVTOPO_POD_UID")
+        )
+        return PodIdentity(namespace=ns, name=name, uid=uid) if ns and name and uid else None
+
+    def add_rank(self, rank: int, transport: NixlTransport, meta: EngineMetadata) -> None:
+        """A rank's KV cache is registered; the last one starts the control API."""
+        with self._lock:
+            self.transports[rank] = transport
+            self._metas[rank] = meta
+            self._users += 1
+            if len(self._metas) < self.local_ranks or self.server is not None:
+                return
+            metas = [self._metas[r] for r in sorted(self._metas)]
+            if not self.s.token_file:
+                raise ValueError(
+                    "KVTopoConnector needs the operator credential: set "
+                    'kv_connector_extra_config {"token_file": ...} or $KVTOPO_TOKEN_FILE '
+                    "(the mounted kvtopo worker-token Secret)"
+                )
+            token = TokenSource(path=self.s.token_file)
+            peer = TokenSource(path=self.s.peer_token_file) if self.s.peer_token_file else None
+            server = ControlServer(
+                engine=LocalEngine(self.s.engine_id, self.s.role, metas[0], time.time(), metas),
+                registry=self.registry,
+                transport=[self.transports[r] for r in sorted(self.transports)],
+                token=token,
+                peer_token=peer,
+                metrics=self.metrics,
+                host=self.s.control_host,
+                port=self.s.control_port,
+                handshake_timeout_s=self.s.handshake_timeout_s,
+            )
+            server.start()
+            self.server = server
+            log.info(
+                "kvtopo control API of %s engine %s on %s",
+                self.s.role,
+                self.s.engine_id,
+                server.endpoint,
+            )
+
+    def ensure_peer(
+        self, engine_id: str, endpoint: str, role: Role, then: Any, failed: Any
+    ) -> None:
+        """Calls `then()` once `engine_id` is held: at once when it is, else after a lazy
+        handshake with `endpoint` on a thread of its own (one per engine at a time);
+        `failed(message)` when that handshake fails or lazy handshakes are off."""
+        if self.registry.snapshot(engine_id):
+            then()
+            return
+        if not self.s.lazy_handshake:
+            failed(f"engine {engine_id} is not connected (lazy handshakes are off)")
+            return
+        server = self.server
+        if server is None:
+            failed("the control API is not serving yet")
+            return
+        if engine_id in server.operator_evicted:
+            failed(f"engine {engine_id} was evicted by the operator")
+            return
+
+        def run() -> None:
+            status, answer = server.add_peer(engine_id, endpoint, role)
+            if status == 200:
+                then()
+            else:
+                failed(f"lazy handshake with {engine_id} at {endpoint}: HTTP {status}: {answer}")
+
+        threading.Thread(target=run, name=f"kvtopo-lazy-{engine_id[:8]}", daemon=True).start()
+
+    def unknown_decode(self, engine_id: str, endpoint: str) -> None:
+        """Prefill: a registration came from a decode engine not held; handshake back."""
+        if not self.s.lazy_handshake or self.server is None:
+            return
+        with self._lock:
+            running = self._lazy.get(engine_id)
+            if running is not None and running.is_alive():
+                return
+            server = self.server
+            if engine_id in server.operator_evicted:
+                return
+
+            def run() -> None:
+                status, answer = server.add_peer(engine_id, endpoint, "decode")
+                if status != 200:
+                    log.warning("lazy handshake back to decode %s failed: %s", engine_id, answer)
+
+            t = threading.Thread(target=run, name=f"kvtopo-lazy-{engine_id[:8]}", daemon=True)
+            self._lazy[engine_id] = t
+            t.start()
+
+    def release(self) -> None:
+        """A rank shut down; the last one stops the control API."""
+        with self._lock:
+            self._users -= 1
+            if self._users > 0:
+                return
+            server, self.server = self.server, None
+        if server is not None:
+            server.stop()
+        with self._hosts_lock:
+            if self._hosts.get(self.s.engine_id) is self:
+                del self._hosts[self.s.engine_id]
+
+
+# --- worker side ----------------------------------------------------------------------------
+
+
+def kv_segments(
+    kv_caches: dict[str, torch.Tensor], num_blocks: int
+) -> tuple[list[torch.Tensor], list[KVSegment]]:
+    """The layers' tensors (in name order) and the segments a block spans in them: a layer
+    laid out (2, num_blocks, ...) has its K and V part, one laid out (num_blocks, ...) (vLLM
+    0.33's, K and V side by side) one part. Each block's part of a layer must be contiguous;
+    the layers may be views of one buffer."""
+    tensors: list[torch.Tensor] = []
+    segments: list[KVSegment] = []
+    for name in sorted(kv_caches):
+        t = kv_caches[name]
+        size = t.element_size()
+        if t.dim() >= 2 and t.shape[0] == 2 and t.shape[1] == num_blocks:
+            halves = [t[0], t[1]]
+        elif t.shape[0] == num_blocks:
+            halves = [t]
+        else:
+            raise ValueError(
+                f"KV cache of layer {name} has shape {tuple(t.shape)}: KVTopoConnector "
+                f"needs (2, {num_blocks}, ...) or ({num_blocks}, ...)"
+            )
+        for h in halves:
+            per_block = h[0].numel() * size
+            if h.stride(0) * size < per_block or not h[0].is_contiguous():
+                raise ValueError(f"a block of layer {name} is not contiguous in memory")
+            segments.append(KVSegment(h.data_ptr(), h.stride(0) * size, per_block))
+        tensors.append(t)
+    return tensors, segments
+
+
+class _RankWorker:
+    """One TP rank's worker side: its NIXL agent, KV cache and push connector."""
+
+    def __init__(self, settings: _Settings, rank: int, local_ranks: int) -> None:
+        self.s = settings
+        self.rank = rank
+        self.host = _EngineHost.of(settings, local_ranks)
+        self.push: PushConnector | None = None
+        self.transport: NixlTransport | None = None
+        self._lock = threading.Lock()
+        self._by_prefill_rid: dict[str, str] = {}  # decode: prefill request id -> ours
+        self._recv_blocks: dict[str, list[int]] = {}  # decode: our request id -> blocks
+        self._abandoned: set[str] = set()  # decode: given up by vLLM (end as sending)
+        self._local_failed: list[tuple[str, str]] = []  # (our request id, why)
+        self._load_errors: set[int] = set()
+
+    def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        tensors, segments = kv_segments(kv_caches, num_blocks)
+        transport = NixlTransport(
+            f"kvtopo-{self.s.engine_id}-{self.host.incarnation[:12]}-r{self.rank}"
+        )
+        transport.register_kv_segments(tensors, segments, num_blocks)
+        dtype = str(tensors[0].dtype).removeprefix("torch.")
+        compat = CompatInfo(
+            kv_layout=f"vllm:{len(tensors)}x{len(segments) // len(tensors)}",
+            dtype=dtype,
+            block_size=self.s.block_size,
+            block_len=transport.block_len,
+            model_id=self.s.model_id,
+        )
+        meta = transport.describe(
+            engine_id=self.s.engine_id,
+            role=self.s.role,
+            compat=compat,
+            tp_rank=self.rank,
+            tp_size=self.s.tp_size,
+            incarnation=self.host.incarnation,
+            pod=self.host.pod(),
+        )
+        self.push = PushConnector(
+            engine_id=self.s.engine_id,
+            role=self.s.role,
+            transport=transport,
+            registry=self.host.registry,
+            metrics=self.host.metrics,
+            config=self.s.push,
+            tp_rank=self.rank,
+            block_len=transport.block_len,
+            unknown_decode=self.host.unknown_decode,
+            decode_endpoint=self.s.endpoint if self.s.lazy_handshake else "",
+        )
+        self.transport = transport
+        self.push.start()
+        self.host.add_rank(self.rank, transport, meta)
+
+    def start(self, meta: KVTopoConnectorMetadata) -> None:
+        push = self.push
+        if push is None:
+            raise RuntimeError("register_kv_caches was not called")
+        for rid, blocks in meta.send.items():
+            push.request_send(rid, blocks)
+        for rid, spec in meta.recv.items():
+            self._receive(push, rid, spec)
+        for rid in meta.abandon:
+            with self._lock:
+                prefill_rid = next((p for p, d in self._by_prefill_rid.items() if d == rid), None)
+                self._abandoned.add(rid)
+            if prefill_rid is not None:
+                push.abandon(prefill_rid, FailureType.SHUTDOWN, "vLLM gave the request up")
+
+    def _receive(self, push: PushConnector, rid: str, spec: RecvSpec) -> None:
+        with self._lock:
+            if spec.prefill_request_id in self._by_prefill_rid:
+                self._local_failed.append(
+                    (rid, f"prefill request {spec.prefill_request_id} is already being received")
+                )
+                self._recv_blocks[rid] = spec.block_ids
+                return
+            self._by_prefill_rid[spec.prefill_request_id] = rid
+            self._recv_blocks[rid] = spec.block_ids
+
+        def go() -> None:
+            push.request_receive(
+                spec.prefill_request_id, spec.prefill_engine_id, spec.block_ids, spec.first_block
+            )
+
+        def failed(why: str) -> None:
+            with self._lock:
+                self._by_prefill_rid.pop(spec.prefill_request_id, None)
+                self._local_failed.append((rid, why))
+
+        self.host.ensure_peer(spec.prefill_engine_id, spec.prefill_endpoint, "prefill", go, failed)
+
+    def results(self) -> KVConnectorTransferResults:
+        out = KVConnectorTransferResults()
+        push = self.push
+        if push is None:
+            return out
+        fin = push.get_finished()
+        out.finished_sending.update(fin.done_sending)
+        with self._lock:
+            local, self._local_failed = self._local_failed, []
+            for prid in fin.done_receiving:
+                rid = self._by_prefill_rid.pop(prid, prid)
+                self._recv_blocks.pop(rid, None)
+                if rid in self._abandoned:
+                    self._abandoned.discard(rid)
+                    out.finished_sending.add(rid)
+                else:
+                    out.finished_recving.add(rid)
+            for failed in fin.failed:
+                if self.s.role == "prefill":
+                    out.finished_sending.add(failed.request_id)  # its blocks are free again
+                    continue
+                rid = self._by_prefill_rid.pop(failed.request_id, failed.request_id)
+                local.append((rid, f"{failed.reason}: {failed.message}"))
+            for rid, why in local:
+                blocks = self._recv_blocks.pop(rid, [])
+                if rid in self._abandoned:
+                    self._abandoned.discard(rid)
+                    out.finished_sending.add(rid)
+                    continue
+                log.warning("KV of request %s not received: %s", rid, why)
+                out.finished_recving.add(rid)
+                out.failed_recving.add(rid)
+                self._load_errors.update(blocks)
+        return out
+
+    def take_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self.push is not None:
+            self.push.stop()
+        self.host.release()
+        if self.transport is not None:
+            self.transport.close()
+
+
+def _tp_rank() -> int:
+    """This process's TP rank, where vLLM's distributed state is up (else 0)."""
+    try:
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            model_parallel_is_initialized,
+        )
+
+        if model_parallel_is_initialized():
+            return int(get_tensor_model_parallel_rank())
+    except Exception as exc:
+        log.debug("no TP rank from vLLM: %s", exc)
+    return 0
+
+
+class KVTopoConnector(KVConnectorBase_V1):
+    """vLLM's KV connector over the kvtopo worker (push mode); see the module docstring."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+        *,
+        tp_rank: int | None = None,
+        local_ranks: int = 1,
+    ) -> None:
+        """`tp_rank` and `local_ranks` are for hosts that run several TP ranks of one engine
+        in one process (tests); vLLM's own workers give neither."""
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._s = _settings(vllm_config)
+        self._scheduler: _SchedulerSide | None = None
+        self._worker: _RankWorker | None = None
+        self._num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = _SchedulerSide(self._s)
+        else:
+            rank = _tp_rank() if tp_rank is None else tp_rank
+            self._worker = _RankWorker(self._s, rank, local_ranks)
+
+    @property
+    def engine_id(self) -> str:
+        return self._s.engine_id
+
+    # --- scheduler side ------------------------------------------------------------------
+
+    def _sched(self) -> _SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("a scheduler-side call on the worker-side connector")
+        return self._scheduler
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._sched().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._sched().update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return self._sched().has_pending_push_work()
+
+    # --- worker side ---------------------------------------------------------------------
+
+    def _work(self) -> _RankWorker:
+        if self._worker is None:
+            raise RuntimeError("a worker-side call on the scheduler-side connector")
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        num_blocks = self._num_blocks
+        if not num_blocks:
+            first = next(iter(kv_caches.values()))
+            num_blocks = int(first.shape[1] if first.shape[0] == 2 else first.shape[0])
+        self._work().register(kv_caches, num_blocks)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVTopoConnectorMetadata):
+            raise TypeError(f"expected KVTopoConnectorMetadata, got {type(meta).__name__}")
+        self._work().start(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # KV arrives between steps (push); nothing to wait for inside a forward pass
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # the prefill WRITEs a request's blocks once it finished (request_finished)
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        res = self.get_transfer_results(finished_req_ids)
+        return res.finished_sending or None, res.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self._work().results()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._work().take_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # --- for the operator and tests --------------------------------------------------------
+
+    @property
+    def control_endpoint(self) -> str | None:
+        """Where this engine's kvtopo control API answers, once it serves."""
+        if self._worker is None or self._worker.host.server is None:
+            return None
+        return self._worker.host.server.endpoint
+
+    @property
+    def push_connector(self) -> PushConnector | None:
+        return self._worker.push if self._worker is not None else None
+
+    def peers(self) -> Iterable[str]:
+        return self._work().host.registry.engine_ids()
