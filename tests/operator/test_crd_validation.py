@@ -131,6 +131,15 @@ def test_examples_apply_and_round_trip(cluster_a: LocalCluster, namespace: str) 
     assert "kvtopology.kvtopo.dev/llama-pd unchanged" in again
 
 
+def test_the_vllm_example_applies(cluster_a: LocalCluster, namespace: str) -> None:
+    """examples/vllm (docs/vllm.md): a KVTopology and vLLM Deployments that load
+    KVTopoConnector; the API server accepts all of it."""
+    applied = cluster_a.kubectl("apply", "-n", namespace, "-f", str(EXAMPLES / "vllm")).stdout
+    assert "kvtopology.kvtopo.dev/qwen-pd created" in applied
+    assert "deployment.apps/qwen-prefill created" in applied
+    assert "deployment.apps/qwen-decode created" in applied
+
+
 def test_examples_server_side_apply(cluster_a: LocalCluster, kvt_crd: str) -> None:
     ns = create_namespace(cluster_a, "kvt-crd-ssa", wait_for_sa=False)
     out = cluster_a.kubectl(

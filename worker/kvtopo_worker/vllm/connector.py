@@ -1,6 +1,6 @@
 """`KVTopoConnector`: vLLM's KV connector over the kvtopo worker (push mode).
 
-The only module of kvtopo that imports vllm. Loaded by vLLM with
+Loaded by vLLM (the package `kvtopo_worker.vllm` exports it) with
 
     --kv-transfer-config '{"kv_connector": "KVTopoConnector",
                            "kv_connector_module_path": "kvtopo_worker.vllm",
@@ -477,6 +477,13 @@ class _RankWorker:
     """One TP rank's worker side: its NIXL agent, KV cache and push connector."""
 
     def __init__(self, settings: _Settings, rank: int, local_ranks: int) -> None:
+        if local_ranks != settings.tp_size:
+            raise ValueError(
+                f"KVTopoConnector serves a TP {settings.tp_size} engine only with all its ranks "
+                f"in one process (this one holds {local_ranks}); vLLM's multiprocess executor "
+                "runs a process per rank, which the kvtopo control API does not serve yet: "
+                "run tensor_parallel_size 1 per engine, or see docs/vllm.md"
+            )
         self.s = settings
         self.rank = rank
         self.host = _EngineHost.of(settings, local_ranks)
