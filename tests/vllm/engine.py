@@ -38,7 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvtopo_worker.vllm import KVTopoConnector
-from tests.vllm import harness
+from kvtopo_worker.vllm import offline as harness
 
 
 def expected_block(

@@ -112,7 +112,7 @@ class EngineProc:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from tests.vllm import harness
+    from kvtopo_worker.vllm import offline as harness
 
     return harness.write_model_dir(tmp_path_factory.mktemp("model"))
 

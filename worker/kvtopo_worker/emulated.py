@@ -5,18 +5,9 @@ of equal blocks (CPU, or CUDA where present) and a `PushConnector`; a block allo
 by the ranks; deterministic KV content derived from the request id and the rank (so the
 receiver verifies every byte it was pushed, and a WRITE into the wrong rank fails); the
 engine thread that drains every rank's `get_finished()` and ends a request once every rank
-has (done only when all are); and extra control routes for traffic generators:
-
-    POST /v1/requests   SubmitRequest: start a request (prefill: fill and offer its blocks;
-                        decode: allocate blocks and register them with the prefill engine);
-                        503 `draining` once the engine drains
-    GET  /v1/finished   ended requests as a list of RequestOutcome, each numbered (`seq`);
-                        handed out on return, or with `?ack=N` once a later call
-                        acknowledges them (N: the highest `seq` the client has recorded)
-    POST /v1/drain      DrainRequest: stop taking requests; those still held after its
-                        timeout are given up with reason `shutdown` (ended once no WRITE
-                        of theirs can land); answers DrainState
-    GET  /v1/drain      DrainState (draining, requests held, outcomes not yet collected)
+has (done only when all are); and the traffic routes of `kvtopo_worker.traffic` (POST
+/v1/requests: a prefill fills and offers the request's blocks, a decode allocates blocks and
+registers them with the prefill engine; GET /v1/finished; POST and GET /v1/drain).
 
 Draining is an engine state, as in a real engine told to stop (a pod's preStop hook, or
 SIGTERM, which drains the same way before the process exits): no request is accepted after
@@ -40,27 +31,22 @@ import uuid
 from collections import deque
 from dataclasses import dataclass
 
-import msgspec
 import torch
-from aiohttp import web
 
 from kvtopo_worker.agent import ControlServer, LocalEngine
 from kvtopo_worker.credentials import TokenError, TokenSource
 from kvtopo_worker.metrics import WorkerMetrics
 from kvtopo_worker.protocol import (
     CompatInfo,
-    DrainRequest,
-    DrainState,
     FailureType,
-    MalformedMessage,
     PodIdentity,
     RequestOutcome,
     Role,
     SubmitRequest,
-    decode_json_body,
 )
 from kvtopo_worker.push import FailedRequest, PushConfig, PushConnector
 from kvtopo_worker.registry import EngineRegistry
+from kvtopo_worker.traffic import EngineDraining, EngineTraffic
 from kvtopo_worker.transport import NixlTransport
 
 log = logging.getLogger(__name__)
@@ -143,11 +129,7 @@ class _Request:
     block_ids: list[int]
 
 
-class EngineDraining(Exception):
-    """The engine drains: it takes no new requests."""
-
-
-class EmulatedEngine:
+class EmulatedEngine(EngineTraffic):
     """One engine rank with a real NIXL agent, a KV cache and the control API."""
 
     def __init__(
@@ -173,6 +155,7 @@ class EmulatedEngine:
     ) -> None:
         if not 1 <= tp_size <= 64:
             raise ValueError(f"tp_size must be 1..64, not {tp_size}")
+        super().__init__()
         self.role: Role = role
         self.engine_id = engine_id or uuid.uuid4().hex
         # This process: new on every start, also under a pinned engine id. The agent names
@@ -235,32 +218,20 @@ class EmulatedEngine:
             host=host,
             port=port,
             handshake_timeout_s=handshake_timeout_s,
-            request_counts=self._request_counts,
+            request_counts=self.request_counts,
         )
-        self.server.app.router.add_post("/v1/requests", self._post_request)
-        self.server.app.router.add_get("/v1/finished", self._get_finished)
-        self.server.app.router.add_post("/v1/drain", self._post_drain)
-        self.server.app.router.add_get("/v1/drain", self._get_drain)
-        self._alloc_lock = threading.Lock()
+        self.add_routes(self.server.app)
+        self._alloc_lock = self.admission  # also guards the block allocator
         self._free = deque(range(num_blocks))
         self._requests: dict[str, _Request] = {}
         # Per request, the ranks that ended it so far (None: done; else the failure).
         self._rank_ends: dict[str, dict[int, FailedRequest | None]] = {}
         self._ends_lock = threading.Lock()
-        self._outcomes: deque[RequestOutcome] = deque()
-        self._outcomes_lock = threading.Lock()
         self._stop = threading.Event()
         self._engine_thread = threading.Thread(
             target=self._engine_loop, name="kvtopo-engine", daemon=True
         )
         self.verified_bytes = 0
-        self.requests_done = 0
-        self.requests_failed = 0
-        self._accepted = 0
-        self._handed_out = 0
-        self._last_seq = 0
-        self._draining = False  # set under _alloc_lock: no request is accepted after it
-        self._drain_deadline: threading.Timer | None = None
 
     def _remove_agent(self, agent_name: str) -> None:
         """Registry teardown: the agent lives in the transport of the rank it pairs with
@@ -287,8 +258,7 @@ class EmulatedEngine:
         """Stops the engine; a request still held fails with reason `shutdown` (its outcome
         is queued, but nobody can collect it once the control server is gone: drain first)."""
         self._stop.set()
-        if self._drain_deadline is not None:
-            self._drain_deadline.cancel()
+        self.cancel_drain_deadline()
         self._engine_thread.join(5)
         self.fail_held("the engine stopped before the request ended")
         self.server.stop()
@@ -298,21 +268,6 @@ class EmulatedEngine:
             transport.close()
 
     # --- draining --------------------------------------------------------------------------
-
-    def begin_drain(self, timeout_s: float) -> None:
-        """Refuses new requests from now on; after `timeout_s`, gives those still held up
-        with reason `shutdown` (`abandon_held`). A second call changes nothing."""
-        with self._alloc_lock:
-            if self._draining:
-                return
-            self._draining = True
-        log.info("draining: %d requests held, %.1f s to end them", self.held(), timeout_s)
-        timer = threading.Timer(
-            timeout_s, self.abandon_held, args=("the engine drained past its deadline",)
-        )
-        timer.daemon = True
-        self._drain_deadline = timer
-        timer.start()
 
     def held(self) -> int:
         """Requests accepted that have not ended yet."""
@@ -358,45 +313,8 @@ class EmulatedEngine:
             self.metrics.record_failure(
                 FailureType.SHUTDOWN, {"request_id": req.request_id, "msg": message}
             )
-        with self._outcomes_lock:
-            self._queue_outcomes(outcomes)
-            self.requests_failed += len(outcomes)
+        self.queue_outcomes(outcomes)
         return len(held)
-
-    def _queue_outcomes(self, outcomes: list[RequestOutcome]) -> None:
-        """Numbers outcomes (1, 2, ...) and queues them for `GET /v1/finished` (call with
-        `_outcomes_lock` held)."""
-        for o in outcomes:
-            self._last_seq += 1
-            self._outcomes.append(msgspec.structs.replace(o, seq=self._last_seq))
-
-    def drain_state(self) -> DrainState:
-        held = self.held()
-        with self._outcomes_lock:
-            in_flight = self._accepted - self._handed_out
-        return DrainState(
-            draining=self._draining,
-            requests_held=held,
-            requests_in_flight=in_flight,
-            drained=self._draining and held == 0 and in_flight == 0,
-        )
-
-    def wait_drained(self, timeout_s: float) -> bool:
-        """Waits (polling the engine's own state, with a deadline) until every accepted
-        request's outcome has been handed out; False when the deadline came first."""
-        deadline = time.monotonic() + timeout_s
-        while not self.drain_state().drained:
-            if time.monotonic() >= deadline:
-                return False
-            self._stop.wait(0.05)
-        return True
-
-    def _request_counts(self) -> tuple[int, int, int]:
-        # In flight until its outcome has been handed out by GET /v1/finished, so a client
-        # that waits for 0 and drains once more has every outcome.
-        with self._outcomes_lock:
-            unreported = self._accepted - self._handed_out
-            return self.requests_done, self.requests_failed, unreported
 
     # --- requests ------------------------------------------------------------------------
 
@@ -405,7 +323,7 @@ class EmulatedEngine:
         if not 0 < req.num_blocks <= self.kvs[0].shape[0]:
             raise ValueError(f"num_blocks must be 1..{self.kvs[0].shape[0]}")
         with self._alloc_lock:
-            if self._draining:
+            if self.draining:
                 raise EngineDraining("the engine is draining: it takes no new requests")
             if req.request_id in self._requests:
                 raise ValueError(f"request {req.request_id} is already in flight")
@@ -437,8 +355,7 @@ class EmulatedEngine:
                 )
                 with self._ends_lock:
                     self._rank_ends.setdefault(req.request_id, {})[r] = failure
-        with self._outcomes_lock:
-            self._accepted += 1
+        self.accepted()
 
     def _release(self, request_id: str) -> _Request | None:
         with self._alloc_lock:
@@ -458,13 +375,7 @@ class EmulatedEngine:
             now = time.time()
             outcomes = [o for rid, rank, f in ended if (o := self._rank_ended(rid, rank, f, now))]
             if outcomes:
-                with self._outcomes_lock:
-                    self._queue_outcomes(outcomes)
-                    for o in outcomes:
-                        if o.status == "done":
-                            self.requests_done += 1
-                        else:
-                            self.requests_failed += 1
+                self.queue_outcomes(outcomes)
             elif not ended:
                 self.connectors[0].wait_finished(0.05)  # the ranks share the event
 
@@ -539,68 +450,6 @@ class EmulatedEngine:
             peer_engine_id=req.peer_engine_id,
             ended_at=now,
         )
-
-    def drain_outcomes(self, limit: int = 10_000, ack: int | None = None) -> list[RequestOutcome]:
-        """Outcomes not yet handed out, oldest first. Without `ack`, those returned are
-        handed out (gone from the engine). With `ack`, the outcomes numbered up to `ack`
-        are handed out and the rest returned but kept until a later call acknowledges
-        them: a client whose answer was lost (a timeout) gets them again."""
-        with self._outcomes_lock:
-            if ack is None:
-                n = min(limit, len(self._outcomes))
-                self._handed_out += n
-                return [self._outcomes.popleft() for _ in range(n)]
-            while self._outcomes and self._outcomes[0].seq <= ack:
-                self._outcomes.popleft()
-                self._handed_out += 1
-            return [self._outcomes[i] for i in range(min(limit, len(self._outcomes)))]
-
-    # --- control routes ------------------------------------------------------------------
-
-    async def _post_request(self, request: web.Request) -> web.Response:
-        body = decode_json_body(await request.read(), SubmitRequest)
-        try:
-            self.submit(body)
-        except EngineDraining as exc:
-            return _json_error(503, "draining", str(exc))
-        except BlockingIOError as exc:
-            return _json_error(503, "no_capacity", str(exc))
-        except ValueError as exc:
-            raise MalformedMessage(str(exc)) from None
-        return web.Response(status=202, body=b'{"accepted":true}', content_type="application/json")
-
-    async def _post_drain(self, request: web.Request) -> web.Response:
-        body = decode_json_body(await request.read() or b"{}", DrainRequest)
-        if not 0 <= body.timeout_s <= 3600:
-            raise MalformedMessage("timeout_s must be 0..3600")
-        self.begin_drain(body.timeout_s)
-        return web.Response(
-            body=msgspec.json.encode(self.drain_state()), content_type="application/json"
-        )
-
-    async def _get_drain(self, request: web.Request) -> web.Response:
-        return web.Response(
-            body=msgspec.json.encode(self.drain_state()), content_type="application/json"
-        )
-
-    async def _get_finished(self, request: web.Request) -> web.Response:
-        try:
-            limit = int(request.query.get("max", "10000"))
-            ack = int(request.query["ack"]) if "ack" in request.query else None
-        except ValueError:
-            raise MalformedMessage("max and ack must be integers") from None
-        return web.Response(
-            body=msgspec.json.encode(self.drain_outcomes(max(1, min(limit, 100_000)), ack)),
-            content_type="application/json",
-        )
-
-
-def _json_error(status: int, error: str, message: str) -> web.Response:
-    return web.Response(
-        status=status,
-        body=json.dumps({"error": error, "message": message}).encode(),
-        content_type="application/json",
-    )
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -792,11 +641,11 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(line), flush=True)
     done.wait()
     engine.begin_drain(args.drain_timeout)
-    if not engine.wait_drained(2 * args.drain_timeout + 1):
+    if not engine.wait_drained(2 * args.drain_timeout + 1, engine._stop):
         # Given up, and still unanswered by a peer: the engine is leaving (its memory goes
         # with it), so what it holds fails now, and is handed out before it exits.
         engine.fail_held("the engine stopped before its peer answered for the request")
-    if not engine.wait_drained(args.drain_timeout + 1):
+    if not engine.wait_drained(args.drain_timeout + 1, engine._stop):
         st = engine.drain_state()
         log.warning(
             "exiting with %d outcomes not collected (GET /v1/finished)", st.requests_in_flight

@@ -17,7 +17,7 @@ from vllm.v1.engine import EngineCoreOutput, FinishReason
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
-from tests.vllm import harness
+from kvtopo_worker.vllm import offline as harness
 
 NUM_BLOCKS = 64
 BLOCK_SIZE = 16

@@ -1,30 +1,22 @@
-"""Drive vLLM's real v1 ``Scheduler`` (and its scheduler-side KV connector) without
-a model runner.
+"""vLLM's real v1 `Scheduler`, built offline and driven without a model runner.
 
-This module owns the offline plumbing kvtopo's vLLM-facing tests share:
+Owns what the vLLM-scheduler engine (`kvtopo_worker.vllm.engine`) and the connector's tests
+share: a tiny local Llama-shaped model directory (`config.json` only: no weights, no
+tokenizer, no network; `HF_HUB_OFFLINE=1` is set on import), a `VllmConfig` built from it
+with a KV transfer config, a `KVCacheConfig` with one full-attention group planned by vLLM's
+own planner (so tensors and strides are what an engine hands its workers), the `Scheduler`
+(which builds its KV connector itself from the config, role SCHEDULER), requests, per-layer
+KV tensors allocated as vLLM 0.33's model runner does, and the model-runner output of a
+step (`runner_output`), which carries the connector's `KVConnectorOutput`.
 
-* a tiny local Llama-style HF model directory (``config.json`` only: no weights,
-  no tokenizer, no network; ``HF_HUB_OFFLINE=1`` is set on import),
-* a :class:`~vllm.config.VllmConfig` built from it with a KV transfer config,
-* a :class:`~vllm.v1.kv_cache_interface.KVCacheConfig` with one full-attention
-  group over the model's attention layers, planned by vLLM's own
-  ``get_kv_cache_config_from_groups`` so tensors/strides match what an engine
-  would hand its workers,
-* the real :class:`~vllm.v1.core.sched.scheduler.Scheduler` (it builds the KV
-  connector itself from ``vllm_config.kv_transfer_config``, role SCHEDULER),
-* requests, fake ``ModelRunnerOutput`` objects carrying a ``KVConnectorOutput``
-  (finished_sending / finished_recving / failed_recving / invalid_block_ids), and
-  zero-filled per-layer KV cache tensors for worker-side connector tests.
-
-A step of the engine loop is therefore::
+A step of the engine loop is::
 
     out = scheduler.schedule()
     engine_outputs = scheduler.update_from_output(
         out, runner_output(out, kv_connector_output, scheduler=scheduler)
     )
 
-Written against vLLM 0.33.0 (CPU-only torch). Nothing here starts workers,
-processes, sockets or NIXL agents; only the scheduler-side connector is built.
+Written against vLLM 0.33.0; nothing here starts workers, processes, sockets or NIXL agents.
 """
 
 from __future__ import annotations

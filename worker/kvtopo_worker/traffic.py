@@ -1,0 +1,210 @@
+"""The traffic routes of an engine that kvtopo's drill, tests and benchmarks drive.
+
+Owns what an engine that takes requests over its control server shares, whatever moves its
+KV (the emulated engine, or vLLM's scheduler with KVTopoConnector): admission (refused once
+the engine drains), the numbered queue of request outcomes handed out by `GET /v1/finished`
+(each outcome once, or again until acknowledged), the drain and its deadline, and the routes:
+
+    POST /v1/requests   SubmitRequest: start a request (answers 202; 503 `draining` once the
+                        engine drains, 503 `no_capacity` when it has no KV blocks free)
+    GET  /v1/finished   ended requests as a list of RequestOutcome, each numbered (`seq`);
+                        handed out on return, or with `?ack=N` once a later call
+                        acknowledges them (N: the highest `seq` the client has recorded)
+    POST /v1/drain      DrainRequest: stop taking requests; those still held after its
+                        timeout are given up (`abandon_held`); answers DrainState
+    GET  /v1/drain      DrainState
+
+An engine subclasses `EngineTraffic` and implements `submit`, `held` and `abandon_held`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+import msgspec
+from aiohttp import web
+
+from kvtopo_worker.protocol import (
+    DrainRequest,
+    DrainState,
+    MalformedMessage,
+    RequestOutcome,
+    SubmitRequest,
+    decode_json_body,
+)
+
+log = logging.getLogger(__name__)
+
+
+class EngineDraining(Exception):
+    """The engine drains: it takes no new requests."""
+
+
+def json_error(status: int, error: str, message: str) -> web.Response:
+    return web.Response(
+        status=status,
+        body=msgspec.json.encode({"error": error, "message": message}),
+        content_type="application/json",
+    )
+
+
+class EngineTraffic:
+    """Admission, outcomes and drain of an engine; see the module docstring."""
+
+    def __init__(self) -> None:
+        # Held around "is the engine draining?" and taking a request in, so no request is
+        # accepted once the drain began (subclasses take it in `submit`).
+        self.admission = threading.Lock()
+        self.draining = False
+        self._drain_deadline: threading.Timer | None = None
+        self._outcomes: deque[RequestOutcome] = deque()
+        self._outcomes_lock = threading.Lock()
+        self._accepted = 0
+        self._handed_out = 0
+        self._last_seq = 0
+        self.requests_done = 0
+        self.requests_failed = 0
+
+    # --- what the engine implements ------------------------------------------------------
+
+    def submit(self, req: SubmitRequest) -> None:
+        """Starts a request; raises EngineDraining, BlockingIOError (no capacity) or
+        ValueError when it cannot be taken (nothing is lost). Calls `accepted()` once the
+        request is the engine's."""
+        raise NotImplementedError
+
+    def held(self) -> int:
+        """Requests accepted that have not ended yet."""
+        raise NotImplementedError
+
+    def abandon_held(self, message: str) -> int:
+        """Gives every request still held up (the drain deadline); each ends as soon as no
+        WRITE of it can land. Returns how many were held."""
+        raise NotImplementedError
+
+    # --- what it provides ----------------------------------------------------------------
+
+    def accepted(self) -> None:
+        with self._outcomes_lock:
+            self._accepted += 1
+
+    def queue_outcomes(self, outcomes: list[RequestOutcome]) -> None:
+        """Numbers outcomes (1, 2, ...), counts them and queues them for `GET /v1/finished`."""
+        with self._outcomes_lock:
+            for o in outcomes:
+                self._last_seq += 1
+                self._outcomes.append(msgspec.structs.replace(o, seq=self._last_seq))
+                if o.status == "done":
+                    self.requests_done += 1
+                else:
+                    self.requests_failed += 1
+
+    def request_counts(self) -> tuple[int, int, int]:
+        """(done, failed, in flight): in flight until its outcome has been handed out, so a
+        client that waits for 0 and drains once more has every outcome."""
+        with self._outcomes_lock:
+            return self.requests_done, self.requests_failed, self._accepted - self._handed_out
+
+    def begin_drain(self, timeout_s: float) -> None:
+        """Refuses new requests from now on; after `timeout_s`, gives those still held up
+        (`abandon_held`). A second call changes nothing."""
+        with self.admission:
+            if self.draining:
+                return
+            self.draining = True
+        log.info("draining: %d requests held, %.1f s to end them", self.held(), timeout_s)
+        timer = threading.Timer(
+            timeout_s, self.abandon_held, args=("the engine drained past its deadline",)
+        )
+        timer.daemon = True
+        self._drain_deadline = timer
+        timer.start()
+
+    def cancel_drain_deadline(self) -> None:
+        if self._drain_deadline is not None:
+            self._drain_deadline.cancel()
+
+    def drain_state(self) -> DrainState:
+        held = self.held()
+        with self._outcomes_lock:
+            in_flight = self._accepted - self._handed_out
+        return DrainState(
+            draining=self.draining,
+            requests_held=held,
+            requests_in_flight=in_flight,
+            drained=self.draining and held == 0 and in_flight == 0,
+        )
+
+    def wait_drained(self, timeout_s: float, stop: threading.Event | None = None) -> bool:
+        """Waits (polling the engine's own state, with a deadline) until every accepted
+        request's outcome has been handed out; False when the deadline came first."""
+        wait = stop or threading.Event()
+        deadline = time.monotonic() + timeout_s
+        while not self.drain_state().drained:
+            if time.monotonic() >= deadline:
+                return False
+            wait.wait(0.05)
+        return True
+
+    def drain_outcomes(self, limit: int = 10_000, ack: int | None = None) -> list[RequestOutcome]:
+        """Outcomes not yet handed out, oldest first. Without `ack`, those returned are
+        handed out (gone from the engine). With `ack`, the outcomes numbered up to `ack`
+        are handed out and the rest returned but kept until a later call acknowledges
+        them: a client whose answer was lost (a timeout) gets them again."""
+        with self._outcomes_lock:
+            if ack is None:
+                n = min(limit, len(self._outcomes))
+                self._handed_out += n
+                return [self._outcomes.popleft() for _ in range(n)]
+            while self._outcomes and self._outcomes[0].seq <= ack:
+                self._outcomes.popleft()
+                self._handed_out += 1
+            return [self._outcomes[i] for i in range(min(limit, len(self._outcomes)))]
+
+    # --- routes ----------------------------------------------------------------------------
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post("/v1/requests", self._post_request)
+        app.router.add_get("/v1/finished", self._get_finished)
+        app.router.add_post("/v1/drain", self._post_drain)
+        app.router.add_get("/v1/drain", self._get_drain)
+
+    async def _post_request(self, request: web.Request) -> web.Response:
+        body = decode_json_body(await request.read(), SubmitRequest)
+        try:
+            self.submit(body)
+        except EngineDraining as exc:
+            return json_error(503, "draining", str(exc))
+        except BlockingIOError as exc:
+            return json_error(503, "no_capacity", str(exc))
+        except ValueError as exc:
+            raise MalformedMessage(str(exc)) from None
+        return web.Response(status=202, body=b'{"accepted":true}', content_type="application/json")
+
+    async def _post_drain(self, request: web.Request) -> web.Response:
+        body = decode_json_body(await request.read() or b"{}", DrainRequest)
+        if not 0 <= body.timeout_s <= 3600:
+            raise MalformedMessage("timeout_s must be 0..3600")
+        self.begin_drain(body.timeout_s)
+        return web.Response(
+            body=msgspec.json.encode(self.drain_state()), content_type="application/json"
+        )
+
+    async def _get_drain(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=msgspec.json.encode(self.drain_state()), content_type="application/json"
+        )
+
+    async def _get_finished(self, request: web.Request) -> web.Response:
+        try:
+            limit = int(request.query.get("max", "10000"))
+            ack = int(request.query["ack"]) if "ack" in request.query else None
+        except ValueError:
+            raise MalformedMessage("max and ack must be integers") from None
+        return web.Response(
+            body=msgspec.json.encode(self.drain_outcomes(max(1, min(limit, 100_000)), ack)),
+            content_type="application/json",
+        )
