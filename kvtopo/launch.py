@@ -32,6 +32,9 @@ from kvtopo.cluster.processes import KILL_GRACE_S, STOP_GRACE_S, log_tail
 
 WORKER_MODULE = "kvtopo_worker.emulated"
 """The `kvtopo-worker` command's module."""
+ENGINE_MODULES = {"emulated": WORKER_MODULE, "vllm": "kvtopo_worker.vllm.engine"}
+"""The engines a worker process may run: the emulated engine, or vLLM's scheduler with
+KVTopoConnector (the same command line and ready line, and the same traffic routes)."""
 OPERATOR_MODULE = "kvtopo_operator.main"
 """The `kvtopo-operator` command's module."""
 
@@ -60,12 +63,13 @@ class StartedWorker:
     log_path: Path
 
 
-def worker_command(role: str, token_file: Path, *extra: str) -> list[str]:
-    """The command line of a `kvtopo-worker` on a free loopback port, reading `token_file`."""
+def worker_command(role: str, token_file: Path, *extra: str, engine: str = "emulated") -> list[str]:
+    """The command line of a worker (`engine`: a key of ENGINE_MODULES) on a free loopback
+    port, reading `token_file`."""
     return [
         sys.executable,
         "-m",
-        WORKER_MODULE,
+        ENGINE_MODULES[engine],
         "--role",
         role,
         "--port",
@@ -90,7 +94,12 @@ def parse_ready_line(line: str | bytes) -> WorkerReady:
 
 
 def start_worker(
-    role: str, token_file: Path, log_path: Path, *extra: str, deadline_s: float = 60.0
+    role: str,
+    token_file: Path,
+    log_path: Path,
+    *extra: str,
+    deadline_s: float = 60.0,
+    engine: str = "emulated",
 ) -> StartedWorker:
     """Start a `kvtopo-worker` (stderr to `log_path`) and wait for its ready line.
 
@@ -99,7 +108,7 @@ def start_worker(
     """
     with log_path.open("w") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen(
-            worker_command(role, token_file, *extra),
+            worker_command(role, token_file, *extra, engine=engine),
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,

@@ -100,13 +100,21 @@ class WorkerProcess:
 
 
 def start_worker(
-    role: str, token_file: Path, log_dir: Path, *extra: str, deadline_s: float = 60
+    role: str,
+    token_file: Path,
+    log_dir: Path,
+    *extra: str,
+    deadline_s: float = 60,
+    engine: str = "emulated",
 ) -> WorkerProcess:
-    """A serving worker of `role`, its log `<role>-<ns>.log` in `log_dir`."""
+    """A serving worker of `role` (`engine`: emulated or vllm), its log `<role>-<ns>.log`
+    in `log_dir`."""
     log_path = log_dir / f"{role}-{time.monotonic_ns()}.log"
     if "--drain-timeout" not in extra:  # what a stopped test worker still holds fails soon
         extra = (*extra, "--drain-timeout", "2")
-    w = launch.start_worker(role, token_file, log_path, *extra, deadline_s=deadline_s)
+    w = launch.start_worker(
+        role, token_file, log_path, *extra, deadline_s=deadline_s, engine=engine
+    )
     token = token_file.read_text().strip()
     return WorkerProcess(role, w.proc, w.engine_id, w.endpoint, token, log_path)
 

@@ -32,7 +32,8 @@ Owns the mapping between vLLM's connector API (`KVConnectorBase_V1`) and the kvt
 `control_host` (default $KVTOPO_POD_IP, else 127.0.0.1), `control_port` (8975),
 `token_file` / `peer_token_file` (default $KVTOPO_TOKEN_FILE / $KVTOPO_PEER_TOKEN_FILE),
 `registration_timeout_s`, `kv_lease_s`, `transfer_timeout_s`, `handshake_timeout_s`,
-`idle_ttl_s`, `lazy_handshake` (default true).
+`idle_ttl_s`, `lazy_handshake` (default true), `model_id` (part of the compatibility hash;
+default: the served model name).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -65,8 +66,9 @@ from kvtopo_worker.protocol import (
     PodIdentity,
     Role,
 )
-from kvtopo_worker.push import PushConfig, PushConnector
+from kvtopo_worker.push import FailedRequest, PushConfig, PushConnector
 from kvtopo_worker.registry import EngineRegistry
+from kvtopo_worker.traffic import EngineTraffic
 from kvtopo_worker.transport import NixlTransport
 
 if TYPE_CHECKING:
@@ -82,6 +84,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_CONTROL_PORT = 8975
+
+# Engines of this process that take traffic over their control server (the vLLM-scheduler
+# engine of the drill and the benchmarks), by engine id: their routes are added, and their
+# request counts reported in /v1/state, when the control server starts.
+_traffic: dict[str, EngineTraffic] = {}
+
+
+def attach_traffic(engine_id: str, traffic: EngineTraffic) -> None:
+    """Serves `traffic`'s routes on the control API of engine `engine_id` of this process
+    (call before its workers register their KV caches)."""
+    _traffic[engine_id] = traffic
 
 
 @dataclass(frozen=True)
@@ -119,6 +132,7 @@ class _Settings:
     tp_size: int
     block_size: int
     model_id: str
+    pod: tuple[str, str, str]  # namespace, name, uid (the downward API's)
 
     @property
     def endpoint(self) -> str:
@@ -170,8 +184,22 @@ def _settings(vllm_config: VllmConfig) -> _Settings:
         lazy_handshake=bool(extra.get("lazy_handshake", True)),
         tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
         block_size=int(vllm_config.cache_config.block_size),
-        model_id=str(vllm_config.model_config.model),
+        model_id=str(extra.get("model_id") or _served_name(vllm_config)),
+        pod=(
+            str(extra.get("pod_namespace") or os.environ.get("KVTOPO_POD_NAMESPACE", "")),
+            str(extra.get("pod_name") or os.environ.get("KVTOPO_POD_NAME", "")),
+            str(extra.get("pod_uid") or os.environ.get("KVTOPO_POD_UID", "")),
+        ),
     )
+
+
+def _served_name(vllm_config: VllmConfig) -> str:
+    """The model's name as vLLM serves it (`--served-model-name`, else the model), part of
+    the compatibility hash: engines of other models never pair."""
+    served = vllm_config.model_config.served_model_name
+    if isinstance(served, list | tuple):
+        served = served[0] if served else None
+    return str(served or vllm_config.model_config.model)
 
 
 def _first_group(block_ids: Any) -> list[int]:
@@ -284,7 +312,7 @@ class _SchedulerSide:
             "remote_engine_id": self.s.engine_id,
             "remote_request_id": rid,
             "remote_host": self.s.control_host,
-            "remote_port": self.s.control_port,
+            "remote_port": self._control_port(),
             "tp_size": self.s.tp_size,
             "pp_size": 1,
             "remote_num_tokens": computed,
@@ -293,6 +321,15 @@ class _SchedulerSide:
 
     def has_pending_push_work(self) -> bool:
         return bool(self._sending or self._send_new or self._recv_new or self._abandon_new)
+
+    def _control_port(self) -> int:
+        """The control port; for port 0, the one this engine's control server bound, where
+        it runs in this process (the in-process engine of the drill and the tests)."""
+        if self.s.control_port:
+            return self.s.control_port
+        host = _EngineHost._hosts.get(self.s.engine_id)
+        server = host.server if host is not None else None
+        return server.port if server is not None else 0
 
 
 # --- the engine host: registry and control API, per engine and process -----------------------
@@ -333,10 +370,7 @@ class _EngineHost:
             transport.remove_remote(agent_name)
 
     def pod(self) -> PodIdentity | None:
-        ns, name, uid = (
-            os.environ.get(k, "")
-            for k in ("KVTOPO_POD_NAMESPACE", "KVTOPO_POD_NAME", "KVTOPO_POD_UID")
-        )
+        ns, name, uid = self.s.pod
         return PodIdentity(namespace=ns, name=name, uid=uid) if ns and name and uid else None
 
     def add_rank(self, rank: int, transport: NixlTransport, meta: EngineMetadata) -> None:
@@ -356,6 +390,7 @@ class _EngineHost:
                 )
             token = TokenSource(path=self.s.token_file)
             peer = TokenSource(path=self.s.peer_token_file) if self.s.peer_token_file else None
+            traffic = _traffic.get(self.s.engine_id)
             server = ControlServer(
                 engine=LocalEngine(self.s.engine_id, self.s.role, metas[0], time.time(), metas),
                 registry=self.registry,
@@ -366,7 +401,10 @@ class _EngineHost:
                 host=self.s.control_host,
                 port=self.s.control_port,
                 handshake_timeout_s=self.s.handshake_timeout_s,
+                request_counts=traffic.request_counts if traffic is not None else None,
             )
+            if traffic is not None:
+                traffic.add_routes(server.app)
             server.start()
             self.server = server
             log.info(
@@ -493,8 +531,11 @@ class _RankWorker:
         self._by_prefill_rid: dict[str, str] = {}  # decode: prefill request id -> ours
         self._recv_blocks: dict[str, list[int]] = {}  # decode: our request id -> blocks
         self._abandoned: set[str] = set()  # decode: given up by vLLM (end as sending)
-        self._local_failed: list[tuple[str, str]] = []  # (our request id, why)
+        self._local_failed: list[FailedRequest] = []  # by our request id
         self._load_errors: set[int] = set()
+        # Told of every request this rank ends, as it ends it (None: done), for an engine
+        # that reports outcomes of its own (kvtopo_worker.vllm.engine).
+        self.on_end: Callable[[str, FailedRequest | None], None] | None = None
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         tensors, segments = kv_segments(kv_caches, num_blocks)
@@ -553,8 +594,9 @@ class _RankWorker:
     def _receive(self, push: PushConnector, rid: str, spec: RecvSpec) -> None:
         with self._lock:
             if spec.prefill_request_id in self._by_prefill_rid:
+                why = f"prefill request {spec.prefill_request_id} is already being received"
                 self._local_failed.append(
-                    (rid, f"prefill request {spec.prefill_request_id} is already being received")
+                    FailedRequest(rid, FailureType.TRANSFER_SETUP_FAILED, why)
                 )
                 self._recv_blocks[rid] = spec.block_ids
                 return
@@ -569,7 +611,7 @@ class _RankWorker:
         def failed(why: str) -> None:
             with self._lock:
                 self._by_prefill_rid.pop(spec.prefill_request_id, None)
-                self._local_failed.append((rid, why))
+                self._local_failed.append(FailedRequest(rid, FailureType.HANDSHAKE_FAILED, why))
 
         self.host.ensure_peer(spec.prefill_engine_id, spec.prefill_endpoint, "prefill", go, failed)
 
@@ -579,33 +621,43 @@ class _RankWorker:
         if push is None:
             return out
         fin = push.get_finished()
-        out.finished_sending.update(fin.done_sending)
+        ended: list[tuple[str, FailedRequest | None]] = []
         with self._lock:
-            local, self._local_failed = self._local_failed, []
+            failures, self._local_failed = self._local_failed, []
+            if self.s.role == "prefill":
+                out.finished_sending.update(fin.done_sending)
+                ended += [(rid, None) for rid in fin.done_sending]
+                for failed in fin.failed:  # its blocks are free again all the same
+                    out.finished_sending.add(failed.request_id)
+                    ended.append((failed.request_id, failed))
             for prid in fin.done_receiving:
                 rid = self._by_prefill_rid.pop(prid, prid)
                 self._recv_blocks.pop(rid, None)
+                ended.append((rid, None))
                 if rid in self._abandoned:
                     self._abandoned.discard(rid)
                     out.finished_sending.add(rid)
                 else:
                     out.finished_recving.add(rid)
-            for failed in fin.failed:
-                if self.s.role == "prefill":
-                    out.finished_sending.add(failed.request_id)  # its blocks are free again
-                    continue
-                rid = self._by_prefill_rid.pop(failed.request_id, failed.request_id)
-                local.append((rid, f"{failed.reason}: {failed.message}"))
-            for rid, why in local:
+            if self.s.role == "decode":
+                for failed in fin.failed:
+                    rid = self._by_prefill_rid.pop(failed.request_id, failed.request_id)
+                    failures.append(FailedRequest(rid, failed.reason, failed.message))
+            for failed in failures:
+                rid = failed.request_id
                 blocks = self._recv_blocks.pop(rid, [])
+                ended.append((rid, failed))
                 if rid in self._abandoned:
                     self._abandoned.discard(rid)
                     out.finished_sending.add(rid)
                     continue
-                log.warning("KV of request %s not received: %s", rid, why)
+                log.warning("KV of request %s not received: %s", rid, failed.message)
                 out.finished_recving.add(rid)
                 out.failed_recving.add(rid)
                 self._load_errors.update(blocks)
+        if self.on_end is not None:
+            for rid, failure in ended:
+                self.on_end(rid, failure)
         return out
 
     def take_load_errors(self) -> set[int]:
@@ -753,6 +805,20 @@ class KVTopoConnector(KVConnectorBase_V1):
     @property
     def push_connector(self) -> PushConnector | None:
         return self._worker.push if self._worker is not None else None
+
+    @property
+    def incarnation(self) -> str:
+        """This engine process's boot id (its agents' names carry it)."""
+        return self._work().host.incarnation
+
+    @property
+    def on_end(self) -> Callable[[str, FailedRequest | None], None] | None:
+        """Told of every request this rank ends (None: done), as the worker sees it."""
+        return self._work().on_end
+
+    @on_end.setter
+    def on_end(self, listener: Callable[[str, FailedRequest | None], None] | None) -> None:
+        self._work().on_end = listener
 
     def peers(self) -> Iterable[str]:
         return self._work().host.registry.engine_ids()

@@ -1,0 +1,479 @@
+"""`python -m kvtopo_worker.vllm.engine`: a vLLM engine whose KV moves with KVTopoConnector.
+
+Owns a prefill or decode engine made of vLLM's real parts except the model: vLLM's v1
+`Scheduler` (which loads `KVTopoConnector` through `kv_connector_module_path`), one
+worker-side connector per TP rank with a per-layer KV cache allocated as vLLM's model runner
+does, driven each step as vLLM's model runner drives them (bind the metadata,
+`start_load_kv`, `get_transfer_results`, `get_block_ids_with_load_errors`; the ranks'
+outputs combined by vLLM's `KVOutputAggregator`), on a thread of its own as an engine core
+steps. The forward pass is the one stand-in: a prefill step writes bytes derived from the
+request id, rank, layer and block position into the request's blocks (`expected_block`), so
+the decode verifies every byte it received.
+
+It takes the traffic of the emulated engine (`kvtopo_worker.traffic`: POST /v1/requests,
+GET /v1/finished, drain) on its kvtopo control API, so the drill (`kvtopo drill --engine
+vllm`) and the tests drive it the same way: a request of `num_blocks` blocks is a prompt of
+`num_blocks * 16` tokens; a prefill runs it with `do_remote_decode`, a decode with the
+`kv_transfer_params` a P/D proxy would hand it (the prefill engine `peer_engine_id`, the same
+request id). Its outcome is the transfer's, as every TP rank's connector ended it (a decode's
+verified), each request once. Prints one JSON line {engine_id, endpoint, role, incarnation}
+on stdout when ready; SIGTERM drains it, then it exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import uuid
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import RequestStatus
+
+from kvtopo_worker.protocol import FailureType, RequestOutcome, Role, SubmitRequest
+from kvtopo_worker.push import FailedRequest
+from kvtopo_worker.traffic import EngineDraining, EngineTraffic
+from kvtopo_worker.vllm import offline
+from kvtopo_worker.vllm.connector import KVTopoConnector, attach_traffic
+
+log = logging.getLogger(__name__)
+
+BLOCK_SIZE = 16  # tokens per KV block
+
+
+def expected_block(
+    rid: str, rank: int, layer: int, position: int, like: torch.Tensor
+) -> torch.Tensor:
+    """What block `position` of prefill request `rid` holds in `layer` of TP rank `rank`."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{rid}/{rank}/{layer}/{position}".encode()))
+    return torch.randn(like.shape, generator=gen, dtype=like.dtype)
+
+
+@dataclass
+class _Held:
+    peer_engine_id: str
+    prompt_len: int
+
+
+class VllmEngine(EngineTraffic):
+    """One prefill or decode vLLM engine (scheduler and TP ranks) in this process."""
+
+    def __init__(
+        self,
+        *,
+        role: Role,
+        engine_id: str,
+        model_dir: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token_file: str,
+        peer_token_file: str = "",
+        tp_size: int = 1,
+        num_blocks: int = 256,
+        registration_timeout_s: float = 30.0,
+        kv_lease_s: float = 30.0,
+        transfer_timeout_s: float = 30.0,
+        idle_ttl_s: float = 0.0,
+        handshake_timeout_s: float = 5.0,
+        pod: tuple[str, str, str] = ("", "", ""),
+        failure_policy: str = "fail",
+        lazy_handshake: bool = True,
+        model_id: str = "",
+    ) -> None:
+        super().__init__()
+        self.role: Role = role
+        self.engine_id = engine_id
+        self.tp_size = tp_size
+        extra: dict[str, Any] = {
+            "role": role,
+            "control_host": host,
+            "control_port": port,
+            "token_file": token_file,
+            "peer_token_file": peer_token_file,
+            "registration_timeout_s": registration_timeout_s,
+            "kv_lease_s": kv_lease_s,
+            "transfer_timeout_s": transfer_timeout_s,
+            "idle_ttl_s": idle_ttl_s,
+            "handshake_timeout_s": handshake_timeout_s,
+            "lazy_handshake": lazy_handshake,
+            "pod_namespace": pod[0],
+            "pod_name": pod[1],
+            "pod_uid": pod[2],
+            "model_id": model_id,
+        }
+        kv_transfer = {
+            "kv_connector": "KVTopoConnector",
+            "kv_connector_module_path": "kvtopo_worker.vllm",
+            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+            "engine_id": engine_id,
+            "kv_connector_extra_config": extra,
+            "kv_load_failure_policy": failure_policy,
+        }
+        self.config = offline.make_vllm_config(
+            model_dir,
+            kv_transfer,
+            block_size=BLOCK_SIZE,
+            num_blocks=num_blocks,
+            tp_size=tp_size,
+            enable_prefix_caching=False,
+        )
+        self.kv_cache_config = offline.make_kv_cache_config(self.config, num_blocks)
+        attach_traffic(engine_id, self)
+        self.scheduler = offline.make_scheduler(self.config, num_blocks, self.kv_cache_config)
+        if not isinstance(self.scheduler.connector, KVTopoConnector):
+            raise TypeError(f"vLLM loaded {type(self.scheduler.connector).__name__}")
+        self.workers: list[KVTopoConnector] = []
+        self.kvs: list[dict[str, torch.Tensor]] = []
+        for rank in range(tp_size):
+            kv = offline.make_kv_caches(self.config, self.kv_cache_config, num_blocks, "vllm")
+            worker = KVTopoConnector(
+                self.config,
+                KVConnectorRole.WORKER,
+                self.kv_cache_config,
+                tp_rank=rank,
+                local_ranks=tp_size,
+            )
+            worker.on_end = self._rank_ender(rank)
+            worker.register_kv_caches(kv)
+            self.workers.append(worker)
+            self.kvs.append(kv)
+        self.layers = sorted(self.kvs[0])
+        self.aggregator = KVOutputAggregator(tp_size)
+        self.lock = threading.Lock()  # the scheduler and the request tables
+        self._held: dict[str, _Held] = {}
+        self._rank_ends: dict[str, dict[int, FailedRequest | None]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
+        self.verified_bytes = 0
+        self.step_error: str | None = None
+
+    @property
+    def endpoint(self) -> str:
+        endpoint = self.workers[0].control_endpoint
+        if endpoint is None:
+            raise RuntimeError("the control API is not serving")
+        return endpoint
+
+    @property
+    def incarnation(self) -> str:
+        return self.workers[0].incarnation
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.cancel_drain_deadline()
+        self._thread.join(10)
+        for worker in self.workers:
+            worker.shutdown()
+
+    # --- requests ------------------------------------------------------------------------
+
+    def submit(self, req: SubmitRequest) -> None:
+        prompt_len = req.num_blocks * BLOCK_SIZE
+        most = self.config.model_config.max_model_len // BLOCK_SIZE - 1
+        if req.num_blocks > most:
+            raise ValueError(f"num_blocks must be at most {most}")
+        if self.role == "prefill":
+            params: dict[str, Any] = {"do_remote_decode": True}
+        else:
+            params = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": req.peer_engine_id,
+                "remote_request_id": req.request_id,
+                "remote_host": "",
+                "remote_port": 0,
+                "remote_block_ids": [],
+                "tp_size": self.tp_size,
+            }
+        request = offline.make_request(req.request_id, prompt_len, 1, params, block_size=BLOCK_SIZE)
+        with self.admission:
+            if self.draining:
+                raise EngineDraining("the engine is draining: it takes no new requests")
+            with self.lock:
+                if req.request_id in self._held or req.request_id in self.scheduler.requests:
+                    raise ValueError(f"request {req.request_id} is already in flight")
+                free = offline.free_block_count(self.scheduler)
+                if free < req.num_blocks + 1:
+                    raise BlockingIOError(f"only {free} free KV blocks")
+                self._held[req.request_id] = _Held(req.peer_engine_id, prompt_len)
+                self.scheduler.add_request(request)
+        self.accepted()
+
+    def held(self) -> int:
+        with self.lock:
+            return len(self._held)
+
+    def abandon_held(self, message: str) -> int:
+        """The drain deadline: a request vLLM still runs is aborted (a decode waiting for
+        its KV gives its registration up, and ends once no WRITE can land); a prefill whose
+        blocks wait for their decode gives them up at once."""
+        ended: list[RequestOutcome] = []
+        with self.lock:
+            held = list(self._held)
+            for rid in held:
+                request = self.scheduler.requests.get(rid)
+                if request is not None and not request.is_finished():
+                    started = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                    self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+                    if not started:  # no transfer began: it ends here
+                        failure = FailedRequest(rid, FailureType.SHUTDOWN, message)
+                        if (outcome := self._end(rid, failure)) is not None:
+                            ended.append(outcome)
+                elif self.role == "prefill":
+                    for worker in self.workers:
+                        push = worker.push_connector
+                        if push is not None:
+                            push.abandon(rid, FailureType.SHUTDOWN, message)
+        self.queue_outcomes(ended)
+        return len(held)
+
+    def _rank_ender(self, rank: int) -> Any:
+        def ended(rid: str, failure: FailedRequest | None) -> None:
+            ends = self._rank_ends.setdefault(rid, {})
+            ends[rank] = failure
+            if len(ends) < self.tp_size:
+                return
+            del self._rank_ends[rid]
+            failures = [f for _, f in sorted(ends.items()) if f is not None]
+            outcome = self._end(rid, failures[0] if failures else None)
+            if outcome is not None:
+                self.queue_outcomes([outcome])
+
+        return ended
+
+    def _end(self, rid: str, failure: FailedRequest | None) -> RequestOutcome | None:
+        """The outcome of `rid` (call with the lock held); None when it ended already or
+        is not the engine's."""
+        held = self._held.pop(rid, None)
+        if held is None:
+            return None
+        now = time.time()
+        if failure is None and self.role == "decode":
+            bad = self._mismatched_blocks(rid, held)
+            if bad:
+                failure = FailedRequest(
+                    rid, FailureType.TRANSFER_FAILED, f"{bad} blocks failed verification"
+                )
+        if failure is not None:
+            return RequestOutcome(
+                request_id=rid,
+                status="failed",
+                reason=failure.reason,
+                message=failure.message,
+                peer_engine_id=held.peer_engine_id,
+                ended_at=now,
+            )
+        nbytes = 0
+        if self.role == "decode":
+            nbytes = (
+                sum(t[0].numel() * t.element_size() for t in self.kvs[0].values())
+                * math.ceil(held.prompt_len / BLOCK_SIZE)
+                * self.tp_size
+            )
+            self.verified_bytes += nbytes
+        return RequestOutcome(
+            request_id=rid,
+            status="done",
+            verified_bytes=nbytes,
+            peer_engine_id=held.peer_engine_id,
+            ended_at=now,
+        )
+
+    def _fill(self, rid: str, block_ids: list[int]) -> None:
+        for rank, kv in enumerate(self.kvs):
+            for li, name in enumerate(self.layers):
+                t = kv[name]
+                for pos, b in enumerate(block_ids):
+                    t[b].copy_(expected_block(rid, rank, li, pos, t[b]))
+
+    def _mismatched_blocks(self, rid: str, held: _Held) -> int:
+        """Blocks of decode request `rid` (pushed from the prefill's request of the same
+        id) whose bytes differ from what the prefill wrote, over every rank and layer."""
+        if rid not in self.scheduler.requests:
+            return 0
+        n = math.ceil(held.prompt_len / BLOCK_SIZE)
+        ids = self.scheduler.kv_cache_manager.get_block_ids(rid)[0][:n]
+        bad = 0
+        for rank, kv in enumerate(self.kvs):
+            for li, name in enumerate(self.layers):
+                t = kv[name]
+                for pos, b in enumerate(ids):
+                    if not torch.equal(t[b], expected_block(rid, rank, li, pos, t[b])):
+                        bad += 1
+        return bad
+
+    # --- the engine loop -----------------------------------------------------------------
+
+    def step(self) -> bool:
+        """One engine step (call with the lock held); False when there was nothing to do."""
+        sched = self.scheduler
+        if not sched.has_requests() and not sched.connector.has_pending_push_work():
+            return False
+        out = sched.schedule()
+        if self.role == "prefill":
+            for new in out.scheduled_new_reqs:
+                self._fill(new.req_id, list(new.block_ids[0]))
+        outputs = []
+        for worker in self.workers:
+            worker.bind_connector_metadata(out.kv_connector_metadata)
+            worker.start_load_kv(None)
+            worker.wait_for_save()
+            res = worker.get_transfer_results(out.finished_req_ids)
+            errors = worker.get_block_ids_with_load_errors()
+            worker.clear_connector_metadata()
+            kv_output = KVConnectorOutput(
+                finished_sending=res.finished_sending or None,
+                finished_recving=res.finished_recving or None,
+                failed_recving=res.failed_recving,
+                invalid_block_ids=errors,
+            )
+            outputs.append(offline.runner_output(out, kv_output, scheduler=sched))
+        merged = self.aggregator.aggregate(outputs)
+        engine_outputs = sched.update_from_output(out, merged)
+        ended: list[RequestOutcome] = []
+        for batch in engine_outputs.values():
+            for o in batch.outputs:
+                # A prefill request vLLM ended without holding its blocks for a push (it
+                # was not computed to its end): no transfer will end it.
+                if (
+                    o.finish_reason is not None
+                    and self.role == "prefill"
+                    and o.kv_transfer_params is None
+                    and o.request_id in self._held
+                ):
+                    why = f"vLLM ended the request ({o.finish_reason}) before its KV was sent"
+                    failure = FailedRequest(o.request_id, FailureType.SHUTDOWN, why)
+                    if (outcome := self._end(o.request_id, failure)) is not None:
+                        ended.append(outcome)
+        if ended:
+            self.queue_outcomes(ended)
+        return True
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with self.lock:
+                    busy = self.step()
+            except Exception as exc:
+                log.exception("engine step failed")
+                self.step_error = f"{type(exc).__name__}: {exc}"
+                busy = False
+            if not busy:
+                self._stop.wait(0.005)
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m kvtopo_worker.vllm.engine",
+        description="A prefill or decode vLLM engine (vLLM's scheduler, KVTopoConnector, "
+        "real KV tensors and NIXL; the forward pass stood in for) that takes the emulated "
+        "engine's traffic. Prints one JSON line {engine_id, endpoint, role} when ready.",
+    )
+    p.add_argument("--role", choices=["prefill", "decode"], required=True)
+    p.add_argument("--engine-id", help="default: a fresh uuid per start")
+    p.add_argument("--host", default="127.0.0.1", help="control API bind address")
+    p.add_argument("--port", type=int, default=8975, help="control API port (0: a free one)")
+    p.add_argument("--token-file", required=True, help="the operator credential")
+    p.add_argument("--peer-token-file", default="", help="the peer credential")
+    p.add_argument("--pod-namespace", default=os.environ.get("KVTOPO_POD_NAMESPACE", ""))
+    p.add_argument("--pod-name", default=os.environ.get("KVTOPO_POD_NAME", ""))
+    p.add_argument("--pod-uid", default=os.environ.get("KVTOPO_POD_UID", ""))
+    p.add_argument(
+        "--model-dir",
+        default="",
+        help="a model directory with a config.json (default: a tiny Llama-shaped one)",
+    )
+    p.add_argument(
+        "--model-id",
+        default="kvtopo-tiny-llama",
+        help="the model's name in the compatibility hash (engines pair only with the same)",
+    )
+    p.add_argument("--num-blocks", type=int, default=256, help="KV blocks of 16 tokens")
+    p.add_argument(
+        "--block-bytes",
+        type=int,
+        default=0,
+        help="accepted for the emulated engine's command line; the model sets block sizes",
+    )
+    p.add_argument("--tp", type=int, default=1, metavar="N", help="TP ranks (in this process)")
+    p.add_argument("--registration-timeout", type=float, default=30.0, metavar="S")
+    p.add_argument("--kv-lease", type=float, default=30.0, metavar="S")
+    p.add_argument("--transfer-timeout", type=float, default=30.0, metavar="S")
+    p.add_argument("--idle-ttl", type=float, default=0.0, metavar="S")
+    p.add_argument("--drain-timeout", type=float, default=10.0, metavar="S")
+    p.add_argument(
+        "--failing-after", type=int, default=3, help="accepted; the registry's default is used"
+    )
+    p.add_argument("--progress-thread", default="auto", help="accepted; NIXL's default is used")
+    p.add_argument("--failure-policy", choices=["fail", "recompute"], default="fail")
+    p.add_argument("--no-lazy-handshake", action="store_true")
+    p.add_argument("--log-level", default="WARNING")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    model_dir = args.model_dir or offline.write_model_dir(tempfile.mkdtemp(prefix="kvtopo-model-"))
+    try:
+        engine = VllmEngine(
+            role=args.role,
+            engine_id=args.engine_id or uuid.uuid4().hex,
+            model_dir=model_dir,
+            host=args.host,
+            port=args.port,
+            token_file=args.token_file,
+            peer_token_file=args.peer_token_file,
+            tp_size=args.tp,
+            num_blocks=args.num_blocks,
+            registration_timeout_s=args.registration_timeout,
+            kv_lease_s=args.kv_lease,
+            transfer_timeout_s=args.transfer_timeout,
+            idle_ttl_s=args.idle_ttl,
+            pod=(args.pod_namespace, args.pod_name, args.pod_uid),
+            failure_policy=args.failure_policy,
+            lazy_handshake=not args.no_lazy_handshake,
+            model_id=args.model_id,
+        )
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"kvtopo vllm engine: {exc}", file=sys.stderr)
+        return 2
+    engine.start()
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    line = {
+        "engine_id": engine.engine_id,
+        "endpoint": engine.endpoint,
+        "role": engine.role,
+        "incarnation": engine.incarnation,
+    }
+    print(json.dumps(line), flush=True)
+    done.wait()
+    engine.begin_drain(args.drain_timeout)
+    if not engine.wait_drained(2 * args.drain_timeout + 1):
+        log.warning("exiting with requests not drained: %s", engine.drain_state())
+    engine.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
