@@ -71,6 +71,15 @@ def add_drill_parser(verbs: Any) -> None:
         help="tensor-parallel ranks of every engine (kvtopo-worker --tp)",
     )
     p.add_argument(
+        "--engine",
+        choices=["emulated", "vllm"],
+        default="emulated",
+        help="what runs in each engine pod: the emulated engine (kvtopo-worker), or vLLM's "
+        "scheduler with KVTopoConnector (python -m kvtopo_worker.vllm.engine: vLLM's "
+        "scheduler, connector and KV tensors, the forward pass stood in for; needs the vllm "
+        "extra)",
+    )
+    p.add_argument(
         "--fault",
         choices=["crash-decode"],
         help="self-test: decode engines crash instead of draining (the drill must fail)",
@@ -108,6 +117,7 @@ def run_drill(args: argparse.Namespace) -> int:
         chaos=args.chaos,
         fault=args.fault,
         tp=args.tp,
+        engine=args.engine,
         kubeconfig=args.kubeconfig,
         workdir=args.workdir,
         json_path=args.json_path,
@@ -145,6 +155,7 @@ def run_drill(args: argparse.Namespace) -> int:
     if opts.chaos == "leader-kill":
         report["lease_s"] = LEASE_S
     report["tp"] = opts.tp
+    report["engine"] = opts.engine
     console.print(render_table(report))
     if opts.json_path is not None:
         opts.json_path.parent.mkdir(parents=True, exist_ok=True)

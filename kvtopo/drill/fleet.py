@@ -95,6 +95,8 @@ class Fleet:
     session: aiohttp.ClientSession | None = None
     kill_without_drain: bool = False  # fault injection: a crashing decode engine
     control_port: int = 8975  # the KVTopology's controlPort: where each worker listens
+    engine: str = "emulated"  # what each worker runs (kvtopo.launch.ENGINE_MODULES)
+    start_timeout_s: float = 120.0  # from the process start to its ready line
 
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     auth_fallbacks: int = 0  # calls refused with the current token, let in with the previous
@@ -221,6 +223,7 @@ class Fleet:
                     uid.replace("-", ""),
                     *self.worker_args,
                     *self.identity_args(pod, uid, ip),
+                    engine=self.engine,
                 ),
                 stdout=asyncio.subprocess.PIPE,
                 stderr=log,
@@ -237,7 +240,9 @@ class Fleet:
     async def _await_serving(self, eng: Engine) -> None:
         assert eng.process.stdout is not None
         try:
-            line = await asyncio.wait_for(eng.process.stdout.readline(), timeout=120)
+            line = await asyncio.wait_for(
+                eng.process.stdout.readline(), timeout=self.start_timeout_s
+            )
             ready = parse_ready_line(line)
         except (TimeoutError, ValueError):
             log_path = self.log_dir / f"worker-{eng.pod}.log"

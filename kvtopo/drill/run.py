@@ -71,6 +71,7 @@ class DrillOptions:
     chaos: str | None = None
     fault: str | None = None
     tp: int = 1
+    engine: str = "emulated"  # what runs in each engine pod (kvtopo.launch.ENGINE_MODULES)
     kubeconfig: Path | None = None
     workdir: Path = field(default_factory=lambda: Path("out") / "drill")
     json_path: Path | None = None
@@ -186,6 +187,8 @@ class Drill:
             on_going=self.ledger.going_away,
             trace=self.trace,
             kill_without_drain=self.opts.fault == "crash-decode",
+            engine=self.opts.engine,
+            start_timeout_s=120.0 if self.opts.engine == "emulated" else 300.0,
         )
         self.say("creating the KVTopology and the prefill/decode Deployments on kwok nodes")
         body = manifests.topology(
@@ -228,6 +231,9 @@ class Drill:
         limit_s: float,
         describe: Callable[[], str] | None = None,
     ) -> None:
+        # A vLLM engine takes tens of seconds to start (importing vLLM), several at once on
+        # a small machine minutes: every wait that may hang on engines starting gets that.
+        limit_s += 0.0 if self.opts.engine == "emulated" else 300.0
         deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline:
             try:

@@ -429,6 +429,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
+    # stdout carries the ready line only: vLLM logs to stdout (VLLM_LOGGING_STREAM), so
+    # everything written there from now on goes to stderr instead.
+    sys.stdout.flush()
+    ready_out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
@@ -466,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         "role": engine.role,
         "incarnation": engine.incarnation,
     }
-    print(json.dumps(line), flush=True)
+    print(json.dumps(line), file=ready_out, flush=True)
     done.wait()
     engine.begin_drain(args.drain_timeout)
     if not engine.wait_drained(2 * args.drain_timeout + 1):

@@ -1,0 +1,65 @@
+"""KVTopoConnector's pieces that need no second process: how a KV cache is cut into
+segments, what the settings accept, and what is refused with a clear error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch
+
+from kvtopo_worker.vllm import offline
+from kvtopo_worker.vllm.connector import KVTopoConnector, kv_segments
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return offline.write_model_dir(tmp_path_factory.mktemp("model"))
+
+
+def test_vllm_layer_views_of_one_buffer_are_one_segment_each() -> None:
+    buf = torch.zeros(2 * 8 * 4 * 16, dtype=torch.float32)
+    # Two layers, each (num_blocks=8, 4, 16), laid one after the other in one buffer.
+    layers = {f"l{i}": buf[i * 512 : (i + 1) * 512].view(8, 4, 16) for i in range(2)}
+    tensors, segs = kv_segments(layers, 8)
+    assert len(tensors) == 2 and len(segs) == 2
+    assert [s.length for s in segs] == [4 * 16 * 4] * 2
+    assert segs[1].addr - segs[0].addr == 512 * 4
+
+
+def test_a_split_kv_layout_is_two_segments_per_layer_and_a_scattered_block_is_refused() -> None:
+    kv = {"a": torch.zeros(2, 8, 16, 2, 8), "b": torch.zeros(2, 8, 16, 2, 8)}
+    _, segs = kv_segments(kv, 8)
+    assert len(segs) == 4
+    assert segs[1].addr - segs[0].addr == 8 * 16 * 2 * 8 * 4  # V follows K
+    strided = {"a": torch.zeros(8, 16, 4)[:, :, :2]}  # a block's part is not contiguous
+    with pytest.raises(ValueError, match="not contiguous"):
+        kv_segments(strided, 8)
+    with pytest.raises(ValueError, match="needs"):
+        kv_segments({"a": torch.zeros(5, 3)}, 8)
+
+
+def test_the_side_must_be_said_for_kv_both_and_tp_ranks_must_share_a_process(
+    model_dir: str, tmp_path: Path
+) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    token = tmp_path / "token"
+    token.write_text("t\n")
+    kvt = {
+        "kv_connector": "KVTopoConnector",
+        "kv_connector_module_path": "kvtopo_worker.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"token_file": str(token)},
+    }
+    config = offline.make_vllm_config(model_dir, kvt, num_blocks=16)
+    with pytest.raises(ValueError, match='"role": "prefill"'):
+        KVTopoConnector(config, KVConnectorRole.SCHEDULER, None)
+    kvt["kv_connector_extra_config"] = {"token_file": str(token), "role": "decode"}
+    config = offline.make_vllm_config(model_dir, kvt, num_blocks=16, tp_size=2)
+    assert KVTopoConnector(config, KVConnectorRole.SCHEDULER, None).engine_id
+    with pytest.raises(ValueError, match="all its ranks in one process"):
+        KVTopoConnector(config, KVConnectorRole.WORKER, None, tp_rank=1)
