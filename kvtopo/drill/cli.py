@@ -91,7 +91,12 @@ def add_drill_parser(verbs: Any) -> None:
     p.add_argument(
         "--no-live", action="store_true", help="plain progress lines instead of a live view"
     )
-    p.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        help="give up after this many seconds (default: 600; 2400 with --engine vllm, whose "
+        "engines take tens of seconds each to start)",
+    )
     p.set_defaults(func=run_drill)
 
 
@@ -123,7 +128,7 @@ def run_drill(args: argparse.Namespace) -> int:
         json_path=args.json_path,
         plot_path=args.plot_path,
         live=not args.no_live,
-        timeout_s=args.timeout,
+        timeout_s=args.timeout or (600.0 if args.engine == "emulated" else 2400.0),
     )
     drill = Drill(opts, say=lambda line: console.print(f"[dim]{line}[/dim]"))
 

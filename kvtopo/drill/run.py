@@ -845,7 +845,15 @@ class Drill:
                     self._track_serving(),
                 )
             ]
-            await asyncio.wait_for(self.scenario(), timeout=self.opts.timeout_s)
+            try:
+                await asyncio.wait_for(self.scenario(), timeout=self.opts.timeout_s)
+            except TimeoutError as exc:
+                if str(exc):  # a wait of the scenario's own, which says what it waited for
+                    raise
+                raise TimeoutError(
+                    f"the drill did not finish within {self.opts.timeout_s:g} s (--timeout); "
+                    f"it was {self.phase}"
+                ) from None
         finally:
             self.stop_traffic.set()
             self.phase = "stopping"
