@@ -66,6 +66,7 @@ def expected_block(
 class _Held:
     peer_engine_id: str
     prompt_len: int
+    content_id: str  # the prefill request whose bytes it holds (or will)
 
 
 class VllmEngine(EngineTraffic):
@@ -201,17 +202,33 @@ class VllmEngine(EngineTraffic):
                 "remote_block_ids": [],
                 "tp_size": self.tp_size,
             }
-        request = offline.make_request(req.request_id, prompt_len, 1, params, block_size=BLOCK_SIZE)
+        self.add_request(req.request_id, prompt_len, 1, params, peer_engine_id=req.peer_engine_id)
+
+    def add_request(
+        self,
+        rid: str,
+        prompt_len: int,
+        max_tokens: int,
+        params: dict[str, Any],
+        *,
+        peer_engine_id: str,
+        content_id: str | None = None,
+    ) -> None:
+        """Hands vLLM a request with these `kv_transfer_params` (what a P/D proxy sends);
+        `content_id`: the prefill request whose bytes a decode request receives (default:
+        its own id)."""
+        request = offline.make_request(rid, prompt_len, max_tokens, params, block_size=BLOCK_SIZE)
+        blocks = math.ceil(prompt_len / BLOCK_SIZE)
         with self.admission:
             if self.draining:
                 raise EngineDraining("the engine is draining: it takes no new requests")
             with self.lock:
-                if req.request_id in self._held or req.request_id in self.scheduler.requests:
-                    raise ValueError(f"request {req.request_id} is already in flight")
+                if rid in self._held or rid in self.scheduler.requests:
+                    raise ValueError(f"request {rid} is already in flight")
                 free = offline.free_block_count(self.scheduler)
-                if free < req.num_blocks + 1:
+                if free < blocks + 1:
                     raise BlockingIOError(f"only {free} free KV blocks")
-                self._held[req.request_id] = _Held(req.peer_engine_id, prompt_len)
+                self._held[rid] = _Held(peer_engine_id, prompt_len, content_id or rid)
                 self.scheduler.add_request(request)
         self.accepted()
 
@@ -303,8 +320,8 @@ class VllmEngine(EngineTraffic):
                     t[b].copy_(expected_block(rid, rank, li, pos, t[b]))
 
     def _mismatched_blocks(self, rid: str, held: _Held) -> int:
-        """Blocks of decode request `rid` (pushed from the prefill's request of the same
-        id) whose bytes differ from what the prefill wrote, over every rank and layer."""
+        """Blocks of decode request `rid` whose bytes differ from what the prefill wrote for
+        its request `held.content_id`, over every rank and layer."""
         if rid not in self.scheduler.requests:
             return 0
         n = math.ceil(held.prompt_len / BLOCK_SIZE)
@@ -314,7 +331,8 @@ class VllmEngine(EngineTraffic):
             for li, name in enumerate(self.layers):
                 t = kv[name]
                 for pos, b in enumerate(ids):
-                    if not torch.equal(t[b], expected_block(rid, rank, li, pos, t[b])):
+                    expected = expected_block(held.content_id, rank, li, pos, t[b])
+                    if not torch.equal(t[b], expected):
                         bad += 1
         return bad
 
@@ -363,7 +381,12 @@ class VllmEngine(EngineTraffic):
                         ended.append(outcome)
         if ended:
             self.queue_outcomes(ended)
+        self.observe(merged.kv_connector_output if merged is not None else None, engine_outputs)
         return True
+
+    def observe(self, kv_output: KVConnectorOutput | None, engine_outputs: dict[int, Any]) -> None:
+        """Called after every step with what the ranks told vLLM and what vLLM answered
+        (for tests that watch vLLM's side of a request)."""
 
     def _loop(self) -> None:
         while not self._stop.is_set():
