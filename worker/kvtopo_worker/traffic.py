@@ -19,7 +19,9 @@ An engine subclasses `EngineTraffic` and implements `submit`, `held` and `abando
 
 from __future__ import annotations
 
+import argparse
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -208,3 +210,107 @@ class EngineTraffic:
             body=msgspec.json.encode(self.drain_outcomes(max(1, min(limit, 100_000)), ack)),
             content_type="application/json",
         )
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The command line every engine that takes this traffic shares (the emulated engine's,
+    which the drill and the tests start, whichever engine runs)."""
+    p.add_argument("--role", choices=["prefill", "decode"], required=True)
+    p.add_argument("--engine-id", help="default: a fresh uuid per start")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="control API bind address: the pod IP in a pod ($(POD_IP) from the downward API)",
+    )
+    p.add_argument("--port", type=int, default=8975, help="control API port (0: pick a free one)")
+    p.add_argument(
+        "--token-file",
+        required=True,
+        help="the operator credential: a file holding the token of the admin routes (and, "
+        "during a rotation, the previous token on a second line)",
+    )
+    p.add_argument(
+        "--peer-token-file",
+        help="the peer credential: the token peers present to fetch this engine's metadata, "
+        "and that it presents to theirs (default: the operator credential)",
+    )
+    p.add_argument(
+        "--pod-namespace",
+        default=os.environ.get("KVTOPO_POD_NAMESPACE", ""),
+        help="the engine's pod, as the operator must see it (default: $KVTOPO_POD_NAMESPACE; "
+        "from the downward API's metadata.namespace)",
+    )
+    p.add_argument(
+        "--pod-name",
+        default=os.environ.get("KVTOPO_POD_NAME", ""),
+        help="default: $KVTOPO_POD_NAME (metadata.name)",
+    )
+    p.add_argument(
+        "--pod-uid",
+        default=os.environ.get("KVTOPO_POD_UID", ""),
+        help="default: $KVTOPO_POD_UID (metadata.uid); the operator acts only on a worker "
+        "whose pod uid is the pod's",
+    )
+    p.add_argument("--num-blocks", type=int, default=256)
+    p.add_argument("--block-bytes", type=int, default=64 * 1024)
+    p.add_argument("--model-id", default="emulated", help="part of the compatibility hash")
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tensor-parallel ranks, each with its own NIXL agent and KV cache (as vLLM's TP "
+        "workers); a request ends when every rank has; peers must run as many",
+    )
+    p.add_argument("--device", default="cpu", help="cpu, or cuda[:N] where a GPU is present")
+    p.add_argument(
+        "--registration-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="decode: give a request up (cancel it) when no completion came within S; it "
+        "ends once the prefill answers, or S + --transfer-timeout + 2 s after it was sent",
+    )
+    p.add_argument("--kv-lease", type=float, default=30.0, metavar="S")
+    p.add_argument(
+        "--transfer-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="a WRITE not done within S is aborted (the smaller of both sides' values)",
+    )
+    p.add_argument(
+        "--idle-ttl",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="evict a peer that carried no transfer for S (0: off); the operator sets it "
+        "from the KVTopology's eviction.idleTTLSeconds (PUT /v1/settings)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="on SIGTERM/SIGINT: requests still held this long after it are given up with "
+        "reason shutdown (each ends once no WRITE of it can land); those still held at twice "
+        "that fail outright; the process then waits as long again for their outcomes to be "
+        "collected (GET /v1/finished) before it exits",
+    )
+    p.add_argument(
+        "--failing-after",
+        type=int,
+        default=3,
+        metavar="K",
+        help="a held peer whose last K transfers all failed is reported `failing` in "
+        "/v1/state (one that NIXL reports disconnected is `dropped` at once); the operator "
+        "then adds it again, and the add renews it (its metadata fetched again, its agents "
+        "replaced). A transfer that succeeds starts the count again",
+    )
+    p.add_argument(
+        "--progress-thread",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="NIXL progress thread (auto: off on hosts with < 8 cores, where it costs a core)",
+    )
+    p.add_argument("--log-level", default="WARNING")

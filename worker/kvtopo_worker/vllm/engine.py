@@ -45,7 +45,7 @@ from vllm.v1.request import RequestStatus
 
 from kvtopo_worker.protocol import FailureType, RequestOutcome, Role, SubmitRequest
 from kvtopo_worker.push import FailedRequest
-from kvtopo_worker.traffic import EngineDraining, EngineTraffic
+from kvtopo_worker.traffic import EngineDraining, EngineTraffic, add_engine_arguments
 from kvtopo_worker.vllm import offline
 from kvtopo_worker.vllm.connector import KVTopoConnector, attach_traffic
 
@@ -406,47 +406,19 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m kvtopo_worker.vllm.engine",
         description="A prefill or decode vLLM engine (vLLM's scheduler, KVTopoConnector, "
         "real KV tensors and NIXL; the forward pass stood in for) that takes the emulated "
-        "engine's traffic. Prints one JSON line {engine_id, endpoint, role} when ready.",
+        "engine's command line and traffic. --block-bytes, --device and --progress-thread "
+        "are accepted and left to vLLM and NIXL. Prints one JSON line {engine_id, endpoint, "
+        "role} when ready.",
     )
-    p.add_argument("--role", choices=["prefill", "decode"], required=True)
-    p.add_argument("--engine-id", help="default: a fresh uuid per start")
-    p.add_argument("--host", default="127.0.0.1", help="control API bind address")
-    p.add_argument("--port", type=int, default=8975, help="control API port (0: a free one)")
-    p.add_argument("--token-file", required=True, help="the operator credential")
-    p.add_argument("--peer-token-file", default="", help="the peer credential")
-    p.add_argument("--pod-namespace", default=os.environ.get("KVTOPO_POD_NAMESPACE", ""))
-    p.add_argument("--pod-name", default=os.environ.get("KVTOPO_POD_NAME", ""))
-    p.add_argument("--pod-uid", default=os.environ.get("KVTOPO_POD_UID", ""))
+    add_engine_arguments(p)
+    p.set_defaults(model_id="kvtopo-tiny-llama")
     p.add_argument(
         "--model-dir",
         default="",
         help="a model directory with a config.json (default: a tiny Llama-shaped one)",
     )
-    p.add_argument(
-        "--model-id",
-        default="kvtopo-tiny-llama",
-        help="the model's name in the compatibility hash (engines pair only with the same)",
-    )
-    p.add_argument("--num-blocks", type=int, default=256, help="KV blocks of 16 tokens")
-    p.add_argument(
-        "--block-bytes",
-        type=int,
-        default=0,
-        help="accepted for the emulated engine's command line; the model sets block sizes",
-    )
-    p.add_argument("--tp", type=int, default=1, metavar="N", help="TP ranks (in this process)")
-    p.add_argument("--registration-timeout", type=float, default=30.0, metavar="S")
-    p.add_argument("--kv-lease", type=float, default=30.0, metavar="S")
-    p.add_argument("--transfer-timeout", type=float, default=30.0, metavar="S")
-    p.add_argument("--idle-ttl", type=float, default=0.0, metavar="S")
-    p.add_argument("--drain-timeout", type=float, default=10.0, metavar="S")
-    p.add_argument(
-        "--failing-after", type=int, default=3, help="accepted; the registry's default is used"
-    )
-    p.add_argument("--progress-thread", default="auto", help="accepted; NIXL's default is used")
     p.add_argument("--failure-policy", choices=["fail", "recompute"], default="fail")
     p.add_argument("--no-lazy-handshake", action="store_true")
-    p.add_argument("--log-level", default="WARNING")
     return p.parse_args(argv)
 
 
@@ -469,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
             host=args.host,
             port=args.port,
             token_file=args.token_file,
-            peer_token_file=args.peer_token_file,
+            peer_token_file=args.peer_token_file or "",
             tp_size=args.tp,
             num_blocks=args.num_blocks,
             registration_timeout_s=args.registration_timeout,
