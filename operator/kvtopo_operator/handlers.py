@@ -201,6 +201,11 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 60
     settings.watching.client_timeout = 90
+    # Longer than the client timeout, so a stream always ends by that one: kopf's own
+    # inactivity timer (70 s by default) can fire just as a late event arrives after the
+    # API server stalled, and kopf 1.38 then fails its watcher (and the operator) with
+    # "Cannot change state of expiring Timeout" (seen in a drill under load).
+    settings.watching.inactivity_timeout = 120
     # kopf's own API calls (and its watches' connects) give up as the operator's do.
     settings.networking.connect_timeout = REQUEST_TIMEOUT_S
     settings.networking.request_timeout = 3 * REQUEST_TIMEOUT_S
