@@ -203,7 +203,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     settings.watching.client_timeout = 90
     # Longer than the client timeout, so a stream always ends by that one: kopf's own
     # inactivity timer (70 s by default) can fire just as a late event arrives after the
-    # API server stalled, and kopf 1.38 then fails its watcher (and the operator) with
+    # API server stalled, and kopf 1.45 then fails its watcher (and the operator) with
     # "Cannot change state of expiring Timeout" (seen in a drill under load).
     settings.watching.inactivity_timeout = 120
     # kopf's own API calls (and its watches' connects) give up as the operator's do.
