@@ -20,15 +20,18 @@ An engine subclasses `EngineTraffic` and implements `submit`, `held` and `abando
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import threading
 import time
 from collections import deque
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
+from kvtopo_worker.credentials import TokenSource
 from kvtopo_worker.protocol import (
     DrainRequest,
     DrainState,
@@ -314,3 +317,61 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="NIXL progress thread (auto: off on hosts with < 8 cores, where it costs a core)",
     )
     p.add_argument("--log-level", default="WARNING")
+
+
+class TrafficServer:
+    """The traffic routes of an engine served on their own (for an engine without the
+    kvtopo control API, e.g. vLLM's own connector in a side-by-side benchmark): a bearer
+    token from `token_file`, on a thread with its own loop, at `host:port` (0: a free one)."""
+
+    def __init__(self, traffic: EngineTraffic, host: str, port: int, token_file: str) -> None:
+        self.token = TokenSource(path=token_file)
+        self.host, self.port = host, port
+        self.app = web.Application(middlewares=[self._auth])
+        traffic.add_routes(self.app)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        header = request.headers.get("Authorization", "")
+        given = header[7:].encode() if header.startswith("Bearer ") else b""
+        if self.token.accepts(given) is None:
+            return json_error(401, "unauthorized", "a valid bearer token is needed")
+        try:
+            response: web.StreamResponse = await handler(request)
+        except MalformedMessage as exc:
+            return json_error(400, "malformed_message", str(exc))
+        return response
+
+    def start(self) -> None:
+        def serve() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            runner = web.AppRunner(self.app)
+            loop.run_until_complete(runner.setup())
+            site = web.TCPSite(runner, self.host, self.port)
+            loop.run_until_complete(site.start())
+            if self.port == 0:
+                sockets = getattr(site._server, "sockets", None) or []
+                self.port = int(sockets[0].getsockname()[1])
+            self._runner = runner
+            self._ready.set()
+            loop.run_forever()
+            loop.run_until_complete(runner.cleanup())
+
+        self._thread = threading.Thread(target=serve, name="kvtopo-traffic", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise RuntimeError(f"the traffic server did not bind {self.host}:{self.port}")
+
+    def stop(self) -> None:
+        if self._loop is not None and self._thread is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)

@@ -38,14 +38,27 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from aiohttp import web
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
-from kvtopo_worker.protocol import FailureType, RequestOutcome, Role, SubmitRequest
+from kvtopo_worker.protocol import (
+    FailureType,
+    MalformedMessage,
+    RequestOutcome,
+    Role,
+    SubmitRequest,
+)
 from kvtopo_worker.push import FailedRequest
-from kvtopo_worker.traffic import EngineDraining, EngineTraffic, add_engine_arguments
+from kvtopo_worker.traffic import (
+    EngineDraining,
+    EngineTraffic,
+    TrafficServer,
+    add_engine_arguments,
+    json_error,
+)
 from kvtopo_worker.vllm import offline
 from kvtopo_worker.vllm.connector import KVTopoConnector, attach_traffic
 
@@ -93,11 +106,19 @@ class VllmEngine(EngineTraffic):
         failure_policy: str = "fail",
         lazy_handshake: bool = True,
         model_id: str = "",
+        connector: str = "kvtopo",
+        block_size: int = BLOCK_SIZE,
     ) -> None:
+        """`connector`: "kvtopo" (KVTopoConnector, its control API serving the traffic
+        routes) or "nixl" (vLLM's own NixlPushConnector, for side-by-side benchmarks: the
+        traffic routes on a server of their own at `host:port`; the process needs
+        VLLM_TARGET_DEVICE=cpu and VLLM_NIXL_SIDE_CHANNEL_PORT set before vLLM is imported)."""
         super().__init__()
         self.role: Role = role
         self.engine_id = engine_id
         self.tp_size = tp_size
+        self.block_size = block_size
+        self.connector = connector
         extra: dict[str, Any] = {
             "role": role,
             "control_host": host,
@@ -115,7 +136,7 @@ class VllmEngine(EngineTraffic):
             "pod_uid": pod[2],
             "model_id": model_id,
         }
-        kv_transfer = {
+        kv_transfer: dict[str, Any] = {
             "kv_connector": "KVTopoConnector",
             "kv_connector_module_path": "kvtopo_worker.vllm",
             "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
@@ -123,34 +144,54 @@ class VllmEngine(EngineTraffic):
             "kv_connector_extra_config": extra,
             "kv_load_failure_policy": failure_policy,
         }
+        if connector == "nixl":
+            kv_transfer.pop("kv_connector_module_path")
+            kv_transfer["kv_connector"] = "NixlPushConnector"
+            kv_transfer["kv_buffer_device"] = "cpu"
+            kv_transfer["kv_connector_extra_config"] = {
+                "backends": ["UCX"],
+                "kv_lease_duration": kv_lease_s,
+            }
+        elif connector != "kvtopo":
+            raise ValueError(f"connector must be kvtopo or nixl, not {connector!r}")
         self.config = offline.make_vllm_config(
             model_dir,
             kv_transfer,
-            block_size=BLOCK_SIZE,
+            block_size=block_size,
             num_blocks=num_blocks,
             tp_size=tp_size,
             enable_prefix_caching=False,
         )
         self.kv_cache_config = offline.make_kv_cache_config(self.config, num_blocks)
-        attach_traffic(engine_id, self)
+        self.traffic_server: TrafficServer | None = None
+        if connector == "kvtopo":
+            attach_traffic(engine_id, self)
         self.scheduler = offline.make_scheduler(self.config, num_blocks, self.kv_cache_config)
-        if not isinstance(self.scheduler.connector, KVTopoConnector):
-            raise TypeError(f"vLLM loaded {type(self.scheduler.connector).__name__}")
-        self.workers: list[KVTopoConnector] = []
+        self.workers: list[Any] = []
         self.kvs: list[dict[str, torch.Tensor]] = []
-        for rank in range(tp_size):
-            kv = offline.make_kv_caches(self.config, self.kv_cache_config, num_blocks, "vllm")
-            worker = KVTopoConnector(
-                self.config,
-                KVConnectorRole.WORKER,
-                self.kv_cache_config,
-                tp_rank=rank,
-                local_ranks=tp_size,
+        if connector == "kvtopo":
+            if not isinstance(self.scheduler.connector, KVTopoConnector):
+                raise TypeError(f"vLLM loaded {type(self.scheduler.connector).__name__}")
+            for rank in range(tp_size):
+                kv = offline.make_kv_caches(self.config, self.kv_cache_config, num_blocks, "vllm")
+                worker = KVTopoConnector(
+                    self.config,
+                    KVConnectorRole.WORKER,
+                    self.kv_cache_config,
+                    tp_rank=rank,
+                    local_ranks=tp_size,
+                )
+                worker.on_end = self._rank_ender(rank)
+                worker.register_kv_caches(kv)
+                self.workers.append(worker)
+                self.kvs.append(kv)
+        else:
+            self.workers, self.kvs = offline.nixl_push_workers(
+                self.config, self.kv_cache_config, self.scheduler, num_blocks
             )
-            worker.on_end = self._rank_ender(rank)
-            worker.register_kv_caches(kv)
-            self.workers.append(worker)
-            self.kvs.append(kv)
+            self.traffic_server = TrafficServer(self, host, port, token_file)
+            self.traffic_server.start()
+        self._finished: dict[str, dict[str, Any]] = {}  # what vLLM answered, by request
         self.layers = sorted(self.kvs[0])
         self.aggregator = KVOutputAggregator(tp_size)
         self.lock = threading.Lock()  # the scheduler and the request tables
@@ -163,14 +204,18 @@ class VllmEngine(EngineTraffic):
 
     @property
     def endpoint(self) -> str:
+        if self.traffic_server is not None:
+            return self.traffic_server.endpoint
         endpoint = self.workers[0].control_endpoint
         if endpoint is None:
             raise RuntimeError("the control API is not serving")
-        return endpoint
+        return str(endpoint)
 
     @property
     def incarnation(self) -> str:
-        return self.workers[0].incarnation
+        if self.traffic_server is not None:
+            return ""
+        return str(self.workers[0].incarnation)
 
     def start(self) -> None:
         self._thread.start()
@@ -181,12 +226,14 @@ class VllmEngine(EngineTraffic):
         self._thread.join(10)
         for worker in self.workers:
             worker.shutdown()
+        if self.traffic_server is not None:
+            self.traffic_server.stop()
 
     # --- requests ------------------------------------------------------------------------
 
     def submit(self, req: SubmitRequest) -> None:
-        prompt_len = req.num_blocks * BLOCK_SIZE
-        most = self.config.model_config.max_model_len // BLOCK_SIZE - 1
+        prompt_len = req.num_blocks * self.block_size
+        most = self.config.model_config.max_model_len // self.block_size - 1
         if req.num_blocks > most:
             raise ValueError(f"num_blocks must be at most {most}")
         if self.role == "prefill":
@@ -217,8 +264,10 @@ class VllmEngine(EngineTraffic):
         """Hands vLLM a request with these `kv_transfer_params` (what a P/D proxy sends);
         `content_id`: the prefill request whose bytes a decode request receives (default:
         its own id)."""
-        request = offline.make_request(rid, prompt_len, max_tokens, params, block_size=BLOCK_SIZE)
-        blocks = math.ceil(prompt_len / BLOCK_SIZE)
+        request = offline.make_request(
+            rid, prompt_len, max_tokens, params, block_size=self.block_size
+        )
+        blocks = math.ceil(prompt_len / self.block_size)
         with self.admission:
             if self.draining:
                 raise EngineDraining("the engine is draining: it takes no new requests")
@@ -231,6 +280,54 @@ class VllmEngine(EngineTraffic):
                 self._held[rid] = _Held(peer_engine_id, prompt_len, content_id or rid)
                 self.scheduler.add_request(request)
         self.accepted()
+
+    # --- a P/D proxy's view: vLLM's own request API, stood in for ----------------------
+
+    def add_routes(self, app: web.Application) -> None:
+        """The traffic routes, and what a P/D proxy asks of a vLLM engine:
+
+        POST /v1/vllm/requests        {request_id, prompt_len, max_tokens,
+                                       kv_transfer_params[, content_id]}: a request as a
+                                       proxy sends it (202)
+        GET  /v1/vllm/requests/{rid}  {finished: {reason, kv_transfer_params} | null, held}:
+                                       how vLLM finished it (a prefill's params are what the
+                                       proxy hands the decode)
+        """
+        super().add_routes(app)
+        app.router.add_post("/v1/vllm/requests", self._post_vllm_request)
+        app.router.add_get("/v1/vllm/requests/{rid}", self._get_vllm_request)
+
+    async def _post_vllm_request(self, request: web.Request) -> web.Response:
+        try:
+            body = json.loads(await request.read())
+            rid = str(body["request_id"])
+            prompt_len, max_tokens = int(body["prompt_len"]), int(body["max_tokens"])
+            params = dict(body.get("kv_transfer_params") or {})
+            content_id = body.get("content_id")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise MalformedMessage(f"bad request body: {exc}") from None
+        if not 0 < len(rid) <= 256 or not prompt_len > 0 or not 0 < max_tokens <= 4096:
+            raise MalformedMessage("request_id 1..256 characters, prompt_len and max_tokens > 0")
+        peer = str(params.get("remote_engine_id", ""))
+        try:
+            self.add_request(
+                rid, prompt_len, max_tokens, params, peer_engine_id=peer, content_id=content_id
+            )
+        except EngineDraining as exc:
+            return json_error(503, "draining", str(exc))
+        except BlockingIOError as exc:
+            return json_error(503, "no_capacity", str(exc))
+        except ValueError as exc:
+            raise MalformedMessage(str(exc)) from None
+        return web.json_response({"accepted": True}, status=202)
+
+    async def _get_vllm_request(self, request: web.Request) -> web.Response:
+        rid = request.match_info["rid"]
+        with self.lock:
+            finished = self._finished.get(rid)
+            held = rid in self._held
+        body = json.dumps({"finished": finished, "held": held}, default=list)
+        return web.Response(body=body.encode(), content_type="application/json")
 
     def held(self) -> int:
         with self.lock:
@@ -300,7 +397,7 @@ class VllmEngine(EngineTraffic):
         if self.role == "decode":
             nbytes = (
                 sum(t[0].numel() * t.element_size() for t in self.kvs[0].values())
-                * math.ceil(held.prompt_len / BLOCK_SIZE)
+                * math.ceil(held.prompt_len / self.block_size)
                 * self.tp_size
             )
             self.verified_bytes += nbytes
@@ -324,7 +421,7 @@ class VllmEngine(EngineTraffic):
         its request `held.content_id`, over every rank and layer."""
         if rid not in self.scheduler.requests:
             return 0
-        n = math.ceil(held.prompt_len / BLOCK_SIZE)
+        n = math.ceil(held.prompt_len / self.block_size)
         ids = self.scheduler.kv_cache_manager.get_block_ids(rid)[0][:n]
         bad = 0
         for rank, kv in enumerate(self.kvs):
@@ -363,12 +460,29 @@ class VllmEngine(EngineTraffic):
             )
             outputs.append(offline.runner_output(out, kv_output, scheduler=sched))
         merged = self.aggregator.aggregate(outputs)
-        engine_outputs = sched.update_from_output(out, merged)
         ended: list[RequestOutcome] = []
+        kvo = merged.kv_connector_output if merged is not None else None
+        if self.connector == "nixl" and kvo is not None:
+            # vLLM's own connector says nothing per rank: the combined output is the outcome.
+            failed = set(kvo.failed_recving)
+            for rid in [*(kvo.finished_sending or ()), *(kvo.finished_recving or ())]:
+                failure = None
+                if rid in failed:
+                    failure = FailedRequest(rid, FailureType.TRANSFER_FAILED, "failed_recving")
+                if (outcome := self._end(rid, failure)) is not None:
+                    ended.append(outcome)
+        engine_outputs = sched.update_from_output(out, merged)
         for batch in engine_outputs.values():
             for o in batch.outputs:
                 # A prefill request vLLM ended without holding its blocks for a push (it
                 # was not computed to its end): no transfer will end it.
+                if o.finish_reason is not None:
+                    self._finished[o.request_id] = {
+                        "reason": str(o.finish_reason),
+                        "kv_transfer_params": o.kv_transfer_params,
+                    }
+                    while len(self._finished) > 10_000:
+                        del self._finished[next(iter(self._finished))]
                 if (
                     o.finish_reason is not None
                     and self.role == "prefill"
@@ -419,6 +533,14 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--failure-policy", choices=["fail", "recompute"], default="fail")
     p.add_argument("--no-lazy-handshake", action="store_true")
+    p.add_argument(
+        "--connector",
+        choices=["kvtopo", "nixl"],
+        default="kvtopo",
+        help="KVTopoConnector, or vLLM's own NixlPushConnector (benchmarks: needs "
+        "VLLM_TARGET_DEVICE=cpu and VLLM_NIXL_SIDE_CHANNEL_PORT in the environment)",
+    )
+    p.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="tokens per KV block")
     return p.parse_args(argv)
 
 
@@ -452,6 +574,8 @@ def main(argv: list[str] | None = None) -> int:
             failure_policy=args.failure_policy,
             lazy_handshake=not args.no_lazy_handshake,
             model_id=args.model_id,
+            connector=args.connector,
+            block_size=args.block_size,
         )
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"kvtopo vllm engine: {exc}", file=sys.stderr)

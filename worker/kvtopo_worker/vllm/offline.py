@@ -447,3 +447,49 @@ def runner_output(
 def free_block_count(scheduler: Scheduler) -> int:
     """Blocks currently free in the scheduler's block pool (null block excluded)."""
     return int(scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+
+
+def nixl_push_workers(
+    vllm_config: VllmConfig,
+    kv_cache_config: KVCacheConfig,
+    scheduler: Scheduler,
+    num_blocks: int,
+) -> tuple[list[Any], list[dict[str, torch.Tensor]]]:
+    """vLLM's own push connector (`NixlPushConnector`), worker side, one per TP rank in this
+    process, with KV caches as the model runner allocates them, and the handshake metadata
+    wired to the scheduler's connector as vLLM's engine core wires it. For side-by-side
+    benchmarks on a machine without a GPU; the process must have been started with
+    VLLM_TARGET_DEVICE=cpu and its own VLLM_NIXL_SIDE_CHANNEL_PORT. What it takes on such a
+    machine (vLLM 0.33):
+
+    - the CUDA-only `b12x` package, which the CPU attention backend's import reaches and
+      which fails there with an AttributeError vLLM does not expect, is hidden;
+    - the TP rank and size, which its worker reads from vLLM's distributed state, are given;
+    - the CPU affinity its worker sets for the calling thread is restored.
+    """
+    import sys
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPushConnector, base_worker
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type != "cpu":
+        raise RuntimeError("NixlPushConnector needs VLLM_TARGET_DEVICE=cpu on this machine")
+    sys.modules.setdefault("b12x", None)  # type: ignore[arg-type]
+    tp = int(vllm_config.parallel_config.tensor_parallel_size)
+    affinity = os.sched_getaffinity(0)
+    workers: list[Any] = []
+    kvs: list[dict[str, torch.Tensor]] = []
+    for rank in range(tp):
+        base_worker.get_tensor_model_parallel_rank = lambda r=rank: r
+        base_worker.get_tensor_model_parallel_world_size = lambda: tp
+        worker = NixlPushConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+        os.sched_setaffinity(0, affinity)
+        kv = make_kv_caches(vllm_config, kv_cache_config, num_blocks, "vllm")
+        worker.register_kv_caches(kv)
+        workers.append(worker)
+        kvs.append(kv)
+    scheduler.connector.set_xfer_handshake_metadata_pp_aware(
+        {(0, rank): w.get_handshake_metadata() for rank, w in enumerate(workers)}
+    )
+    return workers, kvs
