@@ -110,7 +110,20 @@ def add_bench_parser(
             "only the 16 x 64 size",
         ),
     )
-    for name, func, help_, description, quick_help in benchmarks:
+    benchmarks_all = (
+        *benchmarks,
+        (
+            "vllm",
+            _bench_report("vllm"),
+            "KVTopoConnector beside vLLM's own NixlPushConnector (needs the vllm extra)",
+            "A prefill and a decode vLLM engine per connector (vLLM's scheduler and "
+            "connector, real KV tensors and NIXL; the forward pass stood in for), driven as a "
+            "P/D proxy drives them: the first request after the engines serve, a steady "
+            "stream (throughput ratio), and a prefill replaced under the same address.",
+            "fewer and smaller requests",
+        ),
+    )
+    for name, func, help_, description, quick_help in benchmarks_all:
         kind = bench_kinds.add_parser(name, help=help_, description=description)
         kind.add_argument("--json", type=Path, metavar="PATH", help="write the JSON report here")
         kind.add_argument("--quick", action="store_true", help=quick_help)
