@@ -29,7 +29,6 @@ import math
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -554,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
-    model_dir = args.model_dir or offline.write_model_dir(tempfile.mkdtemp(prefix="kvtopo-model-"))
+    model_dir = args.model_dir or offline.shared_model_dir()
     try:
         engine = VllmEngine(
             role=args.role,

@@ -131,6 +131,23 @@ def write_model_dir(path: str | os.PathLike[str]) -> str:
     return str(model_dir)
 
 
+def shared_model_dir() -> str:
+    """The tiny model's directory at one path per machine and model config (engines of one
+    deployment must name the same model path: vLLM's own connector hashes it)."""
+    import contextlib
+    import hashlib
+    import tempfile
+
+    digest = hashlib.sha256(json.dumps(MODEL_CONFIG, sort_keys=True).encode()).hexdigest()[:12]
+    path = Path(tempfile.gettempdir()) / f"kvtopo-tiny-llama-{digest}"
+    if not (path / "config.json").exists():
+        staging = Path(tempfile.mkdtemp(prefix="kvtopo-model-"))
+        write_model_dir(staging)
+        with contextlib.suppress(OSError):  # a racing engine's rename fails: its copy stays
+            staging.rename(path)
+    return str(path)
+
+
 def make_vllm_config(
     model_dir: str,
     kv_transfer_config: dict[str, Any] | None,
