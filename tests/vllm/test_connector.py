@@ -187,6 +187,12 @@ class Engines:
         d = self._spawn("decode", f"d-{name}", tp, **decode)
         return self._ready("prefill", f"p-{name}", p), self._ready("decode", f"d-{name}", d)
 
+    def restart(self, engine: EngineProc, **opts: Any) -> EngineProc:
+        """A new process of `engine` (same role and engine id) once the old one exited."""
+        return self._ready(
+            engine.role, engine.engine_id, self._spawn(engine.role, engine.engine_id, **opts)
+        )
+
     def close(self) -> None:
         for p in self.procs:
             p.close()
@@ -276,7 +282,9 @@ def test_decode_waits_for_pushed_kv_and_the_prefill_holds_its_blocks_until_sent(
     assert decode.state()["free_blocks"] == decode.free_blocks
 
 
-def test_without_an_operator_the_pair_handshakes_lazily(engines: Engines) -> None:
+def test_without_an_operator_the_pair_handshakes_lazily_and_again_with_a_new_prefill(
+    engines: Engines,
+) -> None:
     prefill, decode = engines.pair("lazy")
     assert prefill.state()["peers"] == [] and decode.state()["peers"] == []
     prefill.add("r1", 50, 1, {"do_remote_decode": True})
@@ -288,6 +296,18 @@ def test_without_an_operator_the_pair_handshakes_lazily(engines: Engines) -> Non
     prefill.wait(["r1"])
     assert decode.state()["peers"] == ["p-lazy"]
     assert prefill.state()["peers"] == ["d-lazy"]
+
+    # The prefill dies and comes back under the same engine id (a new process, new NIXL
+    # agents): the decode still holds the old one, and must not keep using it.
+    prefill.kill()
+    prefill.proc.wait(10)
+    prefill = engines.restart(prefill)
+    prefill.add("r2", 50, 1, {"do_remote_decode": True})
+    decode.add("d2", 50, 2, prefill_params(prefill, "r2"))
+    got = decode.wait(["d2"])["d2"]
+    assert verified(got) > 0, got
+    prefill.wait(["r2"])
+    assert decode.state()["peers"] == ["p-lazy"]
 
 
 @pytest.mark.parametrize("fault", ["kill", "freeze"])

@@ -418,16 +418,23 @@ class ControlServer:
         return _json(self.settings())
 
     def add_peer(
-        self, engine_id: str, endpoint: str, role: Role, timeout_s: float | None = None
+        self,
+        engine_id: str,
+        endpoint: str,
+        role: Role,
+        timeout_s: float | None = None,
+        incarnation: str = "",
     ) -> tuple[int, PeerResult | ErrorBody]:
         """Adds a peer from another thread (an engine that handshakes lazily, on its own,
-        where no operator connected the pair), exactly as `PUT /v1/peers/{engine_id}` does:
-        its HTTP status and answer. Blocks for at most the handshake timeout and a second."""
+        where no operator connected the pair), exactly as `PUT /v1/peers/{engine_id}` does
+        (`incarnation`: the process it must be; an older one held is replaced): its HTTP
+        status and answer. Blocks for at most the handshake timeout and a second."""
         if self.loop is None:
             raise RuntimeError("the control server is not running")
         timeout = self.handshake_timeout_s if timeout_s is None else timeout_s
         fut = asyncio.run_coroutine_threadsafe(
-            self._add_peer(engine_id, endpoint, role, timeout_s=timeout), self.loop
+            self._add_peer(engine_id, endpoint, role, incarnation=incarnation, timeout_s=timeout),
+            self.loop,
         )
         try:
             return fut.result(timeout + 1.0)

@@ -59,6 +59,7 @@ from kvtopo_worker.agent import ControlServer, LocalEngine
 from kvtopo_worker.credentials import TokenSource
 from kvtopo_worker.metrics import WorkerMetrics
 from kvtopo_worker.protocol import (
+    UNHEALTHY,
     CompatInfo,
     EngineMetadata,
     FailureType,
@@ -70,6 +71,10 @@ from kvtopo_worker.push import FailedRequest, PushConfig, PushConnector
 from kvtopo_worker.registry import EngineRegistry
 from kvtopo_worker.traffic import EngineTraffic
 from kvtopo_worker.transport import NixlTransport
+
+# The prefill's process (its engine's incarnation) in the `kv_transfer_params` it answers,
+# beside vLLM's keys: a decode that holds the engine id as another process handshakes anew.
+INCARNATION_PARAM = "kvtopo_incarnation"
 
 if TYPE_CHECKING:
     import torch
@@ -106,6 +111,7 @@ class RecvSpec:
     prefill_endpoint: str  # its kvtopo control endpoint (for a lazy handshake)
     block_ids: list[int]
     first_block: int  # the prefill's block the first of `block_ids` takes
+    prefill_incarnation: str = ""  # its process, where the prefill said (a restart is new)
 
 
 @dataclass
@@ -259,6 +265,7 @@ class _SchedulerSide:
             prefill_endpoint=endpoint,
             block_ids=ids,
             first_block=first,
+            prefill_incarnation=str(params.get(INCARNATION_PARAM, "")),
         )
         self._receiving.add(request.request_id)
 
@@ -305,7 +312,7 @@ class _SchedulerSide:
         if ids:
             self._send_new[rid] = ids
             self._sending.add(rid)
-        return bool(ids), {
+        answer = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_block_ids": ids,
@@ -318,6 +325,10 @@ class _SchedulerSide:
             "remote_num_tokens": computed,
             "transfer_mode": "push",
         }
+        host = _EngineHost.running(self.s.engine_id)
+        if host is not None:  # the worker side runs in this process (TP within one)
+            answer[INCARNATION_PARAM] = host.incarnation
+        return bool(ids), answer
 
     def has_pending_push_work(self) -> bool:
         return bool(self._sending or self._send_new or self._recv_new or self._abandon_new)
@@ -327,7 +338,7 @@ class _SchedulerSide:
         it runs in this process (the in-process engine of the drill and the tests)."""
         if self.s.control_port:
             return self.s.control_port
-        host = _EngineHost._hosts.get(self.s.engine_id)
+        host = _EngineHost.running(self.s.engine_id)
         server = host.server if host is not None else None
         return server.port if server is not None else 0
 
@@ -341,6 +352,12 @@ class _EngineHost:
 
     _hosts: dict[str, _EngineHost] = {}
     _hosts_lock = threading.Lock()
+
+    @classmethod
+    def running(cls, engine_id: str) -> _EngineHost | None:
+        """This process's host of `engine_id`, if it has one."""
+        with cls._hosts_lock:
+            return cls._hosts.get(engine_id)
 
     @classmethod
     def of(cls, settings: _Settings, local_ranks: int) -> _EngineHost:
@@ -415,16 +432,33 @@ class _EngineHost:
             )
 
     def ensure_peer(
-        self, engine_id: str, endpoint: str, role: Role, then: Any, failed: Any
+        self,
+        engine_id: str,
+        endpoint: str,
+        role: Role,
+        then: Callable[[], None],
+        failed: Callable[[str], None],
+        incarnation: str = "",
     ) -> None:
-        """Calls `then()` once `engine_id` is held: at once when it is, else after a lazy
-        handshake with `endpoint` on a thread of its own (one per engine at a time);
-        `failed(message)` when that handshake fails or lazy handshakes are off."""
-        if self.registry.snapshot(engine_id):
+        """Calls `then()` once `engine_id` is held, healthy and (where `incarnation` is
+        given) as that process: at once when it is, else after a lazy handshake with
+        `endpoint` on a thread of its own, which replaces an older incarnation and renews
+        an unhealthy one; `failed(message)` when that handshake fails or lazy handshakes
+        are off."""
+        held = self.registry.incarnation(engine_id)
+        health = self.registry.health(engine_id)
+        stale = held is not None and bool(incarnation) and held != incarnation
+        unhealthy = health is not None and health[0] in UNHEALTHY
+        if held is not None and not stale and not unhealthy and self.registry.snapshot(engine_id):
             then()
             return
         if not self.s.lazy_handshake:
-            failed(f"engine {engine_id} is not connected (lazy handshakes are off)")
+            why = "not connected"
+            if stale:
+                why = f"held as an older process ({held}), not {incarnation}"
+            elif unhealthy and health is not None:
+                why = f"{health[0]} ({health[1]})"
+            failed(f"engine {engine_id} is {why} (lazy handshakes are off)")
             return
         server = self.server
         if server is None:
@@ -435,7 +469,7 @@ class _EngineHost:
             return
 
         def run() -> None:
-            status, answer = server.add_peer(engine_id, endpoint, role)
+            status, answer = server.add_peer(engine_id, endpoint, role, incarnation=incarnation)
             if status == 200:
                 then()
             else:
@@ -613,7 +647,14 @@ class _RankWorker:
                 self._by_prefill_rid.pop(spec.prefill_request_id, None)
                 self._local_failed.append(FailedRequest(rid, FailureType.HANDSHAKE_FAILED, why))
 
-        self.host.ensure_peer(spec.prefill_engine_id, spec.prefill_endpoint, "prefill", go, failed)
+        self.host.ensure_peer(
+            spec.prefill_engine_id,
+            spec.prefill_endpoint,
+            "prefill",
+            go,
+            failed,
+            incarnation=spec.prefill_incarnation,
+        )
 
     def results(self) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults()
