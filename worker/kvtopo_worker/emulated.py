@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import logging
-import signal
 import sys
 import threading
 import time
@@ -530,27 +528,13 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         print(f"kvtopo-worker: {exc}", file=sys.stderr)
         return 1
-    done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
-    signal.signal(signal.SIGINT, lambda *_: done.set())
-    line = {
+    ready = {
         "engine_id": engine.engine_id,
         "endpoint": engine.endpoint,
         "role": engine.role,
         "incarnation": engine.incarnation,
     }
-    print(json.dumps(line), flush=True)
-    done.wait()
-    engine.begin_drain(args.drain_timeout)
-    if not engine.wait_drained(2 * args.drain_timeout + 1, engine._stop):
-        # Given up, and still unanswered by a peer: the engine is leaving (its memory goes
-        # with it), so what it holds fails now, and is handed out before it exits.
-        engine.fail_held("the engine stopped before its peer answered for the request")
-    if not engine.wait_drained(args.drain_timeout + 1, engine._stop):
-        st = engine.drain_state()
-        log.warning(
-            "exiting with %d outcomes not collected (GET /v1/finished)", st.requests_in_flight
-        )
+    engine.serve_until_signalled(ready, sys.stdout, args.drain_timeout, engine._stop)
     engine.stop()
     return 0
 

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
+import signal
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, TextIO
 
 import msgspec
 from aiohttp import web
@@ -90,7 +92,43 @@ class EngineTraffic:
         WRITE of it can land. Returns how many were held."""
         raise NotImplementedError
 
+    def fail_held(self, message: str) -> int:
+        """Ends every request still held as failed at once, for an engine that stops for
+        good (its KV memory goes with it); returns how many. By default nothing: the
+        engine's `abandon_held` already ends each of them."""
+        return 0
+
     # --- what it provides ----------------------------------------------------------------
+
+    def serve_until_signalled(
+        self,
+        ready: dict[str, str],
+        out: TextIO,
+        drain_timeout_s: float,
+        stop: threading.Event | None = None,
+    ) -> None:
+        """An engine process's life once it serves: prints `ready` to `out` (one JSON line,
+        what its launcher waits for), waits for SIGTERM or SIGINT, then drains: no new
+        requests; those still held after `drain_timeout_s` are given up (`abandon_held`)
+        and, past twice that, failed (`fail_held`); returns once every outcome has been
+        handed out, or warns how many were not. Call from the main thread."""
+        signalled = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: signalled.set())
+        signal.signal(signal.SIGINT, lambda *_: signalled.set())
+        print(json.dumps(ready), file=out, flush=True)
+        signalled.wait()
+        self.begin_drain(drain_timeout_s)
+        if self.wait_drained(2 * drain_timeout_s + 1, stop):
+            return
+        # Given up, and still unanswered by a peer: the engine is leaving (its memory goes
+        # with it), so what it holds fails now, and is handed out before it exits.
+        self.fail_held("the engine stopped before its peer answered for the request")
+        if not self.wait_drained(drain_timeout_s + 1, stop):
+            log.warning(
+                "exiting with requests not drained (outcomes not collected with GET "
+                "/v1/finished): %s",
+                self.drain_state(),
+            )
 
     def accepted(self) -> None:
         with self._outcomes_lock:
