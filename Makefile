@@ -76,11 +76,12 @@ demo: $(UV) toolchain
 	@echo "report: out/drill.json  timeline: out/drill.png"
 
 bench: $(UV) toolchain
-	$(call SYNC,worker)
+	$(call SYNC,worker vllm)
 	@mkdir -p bench/results
 	$(VENV)/bin/kvtopo bench push --json bench/results/push.json
 	$(VENV)/bin/kvtopo bench registry --json bench/results/registry.json
 	$(VENV)/bin/kvtopo bench operator --json bench/results/operator.json
+	$(VENV)/bin/kvtopo bench vllm --json bench/results/vllm.json
 	@echo
 	-$(VENV)/bin/kvtopo bench summary --results bench/results
 

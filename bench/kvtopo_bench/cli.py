@@ -1,6 +1,6 @@
 """The `kvtopo bench` verb: its arguments and the handler of each benchmark.
 
-Owns the `bench` subparser (push, registry, operator, summary: flags, help texts, handlers).
+Owns the `bench` subparser (push, registry, operator, vllm, summary: flags, help texts, handlers).
 The `kvtopo` command does not import this package: it finds :func:`add_bench_parser` through
 the `kvtopo.verbs` entry point in pyproject.toml and calls it with its subparsers. Each
 benchmark module is imported only when its verb runs, so `kvtopo --help` needs neither torch
@@ -75,7 +75,7 @@ def _bench_report(module: str) -> Callable[[argparse.Namespace], int]:
 def add_bench_parser(
     verbs: argparse._SubParsersAction[argparse.ArgumentParser],
 ) -> argparse.ArgumentParser:
-    """Add ``bench {push,registry,operator,summary}`` to ``verbs``, each with its handler as
+    """Add ``bench {push,registry,operator,vllm,summary}`` to ``verbs``, each with its handler as
     ``func``; returns the ``bench`` parser. The `kvtopo.verbs` entry point names this."""
     bench = verbs.add_parser("bench", help="run a benchmark (results as JSON)")
     bench_kinds = bench.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
@@ -109,21 +109,19 @@ def add_bench_parser(
             "operator RSS and CPU per 1,000 pod events.",
             "only the 16 x 64 size",
         ),
-    )
-    benchmarks_all = (
-        *benchmarks,
         (
             "vllm",
             _bench_report("vllm"),
             "KVTopoConnector beside vLLM's own NixlPushConnector (needs the vllm extra)",
-            "A prefill and a decode vLLM engine per connector (vLLM's scheduler and "
-            "connector, real KV tensors and NIXL; the forward pass stood in for), driven as a "
-            "P/D proxy drives them: the first request after the engines serve, a steady "
+            "A prefill and a decode vLLM engine per variant (vLLM's NixlPushConnector; "
+            "KVTopoConnector with the operator's handshakes; KVTopoConnector alone), vLLM's "
+            "scheduler, real KV tensors and NIXL (the forward pass stood in for), driven as "
+            "a P/D proxy drives them: the first request once the engines serve, a steady "
             "stream (throughput ratio), and a prefill replaced under the same address.",
             "fewer and smaller requests",
         ),
     )
-    for name, func, help_, description, quick_help in benchmarks_all:
+    for name, func, help_, description, quick_help in benchmarks:
         kind = bench_kinds.add_parser(name, help=help_, description=description)
         kind.add_argument("--json", type=Path, metavar="PATH", help="write the JSON report here")
         kind.add_argument("--quick", action="store_true", help=quick_help)

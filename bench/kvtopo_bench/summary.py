@@ -1,7 +1,7 @@
 """`kvtopo bench summary`: one table of the figures that have targets, from the JSON reports.
 
 Owns the targets of the benchmarks issue and their check against `bench/results/*.json`
-(push, registry, operator): each row says the figure, the target and whether it is met.
+(push, registry, operator, vllm): each row says the figure, the target and whether it is met.
 `make bench` prints it last. A missing report is reported as such, not guessed.
 """
 
@@ -107,10 +107,38 @@ def _operator(report: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def _vllm(report: dict[str, Any]) -> list[Row]:
+    runs = {r["variant"]: r for r in report["runs"]}
+    ratio = report["throughput_ratio"]
+    rows: list[Row] = [
+        (
+            "KV throughput, KVTopoConnector / NixlPushConnector",
+            "none" if ratio is None else f"{ratio:.2f}",
+            ">= 0.95",
+            _verdict(ratio is not None and ratio >= 0.95),
+        )
+    ]
+    limit = f"none in {report['replaced_limit_s']:.0f} s"
+    for name, run in runs.items():
+        first, replaced = run["first_request_s"], run["replaced_prefill_s"]
+        said = "failed" if first is None else f"{first:.3f} s"
+        rows.append((f"first request, vllm {name}", said, "(quoted)", "-"))
+        rows.append(
+            (
+                f"prefill replaced -> a request succeeds, vllm {name}",
+                limit if replaced is None else f"{replaced:.2f} s",
+                "(quoted)",
+                "-",
+            )
+        )
+    return rows
+
+
 SECTIONS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "push": _push,
     "registry": _registry,
     "operator": _operator,
+    "vllm": _vllm,
 }
 
 

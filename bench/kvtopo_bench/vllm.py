@@ -1,21 +1,26 @@
 """`kvtopo bench vllm`: KVTopoConnector beside vLLM's own NixlPushConnector.
 
-Owns the side-by-side run: for each connector, a prefill and a decode vLLM engine
+Owns the side-by-side run. For each variant, a prefill and a decode vLLM engine
 (`python -m kvtopo_worker.vllm.engine --connector kvtopo|nixl`: vLLM's scheduler, the
-connector's worker side per TP rank, real KV tensors and NIXL over loopback; the forward
-pass stood in for), the same block size and model for both, driven as a P/D proxy drives
-them (the prefill's request, then the decode's with the `kv_transfer_params` the prefill
-answered, the same request id on both). Measured for each:
+connector's worker side, real KV tensors and NIXL over loopback; the forward pass stood in
+for), with the same model, block size and request stream, driven as a P/D proxy drives them
+(the prefill's request, then the decode's with the `kv_transfer_params` the prefill answered,
+the same request id on both). The variants, one after another in one run:
 
-- `first_request_s`: the first request after both engines serve. kvtopo's pair is connected
-  first, as the operator connects it when the pods come up; vLLM's connector handshakes on
-  the request path.
-- `steady`: a stream of requests one after another: per-request p50/p99 and KV bytes a
-  second (every byte verified by the decode); `throughput_ratio` is kvtopo's over vLLM's.
+- `nixl`: vLLM's NixlPushConnector (it handshakes on the request path);
+- `kvtopo`: KVTopoConnector with the operator's part done as the operator does it (the pair
+  connected when both engines serve; a replaced engine's new incarnation added);
+- `kvtopo_no_operator`: KVTopoConnector alone (lazy handshakes on the request path).
+
+Measured for each:
+
+- `first_request_s`: the first request once both engines serve.
+- `steady`: a stream of requests, a few in flight: per-request p50/p99, KV bytes a second
+  (every byte verified by the decode), failures; `throughput_ratio` is kvtopo's bytes a
+  second over nixl's.
 - `replaced_prefill_s`: the prefill SIGKILLed and started again under the same engine id and
-  address; the time from its new process serving until a request succeeds again (kvtopo:
-  with the operator's add of the new incarnation, as it makes one when the pod's engine
-  comes back). None when none succeeded within the limit.
+  address; the time from its new process serving until a request succeeds again. None when
+  none did within `replaced_limit_s`.
 
 Launches the engines by module name; imports neither vLLM nor the worker.
 """
@@ -25,12 +30,14 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import select
 import signal
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -41,7 +48,8 @@ from typing import Any
 
 ENGINE_MODULE = "kvtopo_worker.vllm.engine"
 BLOCK_SIZE = 32  # vLLM's CPU attention backend (which NixlPushConnector's worker loads) needs n*32
-START_TIMEOUT_S = 300.0
+START_TIMEOUT_S = 300.0  # an engine's start (vLLM's imports and set-up: ~30 s here)
+REPLACED_LIMIT_S = 60.0  # how long a replaced prefill is given to serve requests again
 
 
 def _free_port() -> int:
@@ -79,11 +87,30 @@ class _Engine:
                 self.proc.wait(10)
 
 
+@dataclass(frozen=True)
+class Variant:
+    """One side of the comparison: a connector, and whether the operator connects the pair
+    (kvtopo only: it pre-warms the pair when the pods serve and adds a replaced engine's new
+    incarnation; without it the connector handshakes lazily on the request path)."""
+
+    name: str
+    connector: str
+    operator: bool
+
+
+VARIANTS = (
+    Variant("nixl", "nixl", operator=False),
+    Variant("kvtopo", "kvtopo", operator=True),
+    Variant("kvtopo_no_operator", "kvtopo", operator=False),
+)
+
+
 class _Pair:
     """A prefill and a decode engine of one connector."""
 
-    def __init__(self, connector: str, workdir: Path, token_file: Path, token: str) -> None:
-        self.connector = connector
+    def __init__(self, variant: Variant, workdir: Path, token_file: Path, token: str) -> None:
+        self.variant = variant
+        self.connector = variant.connector
         self.workdir = workdir
         self.token_file = token_file
         self.token = token
@@ -91,6 +118,9 @@ class _Pair:
         self.prefill: _Engine | None = None
         self.decode: _Engine | None = None
         self.seq = 0
+        self.seq_lock = threading.Lock()
+        self.outcome_lock = threading.Lock()
+        self.outcomes: dict[str, dict[str, Any]] = {}
 
     def spawn(self, role: str) -> tuple[subprocess.Popen[str], Path]:
         control, side = self.ports[role]
@@ -102,7 +132,7 @@ class _Pair:
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
         )
-        log = self.workdir / f"{self.connector}-{role}-{time.monotonic_ns()}.log"
+        log = self.workdir / f"{self.variant.name}-{role}-{time.monotonic_ns()}.log"
         argv = [
             sys.executable,
             "-m",
@@ -110,7 +140,7 @@ class _Pair:
             "--role",
             role,
             "--engine-id",
-            f"{self.connector}-{role}",
+            f"{self.variant.name}-{role}",
             "--port",
             str(control),
             "--token-file",
@@ -139,10 +169,15 @@ class _Pair:
     def ready(self, role: str, spawned: tuple[subprocess.Popen[str], Path]) -> _Engine:
         proc, log = spawned
         assert proc.stdout is not None
-        line = proc.stdout.readline()
+        line = ""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not line and proc.poll() is None and time.monotonic() < deadline:
+            if select.select([proc.stdout], [], [], 1.0)[0]:
+                line = proc.stdout.readline()
         if not line:
+            proc.kill()
             tail = log.read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"the {self.connector} {role} engine did not start:\n{tail}")
+            raise RuntimeError(f"the {self.variant.name} {role} engine did not start:\n{tail}")
         info = json.loads(line)
         engine = _Engine(
             role, info["engine_id"], info["endpoint"], info["incarnation"], proc, self.token
@@ -170,8 +205,9 @@ class _Pair:
     def request(self, blocks: int, timeout: float = 30) -> tuple[bool, float, int]:
         """One request through the proxy flow: (done, seconds, verified bytes)."""
         assert self.prefill is not None and self.decode is not None
-        self.seq += 1
-        rid = f"bench-{self.connector}-{self.seq}"
+        with self.seq_lock:
+            self.seq += 1
+            rid = f"bench-{self.variant.name}-{self.seq}"
         prompt = blocks * BLOCK_SIZE
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
@@ -208,11 +244,20 @@ class _Pair:
             },
         )
         while time.monotonic() < deadline:
-            for o in self.decode.call("GET", "/v1/finished"):
-                if o["request_id"] == rid:
-                    return o["status"] == "done", time.perf_counter() - t0, o["verified_bytes"]
+            if (o := self._outcome(rid)) is not None:
+                return o["status"] == "done", time.perf_counter() - t0, o["verified_bytes"]
             time.sleep(0.001)
         return False, time.perf_counter() - t0, 0
+
+    def _outcome(self, rid: str) -> dict[str, Any] | None:
+        """The decode's outcome of `rid` once it ended (the decode hands each outcome out
+        once, so whichever client asks keeps them all for the others)."""
+        assert self.decode is not None
+        with self.outcome_lock:
+            if rid not in self.outcomes:
+                for o in self.decode.call("GET", "/v1/finished"):
+                    self.outcomes[o["request_id"]] = o
+            return self.outcomes.pop(rid, None)
 
     def stop(self) -> None:
         for e in (self.prefill, self.decode):
@@ -220,51 +265,78 @@ class _Pair:
                 e.stop()
 
 
-def _run_connector(
-    connector: str, workdir: Path, token_file: Path, token: str, n: int, blocks: int, log: Any
+def _stream(pair: _Pair, n: int, blocks: int, in_flight: int) -> dict[str, Any]:
+    """`n` requests, `in_flight` at a time, each through the proxy flow."""
+    times: list[float] = []
+    nbytes = failed = 0
+    lock = threading.Lock()
+    todo = iter(range(n))
+
+    def client() -> None:
+        nonlocal nbytes, failed
+        while True:
+            with lock:
+                if next(todo, None) is None:
+                    return
+            ok, took, got = pair.request(blocks)
+            with lock:
+                if ok:
+                    times.append(took)
+                    nbytes += got
+                else:
+                    failed += 1
+
+    t0 = time.perf_counter()
+    clients = [threading.Thread(target=client) for _ in range(in_flight)]
+    for c in clients:
+        c.start()
+    for c in clients:
+        c.join()
+    wall = time.perf_counter() - t0
+    times.sort()
+    return {
+        "requests": n,
+        "in_flight": in_flight,
+        "failed": failed,
+        "blocks_per_request": blocks,
+        "p50_ms": round(statistics.median(times) * 1000, 2) if times else None,
+        "p99_ms": round(times[int(0.99 * (len(times) - 1))] * 1000, 2) if times else None,
+        "bytes_per_s": round(nbytes / wall) if wall > 0 else 0,
+    }
+
+
+def _run_variant(
+    variant: Variant,
+    workdir: Path,
+    token_file: Path,
+    token: str,
+    sizes: tuple[int, int, int],
+    log: Callable[[str], None],
 ) -> dict[str, Any]:
-    pair = _Pair(connector, workdir, token_file, token)
-    out: dict[str, Any] = {"connector": connector}
+    n, blocks, in_flight = sizes
+    pair = _Pair(variant, workdir, token_file, token)
+    out: dict[str, Any] = {"variant": variant.name, "connector": variant.connector}
+    name = variant.name
     try:
-        log(f"  {connector}: starting a prefill and a decode engine")
+        log(f"  {name}: starting a prefill and a decode engine")
         pair.start()
-        if connector == "kvtopo":
+        if variant.operator:
             pair.connect()
         ok, first, _ = pair.request(blocks, timeout=60)
         out["first_request_s"] = round(first, 4) if ok else None
-        log(f"  {connector}: first request {first * 1000:.0f} ms ({'done' if ok else 'failed'})")
-        times, nbytes, failed = [], 0, 0
-        t0 = time.perf_counter()
-        for _ in range(n):
-            ok, took, got = pair.request(blocks)
-            if ok:
-                times.append(took)
-                nbytes += got
-            else:
-                failed += 1
-        wall = time.perf_counter() - t0
-        out["steady"] = {
-            "requests": n,
-            "failed": failed,
-            "blocks_per_request": blocks,
-            "p50_ms": round(statistics.median(times) * 1000, 2) if times else None,
-            "p99_ms": round(sorted(times)[int(0.99 * (len(times) - 1))] * 1000, 2)
-            if times
-            else None,
-            "bytes_per_s": round(nbytes / wall) if wall > 0 else 0,
-        }
-        log(f"  {connector}: steady {out['steady']}")
+        log(f"  {name}: first request {first * 1000:.0f} ms ({'done' if ok else 'failed'})")
+        out["steady"] = _stream(pair, n, blocks, in_flight)
+        log(f"  {name}: steady {out['steady']}")
         # The prefill replaced under the same engine id and address.
         assert pair.prefill is not None
         pair.prefill.stop(signal.SIGKILL)
-        spawned = pair.spawn("prefill")
-        pair.ready("prefill", spawned)
+        pair.ready("prefill", pair.spawn("prefill"))
         served = time.monotonic()
-        if connector == "kvtopo":
+        if variant.operator:
             pair.connect()  # the operator adds the new incarnation
         recovered = None
         attempts = 0
-        while time.monotonic() - served < 60:
+        while time.monotonic() - served < REPLACED_LIMIT_S:
             attempts += 1
             ok, _, _ = pair.request(1, timeout=10)
             if ok:
@@ -272,10 +344,15 @@ def _run_connector(
                 break
         out["replaced_prefill_s"] = round(recovered, 3) if recovered is not None else None
         out["replaced_prefill_attempts"] = attempts
-        log(f"  {connector}: replaced prefill -> success after {recovered} s ({attempts} tries)")
+        said = f"{recovered:.2f} s" if recovered is not None else f"none in {REPLACED_LIMIT_S} s"
+        log(f"  {name}: prefill replaced -> a request succeeds after {said} ({attempts} tries)")
     finally:
         pair.stop()
     return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
 
 
 def run(
@@ -283,26 +360,64 @@ def run(
     quick: bool = False,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    n, blocks = (20, 8) if quick else (100, 16)
+    sizes = (24, 8, 2) if quick else (200, 16, 4)
+    n, blocks, in_flight = sizes
     workdir = Path(tempfile.mkdtemp(prefix="kvtopo-bench-vllm-"))
     token = secrets.token_hex(16)
     token_file = workdir / "token"
     token_file.write_text(token + "\n")
     log(
-        f"kvtopo bench vllm: {n} requests of {blocks} blocks of {BLOCK_SIZE} tokens; logs in "
-        f"{workdir}"
+        f"kvtopo bench vllm: {n} requests of {blocks} blocks of {BLOCK_SIZE} tokens, "
+        f"{in_flight} in flight, per variant; engine logs in {workdir}"
     )
-    results = [
-        _run_connector(c, workdir, token_file, token, n, blocks, log) for c in ("nixl", "kvtopo")
-    ]
-    by = {r["connector"]: r for r in results}
-    ratio = None
-    if by["nixl"]["steady"]["bytes_per_s"]:
-        ratio = round(
-            by["kvtopo"]["steady"]["bytes_per_s"] / by["nixl"]["steady"]["bytes_per_s"], 3
-        )
-    report = {"block_size": BLOCK_SIZE, "runs": results, "throughput_ratio": ratio}
+    runs = [_run_variant(v, workdir, token_file, token, sizes, log) for v in VARIANTS]
+    by = {r["variant"]: r for r in runs}
+    report = {
+        "block_size": BLOCK_SIZE,
+        "replaced_limit_s": REPLACED_LIMIT_S,
+        "runs": runs,
+        "throughput_ratio": _ratio(
+            by["kvtopo"]["steady"]["bytes_per_s"], by["nixl"]["steady"]["bytes_per_s"]
+        ),
+        "throughput_ratio_no_operator": _ratio(
+            by["kvtopo_no_operator"]["steady"]["bytes_per_s"], by["nixl"]["steady"]["bytes_per_s"]
+        ),
+    }
+    log(format_table(report))
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The report as a Markdown table, one column per variant."""
+    runs = report["runs"]
+
+    def cell(value: float | None, fmt: str, none: str) -> str:
+        return none if value is None else fmt.format(value)
+
+    limit = f"none in {report['replaced_limit_s']:.0f} s"
+    rows = [
+        ("first request after the engines serve", "first_request_s", "{:.3f} s", "failed"),
+        ("prefill replaced -> a request succeeds", "replaced_prefill_s", "{:.2f} s", limit),
+    ]
+    lines = [
+        "| | " + " | ".join(r["variant"] for r in runs) + " |",
+        "|---" * (len(runs) + 1) + "|",
+    ]
+    for label, key, fmt, none in rows:
+        lines.append(f"| {label} | " + " | ".join(cell(r[key], fmt, none) for r in runs) + " |")
+    for label, key, fmt in (
+        ("steady p50", "p50_ms", "{:.1f} ms"),
+        ("steady p99", "p99_ms", "{:.1f} ms"),
+        ("steady KV bytes/s", "bytes_per_s", "{:,.0f}"),
+        ("steady failed", "failed", "{}"),
+    ):
+        values = [cell(r["steady"][key], fmt, "-") for r in runs]
+        lines.append(f"| {label} | " + " | ".join(values) + " |")
+    lines.append(
+        f"\nthroughput kvtopo/nixl: {report['throughput_ratio']} "
+        f"(without the operator: {report['throughput_ratio_no_operator']})"
+    )
+    return "\n".join(lines)

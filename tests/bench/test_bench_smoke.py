@@ -50,7 +50,7 @@ def test_the_summary_checks_each_target_and_says_what_is_missing(tmp_path: Path)
     from kvtopo_bench.summary import summarize
 
     table, ok = summarize(tmp_path)
-    assert not ok and table.count("**missing**") == 3
+    assert not ok and table.count("**missing**") == 4
     case = {
         "block_bytes": 32768,
         "blocks_per_request": 64,
@@ -77,9 +77,56 @@ def test_the_summary_checks_each_target_and_says_what_is_missing(tmp_path: Path)
         for size, ready, rollout in (("16x64", 0.4, 3.0), ("32x1000", 15.0, 30.0))
     ]
     (tmp_path / "operator.json").write_text(json.dumps({"sizes": sizes}))
+    vllm = {
+        "replaced_limit_s": 60.0,
+        "throughput_ratio": 1.2,
+        "runs": [
+            {"variant": "nixl", "first_request_s": 0.4, "replaced_prefill_s": None},
+            {"variant": "kvtopo", "first_request_s": 0.07, "replaced_prefill_s": 0.1},
+        ],
+    }
+    (tmp_path / "vllm.json").write_text(json.dumps(vllm))
     table, ok = summarize(tmp_path)
     assert ok and "**missed**" not in table and "no CUDA device" in table
+    assert "| prefill replaced -> a request succeeds, vllm nixl | none in 60 s |" in table
+    vllm["throughput_ratio"] = 0.9
+    (tmp_path / "vllm.json").write_text(json.dumps(vllm))
+    table, ok = summarize(tmp_path)
+    assert not ok and "NixlPushConnector | 0.90 | >= 0.95 | **missed** |" in table
+    vllm["throughput_ratio"] = 1.2
+    (tmp_path / "vllm.json").write_text(json.dumps(vllm))
     sizes[1]["rollout_converge_s"] = 61.0
     (tmp_path / "operator.json").write_text(json.dumps({"sizes": sizes}))
     table, ok = summarize(tmp_path)
     assert not ok and "| rollout converged, 32x1000 | 61.0 s | <= 60 s | **missed** |" in table
+
+
+def test_the_vllm_table_puts_the_variants_side_by_side() -> None:
+    from kvtopo_bench import vllm
+
+    steady = {"p50_ms": 60.0, "p99_ms": 90.0, "bytes_per_s": 4_000_000, "failed": 0}
+    report = {
+        "replaced_limit_s": 60.0,
+        "throughput_ratio": 1.5,
+        "throughput_ratio_no_operator": 1.4,
+        "runs": [
+            {
+                "variant": "nixl",
+                "first_request_s": 0.4,
+                "replaced_prefill_s": None,
+                "steady": {**steady, "bytes_per_s": 2_000_000, "failed": 3},
+            },
+            {
+                "variant": "kvtopo",
+                "first_request_s": 0.07,
+                "replaced_prefill_s": 0.1,
+                "steady": steady,
+            },
+        ],
+    }
+    table = vllm.format_table(report)
+    assert table.splitlines()[0] == "| | nixl | kvtopo |"
+    assert "| prefill replaced -> a request succeeds | none in 60 s | 0.10 s |" in table
+    assert "| steady KV bytes/s | 2,000,000 | 4,000,000 |" in table
+    assert "| steady failed | 3 | 0 |" in table
+    assert [v.name for v in vllm.VARIANTS] == ["nixl", "kvtopo", "kvtopo_no_operator"]

@@ -27,7 +27,6 @@ import json
 import logging
 import math
 import os
-import signal
 import sys
 import threading
 import time
@@ -348,6 +347,12 @@ class VllmEngine(EngineTraffic):
                         failure = FailedRequest(rid, FailureType.SHUTDOWN, message)
                         if (outcome := self._end(rid, failure)) is not None:
                             ended.append(outcome)
+                elif self.role == "prefill" and self.connector == "nixl":
+                    # vLLM's own connector frees the blocks when its lease ends; the
+                    # request ends here, as it would when the engine stops.
+                    failure = FailedRequest(rid, FailureType.SHUTDOWN, message)
+                    if (outcome := self._end(rid, failure)) is not None:
+                        ended.append(outcome)
                 elif self.role == "prefill":
                     for worker in self.workers:
                         push = worker.push_connector
@@ -580,20 +585,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvtopo vllm engine: {exc}", file=sys.stderr)
         return 2
     engine.start()
-    done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
-    signal.signal(signal.SIGINT, lambda *_: done.set())
-    line = {
+    ready = {
         "engine_id": engine.engine_id,
         "endpoint": engine.endpoint,
         "role": engine.role,
         "incarnation": engine.incarnation,
     }
-    print(json.dumps(line), file=ready_out, flush=True)
-    done.wait()
-    engine.begin_drain(args.drain_timeout)
-    if not engine.wait_drained(2 * args.drain_timeout + 1):
-        log.warning("exiting with requests not drained: %s", engine.drain_state())
+    engine.serve_until_signalled(ready, ready_out, args.drain_timeout)
     engine.stop()
     return 0
 
