@@ -53,6 +53,7 @@ from kvtopo_operator.model import (
     PodView,
     Progress,
     Role,
+    RoundCache,
     SetIdleTTL,
     TopologyView,
     WorkerUnreachable,
@@ -271,6 +272,9 @@ class Pairing:
     pair_counts: Mapping[str, tuple[int, int]]  # engine id -> (connected, expected) pairs
     n_expected: int
     roles: Mapping[str, str] = field(default_factory=dict)  # engine id -> its role
+    # Usable engine id -> the peers it holds (not being evicted) that are not its partners:
+    # gone engines' and unpaired ones', nearly always none.
+    extra_held: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
     @property
     def n_connected(self) -> int:
@@ -317,6 +321,60 @@ class _Among:
         )
 
 
+_NO_PARTNERS: frozenset[str] = frozenset()
+
+
+def _extra_held(holder: WorkerView, partners: frozenset[str]) -> frozenset[str]:
+    """What `holder` holds, not being evicted, beyond `partners`."""
+    held = holder.peers - holder.evicting if holder.evicting else holder.peers
+    return held - partners
+
+
+class _Memo:
+    """One round's use of a `RoundCache`: an engine set equal to last round's is last
+    round's object, and a result for a view and a set that are the objects it was computed
+    from is taken as it was (every input of these functions is immutable). What this round
+    did not use is dropped at `done`."""
+
+    def __init__(self, cache: RoundCache | None) -> None:
+        self.cache = cache
+        self.groups: dict[object, object] = {}
+        self.results: dict[tuple[str, int, int], tuple[object, object, frozenset[str]]] = {}
+
+    def among(self, key: object, ids: frozenset[str], incarnation: Mapping[str, str]) -> _Among:
+        fresh = _Among.of(ids, incarnation)
+        old = self.cache.groups.get(key) if self.cache is not None else None
+        if isinstance(old, _Among) and old == fresh:
+            fresh = old
+        self.groups[key] = fresh
+        return fresh
+
+    def _result(
+        self, kind: str, view: WorkerView, among: _Among | frozenset[str]
+    ) -> frozenset[str]:
+        key = (kind, id(view), id(among))
+        hit = self.cache.results.get(key) if self.cache is not None else None
+        if hit is not None and hit[0] is view and hit[1] is among:
+            value = hit[2]
+        elif isinstance(among, _Among):
+            value = among.ids - _held_as_is(view, among)
+        else:
+            value = _extra_held(view, among)
+        self.results[key] = (view, among, value)
+        return value
+
+    def lacking(self, holder: WorkerView, among: _Among) -> frozenset[str]:
+        """The engines of `among` that `holder` does not hold as they are now."""
+        return self._result("lacking", holder, among)
+
+    def extra_held(self, holder: WorkerView, partners: frozenset[str]) -> frozenset[str]:
+        return self._result("extra", holder, partners)
+
+    def done(self) -> None:
+        if self.cache is not None:
+            self.cache.groups, self.cache.results = self.groups, self.results
+
+
 def _held_as_is(holder: WorkerView, among: _Among) -> frozenset[str]:
     """The engines of `among` that `holder` holds as they are now (`holds`), by set
     operations: a prefill holds a thousand peers."""
@@ -337,14 +395,18 @@ def _held_as_is(holder: WorkerView, among: _Among) -> frozenset[str]:
     return candidates
 
 
-def pair_engines(spec: KVTopologySpec, live: Mapping[str, Usable]) -> Pairing:
+def pair_engines(
+    spec: KVTopologySpec, live: Mapping[str, Usable], cache: RoundCache | None = None
+) -> Pairing:
     """Policy: every usable prefill with every usable decode whose `pairing.matchLabels`
     agree is a pair, unless their compatibility hashes differ; each half that its holder
     does not hold as it is now (`holds`) is a handshake to make.
 
     Costs in proportion to the engines and the missing halves, not to the pairs: engines
     pair within a group of equal pairing-label values and compatibility hash, and what each
-    engine holds of its group is found by set operations."""
+    engine holds of its group is found by set operations, which `cache` (last round's)
+    spares for every worker whose view and group are unchanged."""
+    memo = _Memo(cache)
     keys = spec.pairing.match_labels
     groups: dict[tuple[str, ...], tuple[list[Usable], list[Usable]]] = {}
     for e in sorted(live.values(), key=_by_pod):
@@ -357,7 +419,7 @@ def pair_engines(spec: KVTopologySpec, live: Mapping[str, Usable]) -> Pairing:
     partner_ids: dict[str, frozenset[str]] = {}
     missing: set[tuple[str, str]] = set()
     misses: Counter[str] = Counter()  # engine id -> its pairs not connected
-    for prefills, decodes in groups.values():
+    for gkey, (prefills, decodes) in groups.items():
         if not prefills or not decodes:
             continue
         # Incompatible pairs (different hashes) are reported per pair, in pair order.
@@ -377,19 +439,22 @@ def pair_engines(spec: KVTopologySpec, live: Mapping[str, Usable]) -> Pairing:
             ds = [d for d in decodes if d.worker.compat_hash == compat]
             if not ps or not ds:
                 continue
-            pset = frozenset(p.worker.engine_id for p in ps)
-            dset = frozenset(d.worker.engine_id for d in ds)
+            p_among = memo.among(
+                (gkey, compat, "prefill"), frozenset(p.worker.engine_id for p in ps), incarnation
+            )
+            d_among = memo.among(
+                (gkey, compat, "decode"), frozenset(d.worker.engine_id for d in ds), incarnation
+            )
+            pset, dset = p_among.ids, d_among.ids
             for pid in pset:
                 partner_ids[pid] = dset
             for did in dset:
                 partner_ids[did] = pset
-            p_among, d_among = _Among.of(pset, incarnation), _Among.of(dset, incarnation)
             # The decodes that do not hold a prefill as it is now, by prefill (only the
             # missing halves are visited).
             lacking: dict[str, list[Usable]] = {}
             for d in ds:
-                not_held = pset - _held_as_is(d.worker, p_among)
-                for pid in not_held:
+                for pid in memo.lacking(d.worker, p_among):
                     lacking.setdefault(pid, []).append(d)
             for a in (*ps, *ds):  # unhealthy halves: the few a holder reports
                 others = dset if a.pod.role == "prefill" else pset
@@ -399,7 +464,7 @@ def pair_engines(spec: KVTopologySpec, live: Mapping[str, Usable]) -> Pairing:
                         unhealthy[(a.worker.engine_id, peer)] = (a.pod.name, b.pod.name, why)
             for p in ps:
                 pid = p.worker.engine_id
-                p_lacks = dset - _held_as_is(p.worker, d_among)
+                p_lacks = memo.lacking(p.worker, d_among)
                 d_lack = lacking.get(pid, [])
                 if not p_lacks and not d_lack:
                     continue  # the whole row is connected
@@ -412,6 +477,11 @@ def pair_engines(spec: KVTopologySpec, live: Mapping[str, Usable]) -> Pairing:
                 missing |= row
                 misses[pid] += len(row)
                 misses.update(did for _, did in row)
+    extra_held = {
+        eid: memo.extra_held(e.worker, partner_ids.get(eid, _NO_PARTNERS))
+        for eid, e in live.items()
+    }
+    memo.done()
     return Pairing(
         partner_ids=partner_ids,
         missing=frozenset(missing),
@@ -423,6 +493,7 @@ def pair_engines(spec: KVTopologySpec, live: Mapping[str, Usable]) -> Pairing:
             len(ids) for eid, ids in partner_ids.items() if live[eid].pod.role == "prefill"
         ),
         roles={eid: live[eid].pod.role for eid in partner_ids},
+        extra_held=extra_held,
     )
 
 
@@ -467,20 +538,25 @@ class Gone:
     since: datetime  # when it was first seen gone
 
 
-def gone_engines(obs: Observed, engines: Engines, now: datetime) -> dict[str, Gone]:
+def gone_engines(
+    obs: Observed,
+    engines: Engines,
+    now: datetime,
+    extra_held: Mapping[str, frozenset[str]] | None = None,
+) -> dict[str, Gone]:
     """Policy: engines known before (or held as a peer by a usable engine) that are not
     usable now, and since when. An engine whose pod is selected but whose worker cannot be
     read is not gone (nobody can tell; it is kept as it was, `Failed`), unless it was
-    already draining; one whose pod an older topology now owns is handed over, not gone."""
+    already draining; one whose pod an older topology now owns is handed over, not gone.
+
+    `extra_held`: what each usable engine holds beyond its partners (`Pairing.extra_held`;
+    by default all it holds): a gone engine is never a partner."""
     grace = timedelta(seconds=obs.spec.eviction.grace_seconds)
     prev_engines = {e.engine_id: e for e in obs.previous.engines if e.engine_id}
     live, cannot_tell = engines.live, set(engines.unusable)
-    held = frozenset().union(
-        *(
-            e.worker.peers - e.worker.evicting if e.worker.evicting else e.worker.peers
-            for e in live.values()
-        )
-    )
+    if extra_held is None:
+        extra_held = {eid: _extra_held(e.worker, _NO_PARTNERS) for eid, e in live.items()}
+    held = frozenset().union(*extra_held.values())  # not usable ones, among others
     gone: dict[str, Gone] = {}
     for eid, prev in prev_engines.items():
         if eid in live or prev.state == EngineState.EVICTED:
@@ -495,8 +571,8 @@ def gone_engines(obs: Observed, engines: Engines, now: datetime) -> dict[str, Go
     # Peers held by a usable engine that is not usable and not gone yet (found by set
     # operations; the first holder, in order, tells the role).
     unknown = set(held.difference(live, gone))
-    for e in live.values() if unknown else ():
-        for peer in sorted((e.worker.peers - e.worker.evicting) & unknown):
+    for eid, e in live.items() if unknown else ():
+        for peer in sorted(extra_held[eid] & unknown):
             unknown.discard(peer)
             known = prev_engines.get(peer)
             if (
@@ -543,8 +619,11 @@ def evictions_due(
     partners = pairing.partners()
     unpairing: dict[tuple[str, str], datetime] = {}
     for eid, e in live.items():
-        # Set differences first (a prefill holds a thousand peers, nearly all partners).
-        held = e.worker.peers - e.worker.evicting - partners.get(eid, set())
+        # What it holds beyond its partners (a prefill holds a thousand peers, nearly all
+        # partners: the pairing found these by set operations).
+        held = pairing.extra_held.get(eid)
+        if held is None:
+            held = _extra_held(e.worker, partners.get(eid, _NO_PARTNERS))
         for peer in sorted(held):
             if peer not in live:
                 continue
@@ -667,7 +746,7 @@ def engine_statuses(
                 engine_id=eid,
                 endpoint=e.pod.endpoint,
                 state=state,
-                peers=len(e.worker.peers - e.worker.evicting),
+                peers=len(e.worker.peers) - len(e.worker.peers & e.worker.evicting),
                 since=stamp,
                 message=message,
                 compat_hash=e.worker.compat_hash,
@@ -797,8 +876,8 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
     pods = tuple(p for p in pods_of(spec, obs.pods) if p.name not in obs.claimed)
     grace = timedelta(seconds=spec.eviction.grace_seconds)
     engines = usable_engines(pods, obs.workers)
-    pairing = pair_engines(spec, engines.live)
-    gone = gone_engines(obs, engines, now)
+    pairing = pair_engines(spec, engines.live, obs.memory.cache)
+    gone = gone_engines(obs, engines, now, pairing.extra_held)
     evicting = evictions_due(engines.live, gone, pairing, obs.memory, grace, now)
     tally = tally_failures(engines.live, obs.previous, obs.memory)
     statuses, events = engine_statuses(obs, engines, pairing, gone, evicting, tally, now)
@@ -871,6 +950,7 @@ def _remember(memory: Memory, gone: Mapping[str, Gone], tally: Tally, now: datet
         seen_at=seen_at,
         counts=dict(tally.counts),
         last=tally.last,
+        cache=memory.cache,
     )
 
 

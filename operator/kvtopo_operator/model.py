@@ -80,6 +80,19 @@ class WorkerUnreachable:
     message: str
 
 
+class RoundCache:
+    """`evaluate`'s memo of its per-engine set operations (a prefill holds a thousand
+    peers; 500 x 1,500 engines are 750,000 pairs a round): each result kept by the worker
+    view and the engine set it was computed from, valid while both are the same objects
+    (views are immutable: a worker that changed is a new view), and kept for one round
+    after its last use. Not data: never compared, shown or written; an empty one only
+    costs a round its full price."""
+
+    def __init__(self) -> None:
+        self.groups: dict[object, object] = {}  # group key -> its engine set (logic._Among)
+        self.results: dict[tuple[str, int, int], tuple[object, object, frozenset[str]]] = {}
+
+
 @dataclass(frozen=True)
 class Memory:
     """What the operator remembers of a topology between rounds, whether or not its status
@@ -99,6 +112,7 @@ class Memory:
     unhealthy: frozenset[tuple[str, str]] = frozenset()
     counts: Mapping[str, int] | None = None  # None: take the status's
     last: LastFailure | None = None
+    cache: RoundCache = field(default_factory=RoundCache, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ fails (403)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from datetime import timedelta
 from typing import Any, cast
 
@@ -16,7 +17,9 @@ from kvtopo_operator.kube import KubeClient
 from kvtopo_operator.logic import evaluate
 from kvtopo_operator.metrics import OperatorMetrics
 from kvtopo_operator.model import (
+    Memory,
     Observed,
+    RoundCache,
     WorkerView,
 )
 from kvtopo_operator.reconcile import Reconciler, Settings
@@ -144,3 +147,62 @@ async def test_with_every_status_write_refused_a_gone_engine_is_still_evicted() 
         assert metrics.status_write_failures._value.get() == kube.refused
     finally:
         reconciler.cancel_all()
+
+
+def _view(eid: str, role: str, held: dict[str, str], **kw: Any) -> WorkerView:
+    return WorkerView(
+        engine_id=eid,
+        role=role,  # type: ignore[arg-type]
+        compat_hash="hash",
+        peers=frozenset(held),
+        incarnation=f"i-{eid}",
+        peer_incarnations=held,
+        **kw,
+    )
+
+
+def test_the_round_memo_changes_no_decision() -> None:
+    """Rounds that carry `Memory.cache` decide exactly as rounds that start without it,
+    through unchanged views (the memo's hits), replaced ones, a restarted engine, an
+    unhealthy peer, evictions and a pairing label change."""
+    ps, ds = ["p0", "p1", "p2"], ["d0", "d1", "d2", "d3"]
+    inc = {n.upper(): f"i-{n.upper()}" for n in ps + ds}
+    pods = {n: pod(n, "prefill" if n in ps else "decode") for n in ps + ds}
+    views = {
+        n: _view(
+            n.upper(),
+            "prefill" if n in ps else "decode",
+            {o.upper(): inc[o.upper()] for o in (ds if n in ps else ps)},
+        )
+        for n in ps + ds
+    }
+    rounds: list[dict[str, WorkerView]] = [dict(views), dict(views)]
+    # d3 goes; p0 and p1 have dropped it, p2 still holds it.
+    r = {n: v for n, v in views.items() if n != "d3"}
+    for n in ("p0", "p1"):
+        held = {k: x for k, x in r[n].peer_incarnations.items() if k != "D3"}
+        r[n] = dataclasses.replace(r[n], peers=frozenset(held), peer_incarnations=held)
+    rounds += [r, dict(r)]
+    # d0 restarts (a new incarnation), p1 reports d1 unhealthy.
+    r = dict(r)
+    r["d0"] = dataclasses.replace(r["d0"], incarnation="i-D0-2")
+    r["p1"] = dataclasses.replace(r["p1"], unhealthy_peers={"D1": "dropped: disconnected"})
+    rounds += [r, dict(r)]
+    rounds.append({n: v for n, v in r.items() if n != "d1"})
+    pod_rounds = [list(pods.values())] * len(rounds)
+    relabeled = dict(pods, d2=pod("d2", "decode", version="v2"))
+    rounds.append(dict(rounds[-1]))
+    pod_rounds.append(list(relabeled.values()))
+    previous, memory = KVTopologyStatus(), Memory()
+    for i, (round_pods, workers) in enumerate(zip(pod_rounds, rounds, strict=True)):
+        now = T0 + timedelta(seconds=5 * i)
+        present = [p for p in round_pods if p.name in workers]
+        obs = Observed(3, SPEC, tuple(present), workers, previous, memory=memory)
+        remembered = evaluate(obs, now)
+        fresh = evaluate(
+            dataclasses.replace(obs, memory=dataclasses.replace(memory, cache=RoundCache())), now
+        )
+        assert remembered == fresh, f"round {i}"
+        assert remembered.memory is not None
+        previous, memory = remembered.status, remembered.memory
+    assert memory.cache.results  # the memo was used and kept
