@@ -702,6 +702,11 @@ def run(
             f"{baseline_tree} is not a kvtopo source tree (no operator/kvtopo_operator): make "
             "one with `git worktree add DIR COMMIT` or `git archive COMMIT | tar -x -C DIR`"
         )
+    from kvtopo_bench import decision
+
+    log("kvtopo bench operator: the decision alone (evaluate), 500 prefill x 1500 decode")
+    decided = decision.measure(500, 1500, rounds=3 if quick else 7)
+    log("  " + json.dumps(decided))
     sizes = SIZES[:1] if quick else SIZES
     nodes = max(3, (max(p + d for p, d in sizes) * 2) // 100 + 1)
     workdir = Path("out") / "bench-operator"  # beside the drill's, under the working folder
@@ -741,7 +746,12 @@ def run(
                     first = res
             assert first is not None
             results.append(first)
-    report: dict[str, Any] = {"benchmark": "operator", "quick": quick, "sizes": results}
+    report: dict[str, Any] = {
+        "benchmark": "operator",
+        "quick": quick,
+        "decision": decided,
+        "sizes": results,
+    }
     if baseline_tree is not None:
         report["side_by_side"] = side_by_side
         report["baseline_tree"] = str(baseline_tree)

@@ -93,6 +93,22 @@ def _operator_targets(size: dict[str, Any]) -> dict[str, tuple[float, str]]:
 
 def _operator(report: dict[str, Any]) -> list[Row]:
     rows: list[Row] = []
+    decided = report.get("decision")  # absent from a report of an older bench
+    if decided is not None:
+        size, steady = decided["size"], decided["steady_round_s"]
+        rows.append(
+            (
+                f"decision per round, steady, {size}",
+                f"{steady:.3f} s",
+                "<= 0.1 s",
+                _verdict(steady <= 0.1),
+            )
+        )
+        for key, label in (
+            ("steady_no_memo_round_s", "the same round, nothing remembered"),
+            ("one_replaced_round_s", "decision per round, one decode replaced"),
+        ):
+            rows.append((f"{label}, {size}", f"{decided[key]:.3f} s", "-", "-"))
     for size in report["sizes"]:
         targets = _operator_targets(size)
         for key, label, fmt in _OPERATOR_FIGURES:

@@ -76,7 +76,13 @@ def test_the_summary_checks_each_target_and_says_what_is_missing(tmp_path: Path)
         }
         for size, ready, rollout in (("16x64", 0.4, 3.0), ("32x1000", 15.0, 30.0))
     ]
-    (tmp_path / "operator.json").write_text(json.dumps({"sizes": sizes}))
+    decided = {
+        "size": "500x1500",
+        "steady_round_s": 0.06,
+        "steady_no_memo_round_s": 0.5,
+        "one_replaced_round_s": 0.4,
+    }
+    (tmp_path / "operator.json").write_text(json.dumps({"sizes": sizes, "decision": decided}))
     vllm = {
         "replaced_limit_s": 60.0,
         "throughput_ratio": 1.2,
@@ -89,6 +95,7 @@ def test_the_summary_checks_each_target_and_says_what_is_missing(tmp_path: Path)
     table, ok = summarize(tmp_path)
     assert ok and "**missed**" not in table and "no CUDA device" in table
     assert "| prefill replaced -> a request succeeds, vllm nixl | none in 60 s |" in table
+    assert "| decision per round, steady, 500x1500 | 0.060 s | <= 0.1 s | met |" in table
     vllm["throughput_ratio"] = 0.9
     (tmp_path / "vllm.json").write_text(json.dumps(vllm))
     table, ok = summarize(tmp_path)
@@ -130,3 +137,12 @@ def test_the_vllm_table_puts_the_variants_side_by_side() -> None:
     assert "| steady KV bytes/s | 2,000,000 | 4,000,000 |" in table
     assert "| steady failed | 3 | 0 |" in table
     assert [v.name for v in vllm.VARIANTS] == ["nixl", "kvtopo", "kvtopo_no_operator"]
+
+
+def test_the_decision_benchmark_measures_rounds_over_a_full_mesh() -> None:
+    from kvtopo_bench import decision
+
+    res = decision.measure(4, 12, rounds=2)
+    assert res["size"] == "4x12" and res["pairs"] == 48
+    for key in ("cold_round_s", "steady_round_s", "steady_no_memo_round_s", "one_replaced_round_s"):
+        assert res[key] > 0, res
