@@ -103,7 +103,8 @@ def add_bench_parser(
             "operator",
             _bench_report("operator"),
             "the operator at fleet scale on a local control plane with kwok",
-            "16 x 64 and 32 x 1000 pods with in-process fake worker control servers: pod "
+            "The decision alone (evaluate, 500 x 1500 engines, no cluster); then 16 x 64, "
+            "32 x 1000 and 64 x 2000 pods with in-process fake worker control servers: pod "
             "serving -> pairs Connected, pod gone -> evicted, full rollout -> converged "
             "(beside the same rollout with only the control plane, measured first), "
             "operator RSS and CPU per 1,000 pod events.",

@@ -12,11 +12,13 @@ the worker control API (`/v1/state` with its ETag and 304, `PUT|DELETE /v1/peers
 A kubelet-like agent hears the pods through kvtopo's own pod watch (`podwatch`) and gives
 each Ready pod its fake worker and its endpoint annotation.
 
-Measured per size: pod serving (its endpoint annotated) -> all of its pairs Connected both
-ways (p50/p99), pod deleted -> evicted from every peer (p50/p99), a full decode rollout ->
-converged (with its timeline: the Deployment's last change vs the operator's tail, and beside
-it the same rollout with only the control plane running, measured first in the same run), the
-operator's peak RSS and CPU seconds per 1,000 pod events, and this process's own CPU over
+First, with no cluster, the decision alone (`decision`: `evaluate` at 500 x 1500 engines).
+Then, per size (16 x 64, 32 x 1000, 64 x 2000): pod serving (its endpoint annotated) -> all
+of its pairs Connected both ways (p50/p99), pod deleted -> evicted from every peer
+(p50/p99), a full decode rollout -> converged (with its timeline: the Deployment's last
+change vs the operator's tail, and beside it the same rollout with only the control plane
+running, measured first in the same run), the operator's peak RSS and CPU seconds per 1,000
+pod events, and this process's own CPU over
 the same window (`bench_cpu_s`: the machine is shared with the control plane).
 """
 
@@ -57,7 +59,7 @@ from kvtopo_worker.protocol import (
     tag_matches,
 )
 
-SIZES = ((16, 64), (32, 1000))
+SIZES = ((16, 64), (32, 1000), (64, 2000))
 CONTROL_PORT = 8975
 """The KVTopology's default controlPort, where every fake worker listens at its pod IP."""
 GRACE = 1
