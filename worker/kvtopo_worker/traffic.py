@@ -28,6 +28,7 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any, TextIO
 
 import msgspec
@@ -217,15 +218,7 @@ class EngineTraffic:
 
     async def _post_request(self, request: web.Request) -> web.Response:
         body = decode_json_body(await request.read(), SubmitRequest)
-        try:
-            self.submit(body)
-        except EngineDraining as exc:
-            return json_error(503, "draining", str(exc))
-        except BlockingIOError as exc:
-            return json_error(503, "no_capacity", str(exc))
-        except ValueError as exc:
-            raise MalformedMessage(str(exc)) from None
-        return web.Response(status=202, body=b'{"accepted":true}', content_type="application/json")
+        return admission_answer(lambda: self.submit(body))
 
     async def _post_drain(self, request: web.Request) -> web.Response:
         body = decode_json_body(await request.read() or b"{}", DrainRequest)
@@ -251,6 +244,21 @@ class EngineTraffic:
             body=msgspec.json.encode(self.drain_outcomes(max(1, min(limit, 100_000)), ack)),
             content_type="application/json",
         )
+
+
+def admission_answer(take: Callable[[], None]) -> web.Response:
+    """The answer to a request an engine route takes in with `take()`: 202 once it is the
+    engine's, 503 `draining` or `no_capacity` when it cannot be (nothing is lost); a
+    ValueError is the request's fault (raised as MalformedMessage: 400)."""
+    try:
+        take()
+    except EngineDraining as exc:
+        return json_error(503, "draining", str(exc))
+    except BlockingIOError as exc:
+        return json_error(503, "no_capacity", str(exc))
+    except ValueError as exc:
+        raise MalformedMessage(str(exc)) from None
+    return web.Response(status=202, body=b'{"accepted":true}', content_type="application/json")
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:

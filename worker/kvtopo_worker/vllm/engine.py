@@ -55,7 +55,7 @@ from kvtopo_worker.traffic import (
     EngineTraffic,
     TrafficServer,
     add_engine_arguments,
-    json_error,
+    admission_answer,
 )
 from kvtopo_worker.vllm import offline
 from kvtopo_worker.vllm.connector import KVTopoConnector, attach_traffic
@@ -307,17 +307,11 @@ class VllmEngine(EngineTraffic):
         if not 0 < len(rid) <= 256 or not prompt_len > 0 or not 0 < max_tokens <= 4096:
             raise MalformedMessage("request_id 1..256 characters, prompt_len and max_tokens > 0")
         peer = str(params.get("remote_engine_id", ""))
-        try:
-            self.add_request(
+        return admission_answer(
+            lambda: self.add_request(
                 rid, prompt_len, max_tokens, params, peer_engine_id=peer, content_id=content_id
             )
-        except EngineDraining as exc:
-            return json_error(503, "draining", str(exc))
-        except BlockingIOError as exc:
-            return json_error(503, "no_capacity", str(exc))
-        except ValueError as exc:
-            raise MalformedMessage(str(exc)) from None
-        return web.json_response({"accepted": True}, status=202)
+        )
 
     async def _get_vllm_request(self, request: web.Request) -> web.Response:
         rid = request.match_info["rid"]
