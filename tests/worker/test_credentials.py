@@ -11,7 +11,13 @@ import pytest
 
 from kvtopo_operator.model import WorkerView
 from kvtopo_operator.workers import WorkerClient
-from kvtopo_worker.credentials import TokenError, TokenSource, read_credential, read_token_file
+from kvtopo_worker.credentials import (
+    TokenError,
+    TokenSource,
+    bearer_token,
+    read_credential,
+    read_token_file,
+)
 from tests.worker.test_agent import call, make_node
 
 
@@ -216,3 +222,50 @@ def test_a_rotation_applied_to_one_pod_only_keeps_both_sides_talking(tmp_path: P
     finally:
         updated.server.stop()
         lagging.server.stop()
+
+
+@pytest.mark.parametrize(
+    ("header", "token"),
+    [
+        ("Bearer s3cret", b"s3cret"),
+        ("bearer s3cret", b""),  # another scheme, as the control API reads it
+        ("Basic czNjcmV0", b""),
+        ("", b""),
+        ("Bearer \udcff", b""),  # header text no token can be: refused, not a crash
+    ],
+)
+def test_the_bearer_header_is_read_one_way_on_every_receiving_server(
+    header: str, token: bytes
+) -> None:
+    assert bearer_token(header) == token
+
+
+def test_the_traffic_server_refuses_a_bad_token_and_answers_503_while_it_has_none(
+    tmp_path: Path,
+) -> None:
+    """The vLLM engine's traffic server checks the bearer as the control API does: 401 for a
+    wrong or missing token, 503 (not a 500) while its token file holds no token."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from kvtopo_worker.traffic import EngineTraffic, TrafficServer
+
+    f = tmp_path / "token"
+    f.write_text("s3cret\n")
+    server = TrafficServer(EngineTraffic(), "127.0.0.1", 0, str(f))
+
+    async def scenario() -> list[tuple[int, str]]:
+        seen = []
+        async with TestClient(TestServer(server.app)) as client:
+            for headers in ({}, {"Authorization": "Bearer wrong"}):
+                r = await client.get("/v1/finished", headers=headers)
+                seen.append((r.status, (await r.json())["error"]))
+            _rewrite(f, "\n")
+            r = await client.get("/v1/finished", headers={"Authorization": "Bearer s3cret"})
+            seen.append((r.status, (await r.json())["error"]))
+        return seen
+
+    assert asyncio.run(scenario()) == [
+        (401, "unauthorized"),
+        (401, "unauthorized"),
+        (503, "token_unavailable"),
+    ]

@@ -52,7 +52,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import generate_latest
 
-from kvtopo_worker.credentials import TokenError, TokenSource
+from kvtopo_worker.credentials import TokenError, TokenSource, bearer_token
 from kvtopo_worker.endpoints import Endpoint, EndpointError, parse_endpoint
 from kvtopo_worker.http import read_bounded, request_as
 from kvtopo_worker.metrics import WorkerMetrics
@@ -313,11 +313,7 @@ class ControlServer:
         every other route; each accepts its current and its previous token. Else the answer:
         401 without a valid token, 403 for a peer token on an operator route, 503 while a
         credential file of our own holds no token."""
-        header = request.headers.get("Authorization", "")
-        try:
-            given = (header[7:] if header.startswith("Bearer ") else "").encode()
-        except UnicodeError:  # undecodable header bytes: no token of ours looks like that
-            given = b""
+        given = bearer_token(request.headers.get("Authorization", ""))
         peer_route = request.path == "/v1/metadata"
         needed, other = (
             (("peer", self.peer_token), ("operator", self.token))

@@ -16,8 +16,9 @@ pod and one not yet updated still accept each other. There are two credentials: 
 operator's (the admin routes: peers, state) and the peers' (a peer's metadata only).
 
 Used by the worker's control API (`agent`, which checks both and sends the peer credential
-to peers) and by the operator's worker client (which sends the operator credential);
-imports nothing but the standard library.
+to peers), by the vLLM engine's traffic server (`traffic`: the receiving side's
+`bearer_token` and `accepts`, as the control API uses them) and by the operator's worker
+client (which sends the operator credential); imports nothing but the standard library.
 """
 
 from __future__ import annotations
@@ -68,6 +69,19 @@ def read_credential(path: str | Path) -> tuple[str, str | None]:
 def read_token_file(path: str | Path) -> str:
     """The current token in `path` (see `read_credential`)."""
     return read_credential(path)[0]
+
+
+def bearer_token(header: str) -> bytes:
+    """The token an `Authorization` header carries as `Bearer <token>`, as bytes to give
+    `TokenSource.accepts`; b"" for another scheme, no header, or header text that cannot be
+    encoded (no token of ours looks like that). The one parser of the header on the
+    receiving side."""
+    if not header.startswith("Bearer "):
+        return b""
+    try:
+        return header[7:].encode()
+    except UnicodeError:
+        return b""
 
 
 def _same(given: bytes, token: str) -> bool:

@@ -34,7 +34,7 @@ from typing import Any, TextIO
 import msgspec
 from aiohttp import web
 
-from kvtopo_worker.credentials import TokenSource
+from kvtopo_worker.credentials import TokenError, TokenSource, bearer_token
 from kvtopo_worker.protocol import (
     DrainRequest,
     DrainState,
@@ -386,10 +386,15 @@ class TrafficServer:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        header = request.headers.get("Authorization", "")
-        given = header[7:].encode() if header.startswith("Bearer ") else b""
-        if self.token.accepts(given) is None:
-            return json_error(401, "unauthorized", "a valid bearer token is needed")
+        try:
+            accepted = self.token.accepts(bearer_token(request.headers.get("Authorization", "")))
+        except TokenError as exc:  # no token of our own: nothing is authorised
+            log.error("traffic API refused %s %s: %s", request.method, request.path, exc)
+            return json_error(503, "token_unavailable", str(exc))
+        if accepted is None:
+            return json_error(
+                401, "unauthorized", "a valid 'Authorization: Bearer <token>' is required"
+            )
         try:
             response: web.StreamResponse = await handler(request)
         except MalformedMessage as exc:
