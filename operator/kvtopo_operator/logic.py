@@ -349,26 +349,32 @@ class _Memo:
         self.groups[key] = fresh
         return fresh
 
-    def _result(
-        self, kind: str, view: WorkerView, among: _Among | frozenset[str]
-    ) -> frozenset[str]:
+    def _cached(
+        self, kind: str, view: WorkerView, among: object
+    ) -> tuple[tuple[str, int, int], frozenset[str] | None]:
+        """The key of a result for these objects, and the result last round computed for
+        exactly them (None: compute it)."""
         key = (kind, id(view), id(among))
         hit = self.cache.results.get(key) if self.cache is not None else None
         if hit is not None and hit[0] is view and hit[1] is among:
-            value = hit[2]
-        elif isinstance(among, _Among):
-            value = among.ids - _held_as_is(view, among)
-        else:
-            value = _extra_held(view, among)
-        self.results[key] = (view, among, value)
-        return value
+            return key, hit[2]
+        return key, None
 
     def lacking(self, holder: WorkerView, among: _Among) -> frozenset[str]:
         """The engines of `among` that `holder` does not hold as they are now."""
-        return self._result("lacking", holder, among)
+        key, value = self._cached("lacking", holder, among)
+        if value is None:
+            value = among.ids - _held_as_is(holder, among)
+        self.results[key] = (holder, among, value)
+        return value
 
     def extra_held(self, holder: WorkerView, partners: frozenset[str]) -> frozenset[str]:
-        return self._result("extra", holder, partners)
+        """The engines `holder` holds that are none of `partners` (`_extra_held`)."""
+        key, value = self._cached("extra", holder, partners)
+        if value is None:
+            value = _extra_held(holder, partners)
+        self.results[key] = (holder, partners, value)
+        return value
 
     def done(self) -> None:
         if self.cache is not None:
