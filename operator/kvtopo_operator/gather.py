@@ -1,15 +1,21 @@
 """The operator's memory of worker state between reconcile rounds (the incremental gather).
 
 Owns `WorkerViews`: the last `/v1/state` read from each engine pod's worker, when it was
-read, and which workers must be read again. A round re-reads only the workers that are new,
-moved to another endpoint, unreachable last time, marked dirty (a call to them failed), or
-older than the full-resync age; the others keep their last view, updated with the outcome
-of the operator's own calls (a peer it added is a peer the worker holds). So a pod event in
-a fleet of a thousand workers costs the reads of the pods that changed, not a thousand, and
-drift the operator did not cause (failures, restarts) is still seen within the resync age.
+read, and which workers must be read again. A round reads, and waits for, only the workers
+that are new, moved to another endpoint, unreachable last time or marked dirty (a call to
+them failed); the others keep their last view, updated with the outcome of the operator's
+own calls (a peer it added is a peer the worker holds). So a pod event in a fleet of a
+thousand workers costs the reads of the pods that changed, not a thousand.
+
+Drift the operator did not cause (failures, restarts, a peer gone unhealthy) is still seen
+within about the resync age: a worker whose view is older than it is read again in the
+background, off the round's path, at the round's concurrency; a re-read that brings a
+different view calls `on_change` (the loop's poke), so the next round runs at once on it.
+A background answer is dropped when the view changed meanwhile (the operator's own call,
+or a read of the round): it could be older than what the operator already knows.
 A re-read is conditional: a view exactly as read is sent back by its ETag, and a worker
 whose state has not changed answers 304 with no body (the reader then returns that view).
-Called by `reconcile`; the reader and clock are injected.
+Called by `reconcile`; the reader, clock and poke are injected.
 """
 
 from __future__ import annotations
@@ -38,30 +44,54 @@ class _Entry:
     view: Seen
     read_at: float
     dirty: bool = False
+    changes: int = 0  # the operator's own changes to the view since it was read
+
+
+def _same(a: Seen, b: Seen) -> bool:
+    """Whether two views say the same (an ETag alone is no difference)."""
+    if isinstance(a, WorkerView) and isinstance(b, WorkerView):
+        return a is b or dataclasses.replace(a, etag="") == dataclasses.replace(b, etag="")
+    return a == b
 
 
 class WorkerViews:
     """The workers of one topology, as last read, and which to read again."""
 
     def __init__(
-        self, read: Reader, *, max_age_s: float, clock: Callable[[], float] = time.monotonic
+        self,
+        read: Reader,
+        *,
+        max_age_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[], None] = lambda: None,
     ) -> None:
         self._read = read
         self._max_age_s = max_age_s
         self._clock = clock
+        self._on_change = on_change
         self._entries: dict[str, _Entry] = {}  # by pod name
+        self._refreshing: set[str] = set()  # pods whose background re-read is under way
+        self._refreshers: set[asyncio.Task[None]] = set()
         self.reads = 0  # state reads made so far (for metrics and tests)
         self.unchanged = 0  # of which the worker confirmed the view kept (304)
+        self.refreshed_changed = 0  # background re-reads that brought a different view
 
-    def _due(self, pod: PodView, now: float) -> bool:
+    def _due(self, pod: PodView) -> bool:
+        """Whether the round must read `pod`'s worker before it decides."""
         entry = self._entries.get(pod.name)
         return (
             entry is None
             or entry.dirty
             or entry.endpoint != pod.endpoint
             or isinstance(entry.view, WorkerUnreachable)
-            or now - entry.read_at >= self._max_age_s
         )
+
+    def _known(self, pod: PodView) -> WorkerView | None:
+        """The view to offer a conditional read of `pod`'s worker (None: read it whole)."""
+        entry = self._entries.get(pod.name)
+        if entry is not None and entry.endpoint == pod.endpoint:
+            return entry.view if isinstance(entry.view, WorkerView) else None
+        return None
 
     async def gather(
         self, pods: Iterable[PodView], *, concurrency: int, timeout_s: float
@@ -71,35 +101,85 @@ class WorkerViews:
         usable = {p.name: p for p in pods if p.ready and not p.deleting and p.endpoint}
         for name in [n for n in self._entries if n not in usable]:
             del self._entries[name]
-        now = self._clock()
-        due = [p for p in usable.values() if self._due(p, now)]
+        due = [p for p in usable.values() if self._due(p)]
         sem = asyncio.Semaphore(max(1, concurrency))
 
         async def read(pod: PodView) -> None:
-            entry = self._entries.get(pod.name)
-            known = (
-                entry.view
-                if entry is not None
-                and entry.endpoint == pod.endpoint
-                and isinstance(entry.view, WorkerView)
-                else None
-            )
+            known = self._known(pod)
             async with sem:
                 started = self._clock()
                 view = await self._read(pod.endpoint, timeout_s, known)
+            self.reads += 1
             if view is known:
                 self.unchanged += 1
             self._entries[pod.name] = _Entry(pod.endpoint, view, started)
 
         await asyncio.gather(*(read(p) for p in due))
-        self.reads += len(due)
+        now = self._clock()
+        old = now - self._max_age_s
+        stale = [
+            p
+            for p in usable.values()
+            if p.name not in self._refreshing and self._entries[p.name].read_at <= old
+        ]
+        if stale:
+            self._refreshing.update(p.name for p in stale)
+            task = asyncio.create_task(self._refresh(stale, concurrency, timeout_s))
+            self._refreshers.add(task)
+            task.add_done_callback(self._refreshers.discard)
         return {name: self._entries[name].view for name in usable}
+
+    async def _refresh(self, pods: list[PodView], concurrency: int, timeout_s: float) -> None:
+        """Re-reads the workers of `pods` (their views are stale) in the background; a view
+        that differs from the one held is kept and pokes the loop."""
+        sem = asyncio.Semaphore(max(1, concurrency))
+        changed = False
+
+        async def read(pod: PodView) -> None:
+            nonlocal changed
+            try:
+                entry = self._entries.get(pod.name)
+                if entry is None or entry.endpoint != pod.endpoint:
+                    return  # gone or moved since: a round reads it
+                async with sem:
+                    before, changes = self._entries.get(pod.name), entry.changes
+                    if before is not entry:
+                        return
+                    known = self._known(pod)
+                    started = self._clock()
+                    view = await self._read(pod.endpoint, timeout_s, known)
+                self.reads += 1
+                if view is known:
+                    self.unchanged += 1
+                if self._entries.get(pod.name) is not entry or entry.changes != changes:
+                    return  # read again, or changed by the operator's own call, meanwhile
+                if not _same(view, entry.view):
+                    self.refreshed_changed += 1
+                    changed = True
+                self._entries[pod.name] = _Entry(pod.endpoint, view, started)
+            finally:
+                self._refreshing.discard(pod.name)
+
+        await asyncio.gather(*(read(p) for p in pods))
+        if changed:
+            self._on_change()
+
+    async def refreshed(self) -> None:
+        """Returns once the background re-reads started so far have ended."""
+        while self._refreshers:
+            await asyncio.gather(*self._refreshers, return_exceptions=True)
+
+    def close(self) -> None:
+        """Cancels the background re-reads (the loop is gone)."""
+        for task in self._refreshers:
+            task.cancel()
 
     def _update(self, pod: str, change: Callable[[WorkerView], WorkerView]) -> None:
         entry = self._entries.get(pod)
         if entry is not None and isinstance(entry.view, WorkerView):
             # No longer the view as read: the worker's ETag no longer vouches for it.
             entry.view = dataclasses.replace(change(entry.view), etag="")
+            entry.changes += 1
 
     def peer_added(self, pod: str, engine_id: str, incarnation: str = "") -> None:
         """The worker of `pod` answered that it holds `engine_id` (added, renewed or
@@ -157,3 +237,4 @@ class WorkerViews:
         entry = self._entries.get(pod)
         if entry is not None:
             entry.dirty = True
+            entry.changes += 1  # a background read under way may predate the failed call

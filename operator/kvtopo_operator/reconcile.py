@@ -4,7 +4,8 @@ Owns one asyncio task per KVTopology. Each task waits for a poke (a pod or spec 
 its resync period, then reconciles: reads the topology fresh, takes its pods from the pod
 index (those it owns: `logic.owned_pods`, against the namespace's other topologies from the
 topology source), gathers the workers' `/v1/state` (incrementally: `gather.WorkerViews`
-re-reads only new, failed or stale workers), asks `logic.evaluate` for a plan, makes the
+reads only new, moved or failed workers in the round, and stale ones in the background,
+poking the loop when one changed), asks `logic.evaluate` for a plan, makes the
 handshakes and evictions (one batched call per worker, bounded concurrency, timeouts), writes
 the status once (only when it changed) and records Events and metrics. A topology's reconciles never
 overlap because only its own task runs them. Called by `handlers` (kopf).
@@ -157,7 +158,10 @@ class Reconciler:
         if loop is None or loop.task.done():
             poke = asyncio.Event()
             task = asyncio.create_task(self._run(key, poke), name=f"kvtopo-{key[0]}/{key[1]}")
-            views = WorkerViews(self.workers.state, max_age_s=0.9 * self.settings.resync_s)
+            # A stale worker is re-read in the background; a different view pokes the loop.
+            views = WorkerViews(
+                self.workers.state, max_age_s=0.9 * self.settings.resync_s, on_change=poke.set
+            )
             self._loops[key] = _Loop(task=task, views=views, poke=poke)
             poke.set()
             return
@@ -173,6 +177,7 @@ class Reconciler:
         loop = self._loops.pop(key, None)
         if loop is not None:
             loop.task.cancel()
+            loop.views.close()
             if loop.writer is not None:
                 loop.writer.cancel()
 

@@ -48,12 +48,23 @@ def gather(views: WorkerViews, pods: list[PodView]) -> dict[str, WorkerView | Wo
     return dict(asyncio.run(views.gather(pods, concurrency=4, timeout_s=1.0)))
 
 
+def refresh(views: WorkerViews, pods: list[PodView]) -> dict[str, WorkerView | WorkerUnreachable]:
+    """A round, its background re-reads ended, and what the next round sees."""
+
+    async def both() -> dict[str, WorkerView | WorkerUnreachable]:
+        await views.gather(pods, concurrency=4, timeout_s=1.0)
+        await views.refreshed()
+        return dict(await views.gather(pods, concurrency=4, timeout_s=1.0))
+
+    return asyncio.run(both())
+
+
 def setup() -> tuple[Workers, Clock, WorkerViews]:
     workers, clock = Workers(), Clock()
     return workers, clock, WorkerViews(workers.read, max_age_s=2.0, clock=clock)
 
 
-def test_only_new_failed_moved_or_stale_workers_are_read_again() -> None:
+def test_only_new_failed_or_moved_workers_are_read_in_the_round() -> None:
     workers, clock, views = setup()
     a, b = pod("a"), pod("b")
     workers.answers = {a.endpoint: view("ea"), b.endpoint: view("eb")}
@@ -79,11 +90,97 @@ def test_only_new_failed_moved_or_stale_workers_are_read_again() -> None:
     workers.reads.clear()
     assert gather(views, [a, moved, c])["b"] == view("eb2") and workers.reads == [moved.endpoint]
 
-    # Past the resync age, every worker read then is read again.
-    workers.reads.clear()
-    clock.now += 1.0  # a and its first read are now 2.0 s old; b2 and c are younger
-    gather(views, [a, moved, c])
-    assert workers.reads == [a.endpoint]
+
+def test_a_stale_worker_is_read_again_in_the_background_and_a_change_pokes_the_loop() -> None:
+    """Past the resync age a worker is re-read off the round's path: the round decides on
+    the view held, and only a re-read that brings a different view pokes the loop."""
+    workers, clock = Workers(), Clock()
+    pokes: list[float] = []
+    views = WorkerViews(
+        workers.read, max_age_s=2.0, clock=clock, on_change=lambda: pokes.append(clock.now)
+    )
+    a, b = pod("a"), pod("b")
+    workers.answers = {a.endpoint: view("ea", "p1"), b.endpoint: view("eb")}
+
+    async def scenario() -> None:
+        await views.gather([a, b], concurrency=4, timeout_s=1.0)
+        await views.refreshed()
+        assert pokes == [] and views.reads == 2  # nothing was stale
+
+        clock.now += 1.0
+        workers.reads.clear()
+        await views.gather([a, b], concurrency=4, timeout_s=1.0)
+        await views.refreshed()
+        assert workers.reads == [] and pokes == []  # young views: no read at all
+
+        # Both stale; a's worker now holds another peer, b's is as it was.
+        clock.now += 1.0
+        workers.answers[a.endpoint] = view("ea", "p1", "p2")
+        got = await views.gather([a, b], concurrency=4, timeout_s=1.0)
+        assert got["a"] == view("ea", "p1"), "the round does not wait for a stale re-read"
+        await views.refreshed()
+        assert sorted(workers.reads) == [a.endpoint, b.endpoint]
+        assert len(pokes) == 1 and views.refreshed_changed == 1
+        got = await views.gather([a, b], concurrency=4, timeout_s=1.0)
+        assert got["a"] == view("ea", "p1", "p2")
+        await views.refreshed()
+        assert sorted(workers.reads) == [a.endpoint, b.endpoint], "both are young again"
+
+    asyncio.run(scenario())
+
+
+def test_a_background_read_never_overwrites_what_the_operator_learnt_meanwhile() -> None:
+    """A stale re-read in flight while the operator's own call changes the view (or a call
+    fails) is dropped: its answer may predate the call."""
+    release = asyncio.Event()
+
+    class Slow(Workers):
+        async def read(
+            self, endpoint: str, timeout_s: float, known: WorkerView | None = None
+        ) -> WorkerView | WorkerUnreachable:
+            self.reads.append(endpoint)
+            answer = self.answers[endpoint]
+            if len(self.reads) > 1:
+                await release.wait()
+            return answer
+
+    workers, clock = Slow(), Clock()
+    pokes: list[int] = []
+    views = WorkerViews(workers.read, max_age_s=2.0, clock=clock, on_change=lambda: pokes.append(1))
+    p = pod("p")
+    workers.answers[p.endpoint] = view("ep", "d1")
+
+    async def reads_reach(n: int) -> None:
+        for _ in range(100):  # the background task's steps, not time
+            if len(workers.reads) >= n:
+                return
+            await asyncio.sleep(0)
+        raise AssertionError(f"{len(workers.reads)} reads, not {n}")
+
+    async def scenario() -> None:
+        await views.gather([p], concurrency=4, timeout_s=1.0)
+        clock.now += 2.0
+        await views.gather([p], concurrency=4, timeout_s=1.0)  # the re-read starts, waits
+        await reads_reach(2)
+        views.peer_added("p", "d2")  # the operator's call lands while the read is out
+        release.set()
+        await views.refreshed()
+        held = views.view("p")
+        assert isinstance(held, WorkerView) and held.peers == {"d1", "d2"} and pokes == []
+        # Stale still (the dropped answer did not count as a read), so it is read again.
+        release.clear()
+        clock.now += 0.1
+        workers.answers[p.endpoint] = view("ep", "d1", "d2", "d3")
+        await views.gather([p], concurrency=4, timeout_s=1.0)
+        await reads_reach(3)
+        views.mark_dirty("p")  # a call fails meanwhile: the round must read it itself
+        release.set()
+        await views.refreshed()
+        got = await views.gather([p], concurrency=4, timeout_s=1.0)
+        assert got["p"] == view("ep", "d1", "d2", "d3") and len(workers.reads) == 4
+        views.close()
+
+    asyncio.run(scenario())
 
 
 def test_the_operators_own_calls_update_the_views_and_a_failed_call_forces_a_read() -> None:
@@ -151,8 +248,8 @@ def test_a_re_read_offers_the_view_as_read_and_keeps_it_when_the_worker_confirms
     workers.answers[a.endpoint] = first
     assert gather(views, [a])["a"] is first and offered == [None]
 
-    clock.now += 2.0  # stale: read again, offering the view as read
-    assert gather(views, [a])["a"] is first
+    clock.now += 2.0  # stale: read again (in the background), offering the view as read
+    assert refresh(views, [a])["a"] is first
     assert offered[-1] is first and (views.reads, views.unchanged) == (2, 1)
 
     # The operator added a peer: the view is its own now, with no ETag to offer.
@@ -162,7 +259,7 @@ def test_a_re_read_offers_the_view_as_read_and_keeps_it_when_the_worker_confirms
     now = WorkerView("ea", "decode", "h", frozenset({"p1", "p2"}), etag="t2")
     workers.answers[a.endpoint] = now
     clock.now += 2.0
-    got = gather(views, [a])["a"]
+    got = refresh(views, [a])["a"]
     assert offered[-1] is mine and isinstance(got, WorkerView) and got.etag == "t2"
     assert views.unchanged == 1
 
