@@ -118,3 +118,23 @@ def test_a_failed_idle_ttl_call_has_the_worker_read_again() -> None:
         assert workers.idle_ttls == [(pods[0].endpoint, 30.0)] * 2  # and tried again
 
     asyncio.run(body())
+
+
+def test_the_status_writes_slow_down_as_the_status_grows() -> None:
+    """A status of many engine lines is written less often: the API server's cost per
+    second of a large topology's status stays about that of a small one's."""
+    from kvtopo_operator.reconcile import Settings
+
+    reconciler = Reconciler(
+        kube=cast(KubeClient, object()),
+        workers=cast(WorkerClient, object()),
+        pods=lambda namespace, port: (),
+        metrics=OperatorMetrics(),
+        settings=Settings(status_interval_s=1.0, status_engines_per_interval=500),
+    )
+
+    def pause(lines: int) -> float:
+        return reconciler.status_pause({"engines": [{}] * lines, "conditions": []})
+
+    assert pause(0) == pause(80) == pause(500) == 1.0
+    assert pause(1032) == 1032 / 500 and pause(2064) == 2064 / 500
