@@ -221,7 +221,10 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
         topologies=_topology_source,
         bodies=lambda key: _state.get("bodies", {}).get(key),
         metrics=memo["metrics"],
-        settings=Settings(resync_s=memo.get("resync_s", 2.0)),
+        settings=Settings(
+            resync_s=memo.get("resync_s", 2.0),
+            state_reads_per_s=memo.get("state_reads_per_s", 250.0),
+        ),
     )
     _state["metrics"] = memo["metrics"]
     _state.setdefault("known", {})

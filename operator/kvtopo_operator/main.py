@@ -80,8 +80,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--resync-seconds",
         type=float,
         default=2.0,
-        help="the longest a worker's state goes unread; new workers, and workers a call "
-        "to failed, are read at once",
+        help="the longest a worker's state goes unread (longer in a topology too large to "
+        "re-read within --state-reads-per-second); new workers, and workers a call to "
+        "failed, are read at once",
+    )
+    p.add_argument(
+        "--state-reads-per-second",
+        type=float,
+        default=250.0,
+        help="at most this many periodic worker-state re-reads a second per topology: in a "
+        "topology of more than --resync-seconds x this workers, each is re-read every "
+        "workers / this seconds instead (4 s at 1,000); 0: no bound",
     )
     p.add_argument("--peering", default=None, help="kopf peering name (default: standalone)")
     p.add_argument("--verbose", "-v", action="store_true")
@@ -173,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         token=os.environ.get("KVTOPO_WORKER_TOKEN"),
         metrics=metrics,
         resync_s=args.resync_seconds,
+        state_reads_per_s=args.state_reads_per_second,
         relist_s=args.relist_seconds,
         stuck_after_s=args.stuck_after_seconds,
         watch_namespaces=None if args.all_namespaces else list(args.namespace),

@@ -75,6 +75,10 @@ BodySource = Callable[[TopologyKey], Mapping[str, Any] | None]
 @dataclass
 class Settings:
     resync_s: float = 2.0  # worker state is polled at least this often
+    # ... unless the topology is so large that this would take more re-reads a second than
+    # this (per topology): a worker's state then goes unread for up to workers / this
+    # (4 s at 1,000 workers, 8 s at 2,000). New, moved and failed workers are read at once.
+    state_reads_per_s: float = 250.0
     # Status writes at most this often per topology (the newest status is written at the
     # end of the interval): a rollout changes it every round, and each write of up to
     # 2,048 engine lines costs the API server and every watcher of KVTopologies. The
@@ -164,7 +168,10 @@ class Reconciler:
             task = asyncio.create_task(self._run(key, poke), name=f"kvtopo-{key[0]}/{key[1]}")
             # A stale worker is re-read in the background; a different view pokes the loop.
             views = WorkerViews(
-                self.workers.state, max_age_s=0.9 * self.settings.resync_s, on_change=poke.set
+                self.workers.state,
+                max_age_s=0.9 * self.settings.resync_s,
+                reads_per_s=self.settings.state_reads_per_s,
+                on_change=poke.set,
             )
             self._loops[key] = _Loop(task=task, views=views, poke=poke)
             poke.set()

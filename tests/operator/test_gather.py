@@ -268,3 +268,26 @@ def test_a_re_read_offers_the_view_as_read_and_keeps_it_when_the_worker_confirms
     workers.answers[moved.endpoint] = view("ea2")
     gather(views, [moved])
     assert offered[-1] is None
+
+
+def test_a_large_topology_stretches_the_resync_age_to_stay_within_the_read_budget() -> None:
+    workers, clock = Workers(), Clock()
+    views = WorkerViews(workers.read, max_age_s=1.8, reads_per_s=250.0, clock=clock)
+    assert views.refresh_age(80) == 1.8 and views.refresh_age(450) == 1.8
+    assert views.refresh_age(1000) == 4.0 and views.refresh_age(2000) == 8.0
+    assert WorkerViews(workers.read, max_age_s=1.8).refresh_age(2000) == 1.8  # no budget
+
+    # Three workers and a budget of one read a second: each is re-read after 3 s, not 1.8.
+    views = WorkerViews(workers.read, max_age_s=1.8, reads_per_s=1.0, clock=clock)
+    pods = [pod(n) for n in "abc"]
+    workers.answers = {p.endpoint: view(f"e{p.name}") for p in pods}
+
+    async def scenario() -> None:
+        await views.gather(pods, concurrency=4, timeout_s=1.0)
+        for age, reads in ((2.0, 3), (2.999, 3), (3.0, 6)):
+            clock.now = 100.0 + age
+            await views.gather(pods, concurrency=4, timeout_s=1.0)
+            await views.refreshed()
+            assert len(workers.reads) == reads, age
+
+    asyncio.run(scenario())
