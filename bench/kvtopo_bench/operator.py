@@ -545,6 +545,8 @@ class SizeRun:
             cpu0, _ = _proc_cpu_rss(pid)
             own0 = time.process_time()
             ev0 = self.events
+            reads0, unmodified0 = self.fleet.state_reads, self.fleet.not_modified
+            window0 = time.monotonic()
             roles: tuple[tuple[manifests.Role, int], ...] = (
                 ("prefill", self.prefill),
                 ("decode", self.decode),
@@ -646,6 +648,12 @@ class SizeRun:
                 "agent_polls": self.events - ev0,  # the agent's passes over the pods
                 # The benchmark's own load (fake workers, the agent, sampling), same window.
                 "bench_cpu_s": round(own, 2),
+                # The operator's state reads the fake workers answered (and of them, 304s).
+                "state_reads": self.fleet.state_reads - reads0,
+                "state_reads_not_modified": self.fleet.not_modified - unmodified0,
+                # The window the CPU and read figures cover: the operator's start to the end
+                # of the rollout (initial fleet, replacements, rollout).
+                "window_s": round(time.monotonic() - window0, 1),
             }
         finally:
             agent.cancel()
