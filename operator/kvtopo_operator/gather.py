@@ -144,12 +144,11 @@ class WorkerViews:
 
     async def _refresh(self, pods: list[PodView], concurrency: int, timeout_s: float) -> None:
         """Re-reads the workers of `pods` (their views are stale) in the background; a view
-        that differs from the one held is kept and pokes the loop."""
+        that differs from the one held is kept and pokes the loop at once (not at the end of
+        the batch: a thousand re-reads take a second or two)."""
         sem = asyncio.Semaphore(max(1, concurrency))
-        changed = False
 
         async def read(pod: PodView) -> None:
-            nonlocal changed
             try:
                 entry = self._entries.get(pod.name)
                 if entry is None or entry.endpoint != pod.endpoint:
@@ -166,16 +165,15 @@ class WorkerViews:
                     self.unchanged += 1
                 if self._entries.get(pod.name) is not entry or entry.changes != changes:
                     return  # read again, or changed by the operator's own call, meanwhile
-                if not _same(view, entry.view):
-                    self.refreshed_changed += 1
-                    changed = True
+                changed = not _same(view, entry.view)
                 self._entries[pod.name] = _Entry(pod.endpoint, view, started)
+                if changed:
+                    self.refreshed_changed += 1
+                    self._on_change()
             finally:
                 self._refreshing.discard(pod.name)
 
         await asyncio.gather(*(read(p) for p in pods))
-        if changed:
-            self._on_change()
 
     async def refreshed(self) -> None:
         """Returns once the background re-reads started so far have ended."""

@@ -291,3 +291,41 @@ def test_a_large_topology_stretches_the_resync_age_to_stay_within_the_read_budge
             assert len(workers.reads) == reads, age
 
     asyncio.run(scenario())
+
+
+def test_a_change_found_by_a_re_read_pokes_the_loop_before_the_rest_of_the_batch_ends() -> None:
+    """One slow worker in a batch of stale re-reads does not hold back the news of another
+    worker's change: the loop is poked as soon as that answer is in."""
+    release = asyncio.Event()
+    pokes: list[int] = []
+
+    class OneSlow(Workers):
+        async def read(
+            self, endpoint: str, timeout_s: float, known: WorkerView | None = None
+        ) -> WorkerView | WorkerUnreachable:
+            self.reads.append(endpoint)
+            if endpoint.endswith(":slow") and known is not None:
+                await release.wait()
+            return self.answers[endpoint]
+
+    workers, clock = OneSlow(), Clock()
+    views = WorkerViews(workers.read, max_age_s=2.0, clock=clock, on_change=lambda: pokes.append(1))
+    fast, slow = pod("fast"), pod("slow")
+    workers.answers = {fast.endpoint: view("ef"), slow.endpoint: view("es")}
+
+    async def scenario() -> None:
+        await views.gather([fast, slow], concurrency=4, timeout_s=1.0)
+        clock.now += 2.0
+        workers.answers[fast.endpoint] = view("ef", "p1")  # the fast one changed
+        await views.gather([fast, slow], concurrency=4, timeout_s=1.0)
+        for _ in range(100):  # the background task's steps, not time
+            if pokes:
+                break
+            await asyncio.sleep(0)
+        assert pokes == [1], "poked while the slow worker's re-read is still out"
+        assert not release.is_set()
+        release.set()
+        await views.refreshed()
+        assert pokes == [1]
+
+    asyncio.run(scenario())
