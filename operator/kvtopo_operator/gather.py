@@ -110,14 +110,8 @@ class WorkerViews:
         sem = asyncio.Semaphore(max(1, concurrency))
 
         async def read(pod: PodView) -> None:
-            known = self._known(pod)
             async with sem:
-                started = self._clock()
-                view = await self._read(pod.endpoint, timeout_s, known)
-            self.reads += 1
-            if view is known:
-                self.unchanged += 1
-            self._entries[pod.name] = _Entry(pod.endpoint, view, started)
+                self._entries[pod.name] = await self._read_entry(pod, timeout_s)
 
         await asyncio.gather(*(read(p) for p in due))
         now = self._clock()
@@ -133,6 +127,16 @@ class WorkerViews:
             self._refreshers.add(task)
             task.add_done_callback(self._refreshers.discard)
         return {name: self._entries[name].view for name in usable}
+
+    async def _read_entry(self, pod: PodView, timeout_s: float) -> _Entry:
+        """One read of `pod`'s worker (conditional on the view held), counted."""
+        known = self._known(pod)
+        started = self._clock()
+        view = await self._read(pod.endpoint, timeout_s, known)
+        self.reads += 1
+        if view is known:
+            self.unchanged += 1
+        return _Entry(pod.endpoint, view, started)
 
     def refresh_age(self, workers: int) -> float:
         """How old a view of one of `workers` workers gets before it is re-read: the
@@ -157,16 +161,11 @@ class WorkerViews:
                     before, changes = self._entries.get(pod.name), entry.changes
                     if before is not entry:
                         return
-                    known = self._known(pod)
-                    started = self._clock()
-                    view = await self._read(pod.endpoint, timeout_s, known)
-                self.reads += 1
-                if view is known:
-                    self.unchanged += 1
+                    fresh = await self._read_entry(pod, timeout_s)
                 if self._entries.get(pod.name) is not entry or entry.changes != changes:
                     return  # read again, or changed by the operator's own call, meanwhile
-                changed = not _same(view, entry.view)
-                self._entries[pod.name] = _Entry(pod.endpoint, view, started)
+                changed = not _same(fresh.view, entry.view)
+                self._entries[pod.name] = fresh
                 if changed:
                     self.refreshed_changed += 1
                     self._on_change()

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
@@ -349,32 +349,26 @@ class _Memo:
         self.groups[key] = fresh
         return fresh
 
-    def _cached(
-        self, kind: str, view: WorkerView, among: object
-    ) -> tuple[tuple[str, int, int], frozenset[str] | None]:
-        """The key of a result for these objects, and the result last round computed for
-        exactly them (None: compute it)."""
+    def _result(
+        self, kind: str, view: WorkerView, among: object, compute: Callable[[], frozenset[str]]
+    ) -> frozenset[str]:
+        """The result for exactly these objects: last round's when it computed it for them,
+        else `compute()`; kept for the next round."""
         key = (kind, id(view), id(among))
         hit = self.cache.results.get(key) if self.cache is not None else None
-        if hit is not None and hit[0] is view and hit[1] is among:
-            return key, hit[2]
-        return key, None
+        value = hit[2] if hit is not None and hit[0] is view and hit[1] is among else compute()
+        self.results[key] = (view, among, value)
+        return value
 
     def lacking(self, holder: WorkerView, among: _Among) -> frozenset[str]:
         """The engines of `among` that `holder` does not hold as they are now."""
-        key, value = self._cached("lacking", holder, among)
-        if value is None:
-            value = among.ids - _held_as_is(holder, among)
-        self.results[key] = (holder, among, value)
-        return value
+        return self._result(
+            "lacking", holder, among, lambda: among.ids - _held_as_is(holder, among)
+        )
 
     def extra_held(self, holder: WorkerView, partners: frozenset[str]) -> frozenset[str]:
         """The engines `holder` holds that are none of `partners` (`_extra_held`)."""
-        key, value = self._cached("extra", holder, partners)
-        if value is None:
-            value = _extra_held(holder, partners)
-        self.results[key] = (holder, partners, value)
-        return value
+        return self._result("extra", holder, partners, lambda: _extra_held(holder, partners))
 
     def done(self) -> None:
         if self.cache is not None:
