@@ -223,7 +223,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
         metrics=memo["metrics"],
         settings=Settings(
             resync_s=memo.get("resync_s", 2.0),
-            state_reads_per_s=memo.get("state_reads_per_s", 250.0),
+            state_reads_per_s=memo.get("state_reads_per_s", Settings.state_reads_per_s),
         ),
     )
     _state["metrics"] = memo["metrics"]

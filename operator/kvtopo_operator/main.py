@@ -87,10 +87,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--state-reads-per-second",
         type=float,
-        default=250.0,
+        default=100.0,
         help="at most this many periodic worker-state re-reads a second per topology: in a "
         "topology of more than --resync-seconds x this workers, each is re-read every "
-        "workers / this seconds instead (4 s at 1,000); 0: no bound",
+        "workers / this seconds instead (10 s at 1,000); 0: no bound",
     )
     p.add_argument("--peering", default=None, help="kopf peering name (default: standalone)")
     p.add_argument("--verbose", "-v", action="store_true")

@@ -283,7 +283,7 @@ def test_operator_accepts_the_rendered_arguments(helm: Helm, values: dict[str, A
         assert args.leader_elect and args.leader_elect_namespace == "kvtopo-system"
     assert args.verbose == bool(values.get("operator", {}).get("verbose"))
     assert str(args.worker_token_file) == "/var/run/kvtopo/token"
-    assert args.resync_seconds == 2.0
+    assert args.resync_seconds == 2.0 and args.state_reads_per_second == 100.0
 
 
 def test_the_full_values_render_every_option(full_docs: list[dict[str, Any]]) -> None:
@@ -313,6 +313,7 @@ def test_the_full_values_render_every_option(full_docs: list[dict[str, Any]]) ->
     args = parse_args(c["args"])
     assert args.namespace == ["llm-a", "llm-b"]
     assert args.peering == "kvt-peering" and args.verbose and args.resync_seconds == 5
+    assert args.state_reads_per_second == 40
     # Peering instead of leader election: one replica, Recreate, no Lease and no grant on one.
     assert not args.leader_elect
     assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"] == {"type": "Recreate"}
