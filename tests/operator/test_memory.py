@@ -12,7 +12,7 @@ from typing import Any, cast
 
 import pytest
 
-from kvtopo_operator.api import MAX_ENGINES_IN_STATUS, KVTopologyStatus, dump
+from kvtopo_operator.api import MAX_ENGINES_IN_STATUS, EngineState, KVTopologyStatus, dump
 from kvtopo_operator.kube import KubeClient
 from kvtopo_operator.logic import evaluate
 from kvtopo_operator.metrics import OperatorMetrics
@@ -206,3 +206,34 @@ def test_the_round_memo_changes_no_decision() -> None:
         assert remembered.memory is not None
         previous, memory = remembered.status, remembered.memory
     assert memory.cache.results  # the memo was used and kept
+
+
+def test_an_unchanged_engine_line_is_last_rounds_line_and_a_changed_one_is_new() -> None:
+    """A round keeps the previous status's line of each engine whose line would say the
+    same (lines are immutable; building two thousand anew each round was a fifth of it),
+    and builds the line of an engine whose peers changed, with its `since` kept."""
+    ps, ds = ["p0", "p1"], ["d0", "d1"]
+    inc = {n.upper(): f"i-{n.upper()}" for n in ps + ds}
+    pods = [pod(n, "prefill" if n in ps else "decode") for n in ps + ds]
+    views = {
+        n: _view(
+            n.upper(),
+            "prefill" if n in ps else "decode",
+            {o.upper(): inc[o.upper()] for o in (ds if n in ps else ps)},
+        )
+        for n in ps + ds
+    }
+    first = evaluate(Observed(3, SPEC, tuple(pods), views, KVTopologyStatus()), T0)
+    lines = {e.pod: e for e in first.status.engines}
+    assert {e.state for e in lines.values()} == {EngineState.CONNECTED}
+    # p0 now holds one more (unknown) peer: its line changes, the others do not.
+    changed = dict(views)
+    held = {**views["p0"].peer_incarnations, "X": "i-X"}
+    changed["p0"] = dataclasses.replace(views["p0"], peers=frozenset(held), peer_incarnations=held)
+    obs = Observed(3, SPEC, tuple(pods), changed, first.status, memory=first.memory)
+    second = evaluate(obs, T0 + timedelta(seconds=5))
+    again = {e.pod: e for e in second.status.engines}
+    assert all(again[n] is lines[n] for n in ("p1", "d0", "d1"))
+    assert again["p0"] is not lines["p0"]
+    assert (again["p0"].peers, lines["p0"].peers) == (3, 2)
+    assert again["p0"].since == lines["p0"].since  # still Connected since the first round
