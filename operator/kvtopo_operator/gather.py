@@ -18,6 +18,10 @@ A background answer is dropped when the view changed meanwhile (the operator's o
 or a read of the round): it could be older than what the operator already knows.
 A re-read is conditional: a view exactly as read is sent back by its ETag, and a worker
 whose state has not changed answers 304 with no body (the reader then returns that view).
+A new worker whose first read fails (a pod can be Ready before its worker listens, when the
+readiness probe is on the engine's own port) is tried again in the background at
+`NEW_WORKER_RETRY_S`, and a view found pokes the loop: the engine is connected a fraction of
+a second later, not a round or a resync later.
 Called by `reconcile`; the reader, clock and poke are injected.
 """
 
@@ -39,6 +43,9 @@ from kvtopo_operator.model import (
 # reader may answer the known view itself when the worker confirms it unchanged (a 304).
 Reader = Callable[[str, float, WorkerView | None], Awaitable[WorkerView | WorkerUnreachable]]
 Seen = WorkerView | WorkerUnreachable
+# When a new worker whose first read failed is tried again (seconds after the try before);
+# after the last, the rounds read it, as any unreachable worker.
+NEW_WORKER_RETRY_S = (0.05, 0.1, 0.2, 0.4, 0.8)
 
 
 @dataclass
@@ -111,7 +118,14 @@ class WorkerViews:
 
         async def read(pod: PodView) -> None:
             async with sem:
-                self._entries[pod.name] = await self._read_entry(pod, timeout_s)
+                held = self._entries.get(pod.name)
+                fresh = await self._read_entry(pod, timeout_s)
+                self._entries[pod.name] = fresh
+            new = held is None or held.endpoint != pod.endpoint
+            failed = isinstance(fresh.view, WorkerUnreachable)
+            if new and failed and pod.name not in self._refreshing:
+                self._refreshing.add(pod.name)
+                self._background(self._retry(pod, timeout_s))
 
         await asyncio.gather(*(read(p) for p in due))
         now = self._clock()
@@ -123,10 +137,37 @@ class WorkerViews:
         ]
         if stale:
             self._refreshing.update(p.name for p in stale)
-            task = asyncio.create_task(self._refresh(stale, concurrency, timeout_s))
-            self._refreshers.add(task)
-            task.add_done_callback(self._refreshers.discard)
+            self._background(self._refresh(stale, concurrency, timeout_s))
         return {name: self._entries[name].view for name in usable}
+
+    def _background(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._refreshers.add(task)
+        task.add_done_callback(self._refreshers.discard)
+
+    async def _retry(self, pod: PodView, timeout_s: float) -> None:
+        """Tries a new worker that failed its first read again (`NEW_WORKER_RETRY_S`) until
+        it answers (or a round's read did) or it goes; a view found pokes the loop."""
+        try:
+            for delay in NEW_WORKER_RETRY_S:
+                await asyncio.sleep(delay)
+                entry = self._entries.get(pod.name)
+                if (
+                    entry is None
+                    or entry.endpoint != pod.endpoint
+                    or not isinstance(entry.view, WorkerUnreachable)
+                ):
+                    return  # gone, moved, or read by a round meanwhile
+                changes = entry.changes
+                fresh = await self._read_entry(pod, timeout_s)
+                if self._entries.get(pod.name) is not entry or entry.changes != changes:
+                    continue  # a round read it meanwhile: what it found is looked at next
+                self._entries[pod.name] = fresh
+                if not isinstance(fresh.view, WorkerUnreachable):
+                    self._on_change()
+                    return
+        finally:
+            self._refreshing.discard(pod.name)
 
     async def _read_entry(self, pod: PodView, timeout_s: float) -> _Entry:
         """One read of `pod`'s worker (conditional on the view held), counted."""

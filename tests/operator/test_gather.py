@@ -329,3 +329,40 @@ def test_a_change_found_by_a_re_read_pokes_the_loop_before_the_rest_of_the_batch
         assert pokes == [1]
 
     asyncio.run(scenario())
+
+
+def test_a_new_worker_that_refused_its_first_read_is_read_again_shortly_and_pokes() -> None:
+    """A pod can be Ready before its worker listens (a readiness probe on the engine's own
+    port): its first read is refused. It is read again in the background within a fraction
+    of a second, not a round or a resync later, and a view found pokes the loop; a worker
+    that stays unreachable is left to the rounds after a few tries."""
+    workers, clock = Workers(), Clock()
+    pokes: list[float] = []
+    poked = asyncio.Event()
+
+    def poke() -> None:
+        pokes.append(clock.now)
+        poked.set()
+
+    views = WorkerViews(workers.read, max_age_s=2.0, clock=clock, on_change=poke)
+    a, dead = pod("a"), pod("dead")
+    refused = WorkerUnreachable("connection refused")
+    workers.answers = {a.endpoint: refused, dead.endpoint: refused}
+
+    async def scenario() -> None:
+        got = await views.gather([a, dead], concurrency=4, timeout_s=1.0)
+        assert got == {"a": refused, "dead": refused} and pokes == []
+        workers.answers[a.endpoint] = view("ea")  # a's worker is listening now
+        try:
+            await asyncio.wait_for(poked.wait(), timeout=5.0)
+        except TimeoutError:
+            raise AssertionError("no background read of the refused new worker poked") from None
+        assert views.view("a") == view("ea")
+        # The round after the poke decides on it without reading it again.
+        reads = workers.reads.count(a.endpoint)
+        got = await views.gather([a, dead], concurrency=4, timeout_s=1.0)
+        assert got["a"] == view("ea") and workers.reads.count(a.endpoint) == reads
+        await views.refreshed()  # the dead worker's tries end
+        assert 2 <= workers.reads.count(dead.endpoint) <= 8 and len(pokes) == 1
+
+    asyncio.run(scenario())
