@@ -10,10 +10,13 @@ the worker control API (`/v1/state` with its ETag and 304, `PUT|DELETE /v1/peers
 `PATCH /v1/peers`) without NIXL.
 
 A kubelet-like agent hears the pods through kvtopo's own pod watch (`podwatch`) and gives
-each Ready pod its fake worker and its endpoint annotation.
+each Ready pod its fake worker. The engine pods carry no endpoint annotation: the operator
+calls each at its pod IP on the control port, as in a cluster whose workers listen there. (An
+agent that annotated every pod once its fake worker listened made one more write per pod,
+a fifth of the API server's pod writes, on the machine the control plane shares.)
 
 First, with no cluster, the decision alone (`decision`: `evaluate` at 500 x 1500 engines).
-Then, per size (16 x 64, 32 x 1000, 64 x 2000): pod serving (its endpoint annotated) -> all
+Then, per size (16 x 64, 32 x 1000, 64 x 2000): pod serving (its fake worker listening) -> all
 of its pairs Connected both ways (p50/p99), pod deleted -> evicted from every peer
 (p50/p99), a full decode rollout -> converged (with its timeline: the Deployment's last
 change vs the operator's tail, and beside it the same rollout with only the control plane
@@ -44,7 +47,7 @@ from aiohttp import web
 
 from kvtopo import launch
 from kvtopo.drill import manifests
-from kvtopo_operator.api import ENDPOINT_ANNOTATION, GROUP, PLURAL
+from kvtopo_operator.api import GROUP, PLURAL
 from kvtopo_operator.crd import crd_manifest
 from kvtopo_operator.kube import ClusterApi
 from kvtopo_operator.podwatch import PodStore, PodWatch
@@ -118,7 +121,7 @@ class FakeFleet:
     async def add(self, pod: str, role: str, uid: str, ip: str) -> FakeWorker:
         site = web.TCPSite(self.runner, ip, CONTROL_PORT)
         await site.start()
-        w = FakeWorker(f"fake-{pod}", role, pod, uid, ip, 0.0, site)  # serving once annotated
+        w = FakeWorker(f"fake-{pod}", role, pod, uid, ip, 0.0, site)
         self.by_ip[ip] = w
         self.by_engine[w.engine_id] = w
         return w
@@ -274,15 +277,10 @@ class SizeRun:
 
     async def agent(self) -> None:
         """Gives each Ready pod a fake worker and notices pods going (the kubelet's part)."""
-        sem = asyncio.Semaphore(16)
 
         async def serve(name: str, role: str, uid: str, ip: str) -> None:
             w = await self.fleet.add(name, role, uid, ip)
             self.by_uid[uid] = w
-            async with sem:
-                await asyncio.to_thread(
-                    self.api.annotate_pod, self.ns, name, {ENDPOINT_ANNOTATION: str(CONTROL_PORT)}
-                )
             w.serving_at = time.monotonic()
 
         # The pods come from a watch (kvtopo's own engine-pod watch), as a kubelet hears of
@@ -447,6 +445,7 @@ class SizeRun:
             max_surge="25%",
             max_unavailable="25%",
             termination_grace_seconds=0,
+            endpoint=None,
         )
         await asyncio.to_thread(self.apps.create_namespaced_deployment, ns, deployment)
         limit = 120 + self.decode * 0.6
@@ -561,6 +560,7 @@ class SizeRun:
                     max_surge="25%",
                     max_unavailable="25%",
                     termination_grace_seconds=0,
+                    endpoint=None,
                 )
                 await asyncio.to_thread(self.apps.create_namespaced_deployment, self.ns, deployment)
             limit = 120 + (self.prefill + self.decode) * 0.6
@@ -616,7 +616,7 @@ class SizeRun:
                 "last_evicted_s": max((w.evicted_at or t_roll for w in old), default=t_roll)
                 - t_roll,
             }
-            pod_events = max(1, len(self.by_uid) * 3)  # add, ready, annotate (+delete) per pod
+            pod_events = max(1, len(self.by_uid) * 3)  # add, bind, ready (+delete) per pod
             ready = initial + replaced + later
             return {
                 "size": f"{self.prefill}x{self.decode}",
