@@ -161,14 +161,10 @@ def _view(eid: str, role: str, held: dict[str, str], **kw: Any) -> WorkerView:
     )
 
 
-def test_the_round_memo_changes_no_decision() -> None:
-    """Rounds that carry `Memory.cache` decide exactly as rounds that start without it,
-    through unchanged views (the memo's hits), replaced ones, a restarted engine, an
-    unhealthy peer, evictions and a pairing label change."""
-    ps, ds = ["p0", "p1", "p2"], ["d0", "d1", "d2", "d3"]
+def _full_mesh(ps: list[str], ds: list[str]) -> dict[str, WorkerView]:
+    """Each worker's view with every engine of the other role held (pod name -> view)."""
     inc = {n.upper(): f"i-{n.upper()}" for n in ps + ds}
-    pods = {n: pod(n, "prefill" if n in ps else "decode") for n in ps + ds}
-    views = {
+    return {
         n: _view(
             n.upper(),
             "prefill" if n in ps else "decode",
@@ -176,6 +172,15 @@ def test_the_round_memo_changes_no_decision() -> None:
         )
         for n in ps + ds
     }
+
+
+def test_the_round_memo_changes_no_decision() -> None:
+    """Rounds that carry `Memory.cache` decide exactly as rounds that start without it,
+    through unchanged views (the memo's hits), replaced ones, a restarted engine, an
+    unhealthy peer, evictions and a pairing label change."""
+    ps, ds = ["p0", "p1", "p2"], ["d0", "d1", "d2", "d3"]
+    pods = {n: pod(n, "prefill" if n in ps else "decode") for n in ps + ds}
+    views = _full_mesh(ps, ds)
     rounds: list[dict[str, WorkerView]] = [dict(views), dict(views)]
     # d3 goes; p0 and p1 have dropped it, p2 still holds it.
     r = {n: v for n, v in views.items() if n != "d3"}
@@ -213,16 +218,8 @@ def test_an_unchanged_engine_line_is_last_rounds_line_and_a_changed_one_is_new()
     same (lines are immutable; building two thousand anew each round was a fifth of it),
     and builds the line of an engine whose peers changed, with its `since` kept."""
     ps, ds = ["p0", "p1"], ["d0", "d1"]
-    inc = {n.upper(): f"i-{n.upper()}" for n in ps + ds}
     pods = [pod(n, "prefill" if n in ps else "decode") for n in ps + ds]
-    views = {
-        n: _view(
-            n.upper(),
-            "prefill" if n in ps else "decode",
-            {o.upper(): inc[o.upper()] for o in (ds if n in ps else ps)},
-        )
-        for n in ps + ds
-    }
+    views = _full_mesh(ps, ds)
     first = evaluate(Observed(3, SPEC, tuple(pods), views, KVTopologyStatus()), T0)
     lines = {e.pod: e for e in first.status.engines}
     assert {e.state for e in lines.values()} == {EngineState.CONNECTED}
