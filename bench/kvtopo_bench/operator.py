@@ -346,7 +346,7 @@ class SizeRun:
                         continue
                     ip = p.pod_ips[0] if p is not None and p.pod_ips else ""
                     if p is not None and usable and ip and uid not in self.starting:
-                        if ip in claimed or self.fleet.holds(ip):
+                        if ip in claimed:
                             again.add(uid)  # its IP's old worker is still going
                         else:
                             claimed.add(ip)
@@ -355,7 +355,7 @@ class SizeRun:
                     await self.fleet.remove(w)
                 starting = []
                 for name, role, uid, ip in starts:
-                    if self.fleet.holds(ip):  # an old worker there, stopping only now
+                    if self.fleet.holds(ip):  # its IP's old worker is still going
                         again.add(uid)
                         continue
                     self.starting.add(uid)

@@ -21,7 +21,8 @@ whose state has not changed answers 304 with no body (the reader then returns th
 A new worker whose first read fails (a pod can be Ready before its worker listens, when the
 readiness probe is on the engine's own port) is tried again in the background at
 `NEW_WORKER_RETRY_S`, and a view found pokes the loop: the engine is connected a fraction of
-a second later, not a round or a resync later.
+a second later, not a round or a resync later; while those tries run, rounds neither read
+it nor wait for it.
 Called by `reconcile`; the reader, clock and poke are injected.
 """
 
@@ -95,7 +96,8 @@ class WorkerViews:
             entry is None
             or entry.dirty
             or entry.endpoint != pod.endpoint
-            or isinstance(entry.view, WorkerUnreachable)
+            # An unreachable worker, unless its background tries (a new one's) are running.
+            or (isinstance(entry.view, WorkerUnreachable) and pod.name not in self._refreshing)
         )
 
     def _known(self, pod: PodView) -> WorkerView | None:
@@ -158,16 +160,25 @@ class WorkerViews:
                     or not isinstance(entry.view, WorkerUnreachable)
                 ):
                     return  # gone, moved, or read by a round meanwhile
-                changes = entry.changes
-                fresh = await self._read_entry(pod, timeout_s)
-                if self._entries.get(pod.name) is not entry or entry.changes != changes:
+                fresh = await self._reread(pod, entry, timeout_s)
+                if fresh is None:
                     continue  # a round read it meanwhile: what it found is looked at next
-                self._entries[pod.name] = fresh
                 if not isinstance(fresh.view, WorkerUnreachable):
                     self._on_change()
                     return
         finally:
             self._refreshing.discard(pod.name)
+
+    async def _reread(self, pod: PodView, entry: _Entry, timeout_s: float) -> _Entry | None:
+        """A background read of `pod`'s worker, kept unless `entry` was replaced (a round
+        read it) or changed (the operator's own call, or a failed one) while it was out: the
+        answer may predate what the operator learnt. None when it was not kept."""
+        changes = entry.changes
+        fresh = await self._read_entry(pod, timeout_s)
+        if self._entries.get(pod.name) is not entry or entry.changes != changes:
+            return None
+        self._entries[pod.name] = fresh
+        return fresh
 
     async def _read_entry(self, pod: PodView, timeout_s: float) -> _Entry:
         """One read of `pod`'s worker (conditional on the view held), counted."""
@@ -199,15 +210,10 @@ class WorkerViews:
                 if entry is None or entry.endpoint != pod.endpoint:
                     return  # gone or moved since: a round reads it
                 async with sem:
-                    before, changes = self._entries.get(pod.name), entry.changes
-                    if before is not entry:
+                    if self._entries.get(pod.name) is not entry:
                         return
-                    fresh = await self._read_entry(pod, timeout_s)
-                if self._entries.get(pod.name) is not entry or entry.changes != changes:
-                    return  # read again, or changed by the operator's own call, meanwhile
-                changed = not _same(fresh.view, entry.view)
-                self._entries[pod.name] = fresh
-                if changed:
+                    fresh = await self._reread(pod, entry, timeout_s)
+                if fresh is not None and not _same(fresh.view, entry.view):
                     self.refreshed_changed += 1
                     self._on_change()
             finally:

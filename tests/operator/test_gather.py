@@ -359,9 +359,11 @@ def test_a_new_worker_that_refused_its_first_read_is_read_again_shortly_and_poke
             raise AssertionError("no background read of the refused new worker poked") from None
         assert views.view("a") == view("ea")
         # The round after the poke decides on it without reading it again.
-        reads = workers.reads.count(a.endpoint)
+        reads, dead_reads = workers.reads.count(a.endpoint), workers.reads.count(dead.endpoint)
         got = await views.gather([a, dead], concurrency=4, timeout_s=1.0)
         assert got["a"] == view("ea") and workers.reads.count(a.endpoint) == reads
+        # While the dead worker's tries run, the round neither reads it nor waits for it.
+        assert got["dead"] == refused and workers.reads.count(dead.endpoint) == dead_reads
         await views.refreshed()  # the dead worker's tries end
         assert 2 <= workers.reads.count(dead.endpoint) <= 8 and len(pokes) == 1
 
