@@ -46,6 +46,36 @@ class WorkerProcess:
         except urllib.error.HTTPError as err:
             return err.code, json.loads(err.read() or b"null")
 
+    def call_text(self, path: str, timeout: float = 10) -> str:
+        """A GET answered in text (`/metrics`)."""
+        req = urllib.request.Request(self.url + path)
+        req.add_header("Authorization", f"Bearer {self.token}")
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return str(resp.read().decode())
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of the samples of Prometheus counter `name` (without its `_total`) whose
+        labels include `labels`; 0 when there are none."""
+        total = 0.0
+        for line in self.call_text("/metrics").splitlines():
+            if not line.startswith(name + "_total"):
+                continue
+            head, value = line.rsplit(" ", 1)
+            if all(f'{k}="{v}"' in head for k, v in labels.items()):
+                total += float(value)
+        return total
+
+    def rejected(self, source: str) -> int:
+        """Messages from `source` the worker dropped (`kvtopo_worker_rejected_messages`)."""
+        return int(self.metric("kvtopo_worker_rejected_messages", source=source))
+
+    def raw_metadata(self, rank: int = 0) -> bytes:
+        """The worker's `GET /v1/metadata` envelope, as a peer holding its credential reads it."""
+        req = urllib.request.Request(self.url + f"/v1/metadata?rank={rank}")
+        req.add_header("Authorization", f"Bearer {self.token}")
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return bytes(resp.read())
+
     def connect(self, peer: WorkerProcess) -> dict[str, Any]:
         status, body = self.call(
             "PUT", f"/v1/peers/{peer.engine_id}", {"endpoint": peer.endpoint, "role": peer.role}

@@ -283,6 +283,16 @@ class EmulatedEngine(EngineTraffic):
                 connector.abandon(rid, FailureType.SHUTDOWN, message)
         return len(held)
 
+    def abort(self, request_id: str) -> bool:
+        """Gives one request up with reason `aborted` on every rank (each rank ends its part
+        once no WRITE of it can land); False when the request is not held."""
+        with self._alloc_lock:
+            if request_id not in self._requests:
+                return False
+        for connector in self.connectors:
+            connector.abandon(request_id, FailureType.ABORTED, "aborted by the client")
+        return True
+
     def fail_held(self, message: str) -> int:
         """Ends every request still held as failed with reason `shutdown` at once; returns
         how many. For an engine that stops for good (its memory is about to be released, so

@@ -83,6 +83,7 @@ class FailureType(enum.StrEnum):
     MALFORMED_MESSAGE = "malformed_message"
     REMOTE_REJECTED = "remote_rejected"
     SHUTDOWN = "shutdown"  # the engine stopped (drain deadline passed) before it ended
+    ABORTED = "aborted"  # the engine's client gave the request up (vLLM's abort)
 
 
 class ProtocolError(Exception):

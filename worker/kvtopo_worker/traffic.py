@@ -7,6 +7,9 @@ the engine drains), the numbered queue of request outcomes handed out by `GET /v
 
     POST /v1/requests   SubmitRequest: start a request (answers 202; 503 `draining` once the
                         engine drains, 503 `no_capacity` when it has no KV blocks free)
+    DELETE /v1/requests/{id}
+                        abort one request (vLLM's abort): it ends failed with reason
+                        `aborted` once no WRITE of it can land (202; 404 when not held)
     GET  /v1/finished   ended requests as a list of RequestOutcome, each numbered (`seq`);
                         handed out on return, or with `?ack=N` once a later call
                         acknowledges them (N: the highest `seq` the client has recorded)
@@ -14,7 +17,8 @@ the engine drains), the numbered queue of request outcomes handed out by `GET /v
                         timeout are given up (`abandon_held`); answers DrainState
     GET  /v1/drain      DrainState
 
-An engine subclasses `EngineTraffic` and implements `submit`, `held` and `abandon_held`.
+An engine subclasses `EngineTraffic` and implements `submit`, `held`, `abort` and
+`abandon_held`.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from aiohttp import web
 
 from kvtopo_worker.credentials import TokenError, TokenSource, bearer_token
 from kvtopo_worker.protocol import (
+    MAX_ID_LEN,
     DrainRequest,
     DrainState,
     MalformedMessage,
@@ -91,6 +96,12 @@ class EngineTraffic:
     def abandon_held(self, message: str) -> int:
         """Gives every request still held up (the drain deadline); each ends as soon as no
         WRITE of it can land. Returns how many were held."""
+        raise NotImplementedError
+
+    def abort(self, request_id: str) -> bool:
+        """The client gives one request up (`DELETE /v1/requests/{id}`): it ends failed
+        with reason `aborted` as soon as no WRITE of it can land. False when the engine
+        does not hold it (never taken, or ended already)."""
         raise NotImplementedError
 
     def fail_held(self, message: str) -> int:
@@ -212,6 +223,7 @@ class EngineTraffic:
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/requests", self._post_request)
+        app.router.add_delete("/v1/requests/{request_id}", self._delete_request)
         app.router.add_get("/v1/finished", self._get_finished)
         app.router.add_post("/v1/drain", self._post_drain)
         app.router.add_get("/v1/drain", self._get_drain)
@@ -219,6 +231,14 @@ class EngineTraffic:
     async def _post_request(self, request: web.Request) -> web.Response:
         body = decode_json_body(await request.read(), SubmitRequest)
         return admission_answer(lambda: self.submit(body))
+
+    async def _delete_request(self, request: web.Request) -> web.Response:
+        request_id = request.match_info["request_id"]
+        if not 0 < len(request_id) <= MAX_ID_LEN:
+            raise MalformedMessage(f"request_id must be 1..{MAX_ID_LEN} characters")
+        if not self.abort(request_id):
+            return json_error(404, "not_found", f"request {request_id} is not held")
+        return web.Response(status=202, body=b'{"aborting":true}', content_type="application/json")
 
     async def _post_drain(self, request: web.Request) -> web.Response:
         body = decode_json_body(await request.read() or b"{}", DrainRequest)

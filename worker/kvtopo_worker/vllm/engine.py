@@ -326,34 +326,48 @@ class VllmEngine(EngineTraffic):
             return len(self._held)
 
     def abandon_held(self, message: str) -> int:
-        """The drain deadline: a request vLLM still runs is aborted (a decode waiting for
-        its KV gives its registration up, and ends once no WRITE can land); a prefill whose
-        blocks wait for their decode gives them up at once."""
-        ended: list[RequestOutcome] = []
+        """The drain deadline: every request held is given up with reason `shutdown`."""
         with self.lock:
             held = list(self._held)
-            for rid in held:
-                request = self.scheduler.requests.get(rid)
-                if request is not None and not request.is_finished():
-                    started = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-                    self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
-                    if not started:  # no transfer began: it ends here
-                        failure = FailedRequest(rid, FailureType.SHUTDOWN, message)
-                        if (outcome := self._end(rid, failure)) is not None:
-                            ended.append(outcome)
-                elif self.role == "prefill" and self.connector == "nixl":
-                    # vLLM's own connector frees the blocks when its lease ends; the
-                    # request ends here, as it would when the engine stops.
-                    failure = FailedRequest(rid, FailureType.SHUTDOWN, message)
-                    if (outcome := self._end(rid, failure)) is not None:
-                        ended.append(outcome)
-                elif self.role == "prefill":
-                    for worker in self.workers:
-                        push = worker.push_connector
-                        if push is not None:
-                            push.abandon(rid, FailureType.SHUTDOWN, message)
-        self.queue_outcomes(ended)
+        self.queue_outcomes(
+            [o for rid in held if (o := self._give_up(rid, FailureType.SHUTDOWN, message))]
+        )
         return len(held)
+
+    def abort(self, request_id: str) -> bool:
+        """The client aborts one request, as vLLM's API server does when its client leaves."""
+        with self.lock:
+            if request_id not in self._held:
+                return False
+        outcome = self._give_up(request_id, FailureType.ABORTED, "aborted by the client")
+        if outcome is not None:
+            self.queue_outcomes([outcome])
+        return True
+
+    def _give_up(self, rid: str, reason: FailureType, message: str) -> RequestOutcome | None:
+        """Gives one held request up: a request vLLM still runs is aborted (a decode waiting
+        for its KV gives its registration up, and ends once no WRITE can land); a prefill
+        whose blocks wait for their decode gives them up at once. The outcome when the
+        request ended here; None when it ends later (through its connector)."""
+        with self.lock:
+            if rid not in self._held:
+                return None
+            request = self.scheduler.requests.get(rid)
+            if request is not None and not request.is_finished():
+                started = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+                if not started:  # no transfer began: it ends here
+                    return self._end(rid, FailedRequest(rid, reason, message))
+            elif self.role == "prefill" and self.connector == "nixl":
+                # vLLM's own connector frees the blocks when its lease ends; the
+                # request ends here, as it would when the engine stops.
+                return self._end(rid, FailedRequest(rid, reason, message))
+            elif self.role == "prefill":
+                for worker in self.workers:
+                    push = worker.push_connector
+                    if push is not None:
+                        push.abandon(rid, reason, message)
+        return None
 
     def _rank_ender(self, rank: int) -> Any:
         def ended(rid: str, failure: FailedRequest | None) -> None:
