@@ -118,7 +118,7 @@ def _peer_main(
         decode_metadata,
         encode_metadata,
     )
-    from kvtopo_worker.push import PushConfig, PushConnector
+    from kvtopo_worker.push import PushConfig, new_connector
     from kvtopo_worker.registry import EngineRegistry
     from kvtopo_worker.transport import NixlTransport
 
@@ -150,13 +150,17 @@ def _peer_main(
             if mode == "push":
                 registry = EngineRegistry(remove_agent=lambda name: None)
                 registry.add_engine(peer_id, {0: peer_agent})
-                connector = PushConnector(
+                # Each side added the other before its connector existed: no greetings (the
+                # notifications are sealed all the same).
+                connector = new_connector(
                     engine_id=engine_id,
                     role="prefill" if role == "sender" else "decode",
                     transport=transport,
                     registry=registry,
                     metrics=WorkerMetrics(),
-                    config=PushConfig(registration_timeout_s=60, kv_lease_s=60),
+                    config=PushConfig(
+                        registration_timeout_s=60, kv_lease_s=60, greet_peers=False
+                    ),
                     block_len=block_len,
                 )
                 connector.start()

@@ -4,7 +4,8 @@ Owns three measurements on a registry of 1,000 engines:
 - the critical section of `snapshot` and of `evict` (p50/p99 in microseconds) with 1, 8 and
   64 ranks per engine: each call timed alone, so the figure is the time the lock is held
   plus the call overhead (teardown is a no-op here, as it runs outside the lock anyway);
-- registration-writer throughput through the real `PushConnector.send_registration`, alone
+- registration-writer throughput through the real `DecodePush.deliver_registration` (the
+  writer's registry snapshot and send), alone
   and while a churn thread evicts and re-adds other engines at a fixed rate (the churn a
   rollout of a large fleet causes, far above what Kubernetes produces), in alternating
   100 ms segments of one run, and their ratio (the median over adjacent pairs).
@@ -102,24 +103,25 @@ class WriterResult:
 
 
 def writer_under_churn(seconds: float, churn_per_s: float, segment_s: float) -> WriterResult:
-    """Registration throughput through the real send_registration, in alternating segments
+    """Registration throughput through the real deliver_registration, in alternating segments
     of `segment_s` with the churn thread off and on, in one run on one registry: a burst
     of load from elsewhere on a shared machine lasts longer than a segment, so it hits both
     alike (separate runs a few seconds apart differed by up to 15% on the same code)."""
     from kvtopo_worker.metrics import WorkerMetrics
     from kvtopo_worker.protocol import PushRegistration
-    from kvtopo_worker.push import PushConnector
+    from kvtopo_worker.push import PushConfig
+    from kvtopo_worker.push.decode import DecodePush
     from kvtopo_worker.registry import EngineRegistry
 
     reg = EngineRegistry(remove_agent=lambda name: None)
     for e in range(ENGINES):
         reg.add_engine(f"e{e}", _agents(f"e{e}", 8))
-    conn = PushConnector(
+    conn = DecodePush(
         engine_id="bench-decode",
-        role="decode",
         transport=NullTransport(),  # type: ignore[arg-type]
         registry=reg,
         metrics=WorkerMetrics(),
+        config=PushConfig(greet_peers=False),  # the writer alone: no greetings
     )
     regs = [
         PushRegistration(
@@ -174,7 +176,7 @@ def writer_under_churn(seconds: float, churn_per_s: float, segment_s: float) -> 
                 end = t0 + segment_s
                 while time.perf_counter() < end:
                     for r in regs:
-                        conn.send_registration(r)
+                        conn.deliver_registration(r)
                     n += len(regs)
                 elapsed = time.perf_counter() - t0
                 sent[on] += n

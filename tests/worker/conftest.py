@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvtopo_worker.metrics import WorkerMetrics
-from kvtopo_worker.push import PushConfig, PushConnector
+from kvtopo_worker.push import PushConfig, PushConnector, new_connector
 from kvtopo_worker.registry import EngineRegistry
 from tests.worker.fakes import FakeClock, FakeTransport
 
@@ -38,13 +38,13 @@ def make_connector(
     clock: FakeClock,
     **config: float,
 ) -> PushConnector:
-    return PushConnector(
+    return new_connector(
         engine_id=DECODE if role == "decode" else PREFILL,
         role=role,  # type: ignore[arg-type]
         transport=transport,
         registry=registry,
         metrics=WorkerMetrics(),
-        config=PushConfig(**config),
+        config=PushConfig(**{"greet_peers": False, **config}),
         clock=clock,
         wall_clock=clock,
         block_len=transport.block_len,

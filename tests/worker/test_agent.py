@@ -78,6 +78,7 @@ def make_node(
         compat_hash=compat_hash(compat),
         pod=pod,
         incarnation=incarnation,
+        notif_key=bytes(range(32)),  # any 32 bytes: the fake transport seals nothing
     )
     server = ControlServer(
         engine=LocalEngine(engine_id, role, meta, time.time()),  # type: ignore[arg-type]

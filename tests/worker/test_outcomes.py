@@ -209,16 +209,17 @@ def test_registrations_are_keyed_by_decode_engine_and_bound_to_their_sender(
     assert [(a, m.reason) for a, m in told] == [(other, FailureType.REMOTE_REJECTED)]  # type: ignore[union-attr]
 
 
-def test_an_early_registration_waits_for_its_engines_handshake_within_its_lease(
+def test_a_registration_from_an_agent_the_registry_does_not_hold_is_not_kept(
     prefill: PushConnector, registry: EngineRegistry, transport: FakeTransport, clock: FakeClock
 ) -> None:
     prefill.request_send("r1", [0], DECODE)
     transport.deliver(f"agent-{DECODE}", _reg("r1", [5]))  # before the reverse handshake
     prefill.progress_once()
-    clock.advance(1.0)
-    prefill.progress_once()
-    assert transport.writes == [] and prefill.get_finished().failed == []
+    assert prefill.metrics.rejected_total.labels("notification")._value.get() == 1
     add_engine(transport, registry, DECODE)  # the operator's handshake lands
+    prefill.progress_once()
+    assert transport.writes == []  # nothing was kept of it: the decode registers again
+    transport.deliver(f"agent-{DECODE}", _reg("r1", [5]))
     prefill.progress_once()
     assert [w[2] for w in transport.writes] == [[5]]
 

@@ -23,6 +23,7 @@ def _meta(**compat: object) -> p.EngineMetadata:
         block_len=4096,
         compat=info,
         compat_hash=p.compat_hash(info),
+        notif_key=bytes(range(32)),
     )
 
 

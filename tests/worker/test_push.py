@@ -170,13 +170,14 @@ def test_completion_after_timeout_is_dropped_exactly_once(
     decode: PushConnector, registry: EngineRegistry, transport: FakeTransport, clock: FakeClock
 ) -> None:
     add_engine(transport, registry, PREFILL)
-    decode.request_receive("r1", PREFILL, [1, 2])
     decode.request_receive("r2", PREFILL, [3, 4])
+    assert decode.flush_registrations() == 1
+    decode.request_receive("r1", PREFILL, [1, 2])  # its registration never leaves
     transport.deliver(f"agent-{PREFILL}", _done("r2"))
     decode.progress_once()
     clock.advance(5.01)
-    decode.progress_once()  # r1 times out
-    transport.deliver(f"agent-{PREFILL}", _done("r1"))  # too late
+    decode.progress_once()  # r1 times out, never sent: it ends at once
+    transport.deliver(f"agent-{PREFILL}", _done("r1"))  # too late (and never asked for)
     decode.progress_once()
     fin = decode.get_finished()
     assert fin.done_receiving == ["r2"]
@@ -280,6 +281,7 @@ def test_decode_ends_every_request_a_completion_names_once(
     agent = add_engine(transport, registry, PREFILL)
     for rid in ("r1", "r2"):
         decode.request_receive(rid, PREFILL, [1])
+    assert decode.flush_registrations() == 2
     done = PushDone(
         request_id="r1", more_request_ids=["r2", "unknown"], prefill_engine_id=PREFILL, num_blocks=2
     )

@@ -21,16 +21,24 @@ Owns the aiohttp server that runs inside the engine process on its own thread an
                                    settings; with an ETag, and 304 (no body) to an
                                    If-None-Match naming it while nothing but the request
                                    counters moved (`protocol.state_tag`)
+    POST   /v1/introductions       Introduction (msgpack): a peer handshaking lazily (no
+                                   operator) introduces itself with its metadata; its agents
+                                   are added and our metadata answered (peer credential,
+                                   signed; an engine id held by another live process, or
+                                   evicted by the operator, is refused)
     GET    /metrics                Prometheus text (no token)
     GET    /healthz                liveness (no token)
 
-Every other route needs `Authorization: Bearer <token>` of the right credential
-(`kvtopo_worker.credentials`): `GET /v1/metadata` the peer credential (what peers present),
-every other route the operator credential; each accepts its current and previous token, so a
-rotation never locks a caller out. Both come from files (mounted Secrets), re-read when they
-change; while a file holds no token its routes answer 503. Peer endpoints are checked
-(`kvtopo_worker.endpoints`: ip:port only) before anything is dialled, no redirect is
-followed, and a peer add may name the pod uid and incarnation the peer must have. Bad bodies
+Every other route needs the right credential (`kvtopo_worker.credentials`): the peer routes
+(`GET /v1/metadata`, `POST /v1/introductions`) a request signed with the peer credential
+(`KVTopo-Peer`: the token itself never leaves an engine, and a signature is good only for
+the endpoint it was made for, once; `GET /v1/metadata` also takes the token as a bearer, for
+tools), every other route `Authorization: Bearer <token>` of the operator credential; each
+accepts its current and previous token, so a rotation never locks a caller out. Both come
+from files (mounted Secrets), re-read when they change; while a file holds no token its
+routes answer 503. Peer endpoints are checked (`kvtopo_worker.endpoints`: ip:port only)
+before anything is dialled, no redirect is followed, and a peer add may name the pod uid and
+incarnation the peer must have. Bad bodies
 get a 4xx with an `ErrorBody`; peers' bytes are decoded in two phases and never reach NIXL
 unchecked. NIXL handshakes run on one single-thread executor, at most one per engine (the
 registry's handshake futures). Used by `emulated` and by real engines embedding kvtopo.
@@ -52,9 +60,16 @@ import msgspec
 from aiohttp import web
 from prometheus_client import generate_latest
 
-from kvtopo_worker.credentials import TokenError, TokenSource, bearer_token
+from kvtopo_worker.credentials import (
+    PEER_SCHEME,
+    PeerRequestGuard,
+    TokenError,
+    TokenSource,
+    bearer_token,
+    sign_peer_request,
+)
 from kvtopo_worker.endpoints import Endpoint, EndpointError, parse_endpoint
-from kvtopo_worker.http import read_bounded, request_as
+from kvtopo_worker.http import read_bounded
 from kvtopo_worker.metrics import WorkerMetrics
 from kvtopo_worker.protocol import (
     MAX_HANDSHAKE_TIMEOUT_S,
@@ -67,6 +82,7 @@ from kvtopo_worker.protocol import (
     ErrorBody,
     FailureType,
     IncompatibleEngine,
+    Introduction,
     MalformedMessage,
     PeerAddItem,
     PeerAddRequest,
@@ -94,6 +110,9 @@ MAX_ERROR_BODY_BYTES = 300
 
 MAX_METADATA_BYTES = 4 << 20
 OPEN_PATHS = frozenset({"/healthz", "/metrics"})
+PEER_PATHS = frozenset({"/v1/metadata", "/v1/introductions"})
+MAX_INTRODUCED_RANKS = 64
+MAX_INTRO_BYTES = 1 << 20  # as much as the server takes in (client_max_size)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -202,6 +221,7 @@ class ControlServer:
         self.token = token  # the operator credential: admin routes
         # The peer credential: peers' metadata fetches, ours and theirs (default: the same).
         self.peer_token = peer_token if peer_token is not None else token
+        self._peer_guard = PeerRequestGuard(self.peer_token)
         self.metrics = metrics
         self.host = host
         self.port = port
@@ -224,6 +244,7 @@ class ControlServer:
         self.app.router.add_delete("/v1/peers/{engine_id}", self._delete_peer)
         self.app.router.add_patch("/v1/peers", self._patch_peers)
         self.app.router.add_put("/v1/settings", self._put_settings)
+        self.app.router.add_post("/v1/introductions", self._post_introduction)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
@@ -292,7 +313,16 @@ class ControlServer:
 
     @web.middleware
     async def _auth_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path not in OPEN_PATHS:
+        if request.path in PEER_PATHS and request.headers.get("Authorization", "").startswith(
+            PEER_SCHEME + " "
+        ):
+            refused = self._authorize_peer(request, await request.read())
+            if refused is not None:
+                return refused
+        elif request.path == "/v1/introductions":  # signed requests only
+            self.metrics.reject("control_auth")
+            return _error(401, "unauthorized", f"a request signed {PEER_SCHEME} is required")
+        elif request.path not in OPEN_PATHS:
             refused = self._authorize(request)
             if refused is not None:
                 return refused
@@ -306,6 +336,46 @@ class ControlServer:
         except Exception as exc:
             log.exception("control API %s %s", request.method, request.path)
             return _error(500, "internal", f"{type(exc).__name__}: {exc}")
+
+    def _signature_targets(self) -> list[str]:
+        """The endpoints a peer's signature may name: ours, or (bound to every address)
+        any address at our port."""
+        targets = [self.endpoint]
+        try:
+            if ipaddress.ip_address(self.host).is_unspecified:
+                return []  # checked by port in _authorize_peer
+        except ValueError:
+            pass
+        return targets
+
+    def _authorize_peer(self, request: web.Request, body: bytes) -> web.Response | None:
+        """None when the request is signed with the peer credential for this server."""
+        targets = self._signature_targets()
+        if not targets:  # bound to every address: the signed host is the caller's choice
+            targets = [f"{request.host}"]
+            if not request.host.endswith(f":{self.port}"):
+                targets = []
+        try:
+            which = self._peer_guard.accepts(
+                request.headers.get("Authorization", ""),
+                request.method,
+                request.path_qs,
+                targets,
+                body,
+            )
+        except TokenError as exc:
+            self.metrics.reject("control_auth")
+            return _error(503, "token_unavailable", str(exc))
+        if which is None:
+            self.metrics.reject("control_auth")
+            return _error(
+                401,
+                "unauthorized",
+                "the peer signature does not verify (wrong credential, another endpoint, "
+                "a stale time or a nonce used before)",
+            )
+        self.metrics.authenticated_total.labels("peer", which).inc()
+        return None
 
     def _authorize(self, request: web.Request) -> web.Response | None:
         """None when the request carries the credential its route needs: the peer
@@ -458,6 +528,7 @@ class ControlServer:
         pod_uid: str = "",
         incarnation: str = "",
         timeout_s: float | None = None,
+        given: list[EngineMetadata] | None = None,
     ) -> tuple[int, PeerResult | ErrorBody]:
         """Adds one peer: each of its TP ranks (or only `rank`) to our rank of the same
         number, fetching each rank's metadata from `endpoint`; the HTTP status and body of
@@ -473,13 +544,18 @@ class ControlServer:
         instead of answered `present`: its metadata is fetched again (a fetch that fails
         leaves the old agents as they were), then its agents are evicted and the fetched
         ones added (`renewed`); while transfers to the old agents are still ending the
-        answer is 409 `replacing` (the eviction runs when they have: retry then)."""
+        answer is 409 `replacing` (the eviction runs when they have: retry then).
+
+        `given`: the peer's metadata of every rank, from its introduction (nothing is
+        fetched; `endpoint` is then only quoted)."""
         if not 0 < len(engine_id) <= MAX_ID_LEN:
             raise MalformedMessage(f"engine_id must be 1..{MAX_ID_LEN} characters")
-        try:
-            peer_endpoint = parse_endpoint(endpoint)
-        except EndpointError as exc:
-            raise MalformedMessage(f"endpoint refused: {exc}") from None
+        peer_endpoint: Endpoint | None = None
+        if given is None:
+            try:
+                peer_endpoint = parse_endpoint(endpoint)
+            except EndpointError as exc:
+                raise MalformedMessage(f"endpoint refused: {exc}") from None
         if len(pod_uid) > MAX_ID_LEN or len(incarnation) > MAX_ID_LEN:
             raise MalformedMessage(f"pod_uid and incarnation must be 0..{MAX_ID_LEN} characters")
         if engine_id == self.engine.engine_id:
@@ -509,6 +585,10 @@ class ControlServer:
             ranks = wanted - set(present)
         metas: list[EngineMetadata] = []
         for r in sorted(ranks):
+            if given is not None:
+                metas.append(given[r])
+                continue
+            assert peer_endpoint is not None
             fetched = await self._fetch_rank(
                 engine_id, peer_endpoint, role, r, local_tp, pod_uid, incarnation, timeout
             )
@@ -717,13 +797,8 @@ class ControlServer:
         is bounded."""
         if self._session is None:
             self._session = aiohttp.ClientSession()
-        url = endpoint.url(f"/v1/metadata?rank={rank}")
         total = self.handshake_timeout_s if timeout_s is None else timeout_s
-        timeout = aiohttp.ClientTimeout(total=total)
-        # A peer not yet given the rotated token takes the previous one (`request_as`).
-        resp = await request_as(
-            self._session, "GET", url, self.peer_token.candidates(), timeout=timeout
-        )
+        resp = await self._signed(endpoint, "GET", f"/v1/metadata?rank={rank}", b"", total)
         async with resp:
             if resp.status != 200:
                 # A bounded prefix: an error answer can be endless or huge.
@@ -735,6 +810,152 @@ class ControlServer:
             if len(data) > MAX_METADATA_BYTES:
                 raise ValueError(f"peer metadata exceeds {MAX_METADATA_BYTES} bytes")
             return data
+
+    async def _signed(
+        self, endpoint: Endpoint, method: str, path: str, body: bytes, timeout_s: float
+    ) -> aiohttp.ClientResponse:
+        """A request to a peer signed with the peer credential (never sent itself); a peer
+        not yet given the rotated token is asked again, signed with the previous one. No
+        redirect is followed. The caller releases the answer."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        tokens = self.peer_token.candidates()
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        for i, token in enumerate(tokens):
+            header = sign_peer_request(token, method, path, str(endpoint), body)
+            resp = await self._session.request(
+                method,
+                endpoint.url(path),
+                data=body or None,
+                headers={"Authorization": header},
+                timeout=timeout,
+                allow_redirects=False,
+            )
+            if resp.status == 401 and i + 1 < len(tokens):
+                resp.release()
+                continue
+            return resp
+        raise ValueError("no credential to try")
+
+    # --- introductions (lazy handshakes, no operator) ----------------------------------------
+
+    def introduce(
+        self, engine_id: str, endpoint: str, role: Role, incarnation: str = ""
+    ) -> tuple[int, PeerResult | ErrorBody]:
+        """From another thread: introduces this engine to the peer at `endpoint` (a lazy
+        handshake, where no operator connects the pair: the endpoint comes from a request,
+        so nothing reusable is sent there), then adds the peer from its answer, which must
+        be `engine_id` (and, when given, that `incarnation`). Its HTTP status and answer."""
+        if self.loop is None:
+            raise RuntimeError("the control server is not running")
+        timeout = self.handshake_timeout_s
+        fut = asyncio.run_coroutine_threadsafe(
+            self._introduce(engine_id, endpoint, role, incarnation, timeout), self.loop
+        )
+        try:
+            return fut.result(2 * timeout + 1.0)
+        except MalformedMessage as exc:
+            return 400, ErrorBody(error="malformed_message", message=str(exc))
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            return 504, ErrorBody(error="timeout", message=f"no handshake within {timeout:g} s")
+
+    def _introduction(self) -> bytes:
+        return msgspec.msgpack.encode(
+            Introduction(
+                engine_id=self.engine.engine_id,
+                role=self.engine.role,
+                ranks=list(self._metadata_bytes),
+            )
+        )
+
+    def _decode_introduction(self, data: bytes) -> tuple[Introduction, list[EngineMetadata]]:
+        """The peer's introduction and its ranks' metadata, checked (MalformedMessage,
+        IncompatibleEngine)."""
+        try:
+            intro = msgspec.msgpack.decode(data, type=Introduction)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise MalformedMessage(f"bad introduction: {exc}") from None
+        if not 0 < len(intro.ranks) <= MAX_INTRODUCED_RANKS:
+            raise MalformedMessage(f"an introduction names 1..{MAX_INTRODUCED_RANKS} ranks")
+        metas = [decode_metadata(raw, self.engine.compat_hash) for raw in intro.ranks]
+        if len(metas) != len(self.transports):
+            raise IncompatibleEngine(
+                f"{intro.engine_id} runs {len(metas)} TP ranks, this engine {len(self.transports)}",
+                local_hash=self.engine.compat_hash,
+                remote_hash=metas[0].compat_hash,
+            )
+        for r, meta in enumerate(metas):
+            if (
+                meta.engine_id != intro.engine_id
+                or meta.role != intro.role
+                or meta.tp_rank != r
+                or meta.incarnation != metas[0].incarnation
+            ):
+                raise MalformedMessage("an introduction's ranks disagree with it")
+        return intro, metas
+
+    async def _introduce(
+        self, engine_id: str, endpoint: str, role: Role, incarnation: str, timeout_s: float
+    ) -> tuple[int, PeerResult | ErrorBody]:
+        try:
+            peer = parse_endpoint(endpoint)
+        except EndpointError as exc:
+            raise MalformedMessage(f"endpoint refused: {exc}") from None
+        try:
+            resp = await self._signed(
+                peer, "POST", "/v1/introductions", self._introduction(), timeout_s
+            )
+            async with resp:
+                if resp.status != 200:
+                    text = (await read_bounded(resp.content, MAX_ERROR_BODY_BYTES)).decode(
+                        "utf-8", "replace"
+                    )
+                    msg = f"{endpoint} answered the introduction HTTP {resp.status}: {text}"
+                    return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 502)
+                data = await read_bounded(resp.content, MAX_INTRO_BYTES)
+            intro, metas = self._decode_introduction(data)
+        except ProtocolError as exc:
+            return self._handshake_failed(engine_id, exc.failure_type, exc.message, 502)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            msg = f"introducing ourselves to {endpoint}: {type(exc).__name__}: {exc}"
+            return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 502)
+        if intro.engine_id != engine_id or intro.role != role:
+            msg = f"{endpoint} is {intro.role} engine {intro.engine_id}, not {role} {engine_id}"
+            return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 409)
+        if incarnation and metas[0].incarnation != incarnation:
+            msg = f"{endpoint} is incarnation {metas[0].incarnation!r}, not {incarnation!r}"
+            return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 409)
+        return await self._add_peer(
+            engine_id, endpoint, role, incarnation=metas[0].incarnation, given=metas
+        )
+
+    async def _post_introduction(self, request: web.Request) -> web.Response:
+        intro, metas = self._decode_introduction(await request.read())
+        if intro.engine_id == self.engine.engine_id or intro.role == self.engine.role:
+            raise MalformedMessage("an engine introduces itself to an engine of the other role")
+        if intro.engine_id in self.operator_evicted:
+            return _error(403, "evicted", f"engine {intro.engine_id} was evicted by the operator")
+        held = self.registry.incarnation(intro.engine_id)
+        health = self.registry.health(intro.engine_id)
+        unhealthy = health is not None and health[0] in UNHEALTHY
+        if held is not None and held != metas[0].incarnation and not unhealthy:
+            msg = (
+                f"engine id {intro.engine_id} is held by another live process "
+                f"(incarnation {held}); an introduction does not take it over"
+            )
+            self._handshake_failed(intro.engine_id, FailureType.HANDSHAKE_FAILED, msg, 409)
+            return _error(409, "conflict", msg)
+        status, answer = await self._add_peer(
+            intro.engine_id,
+            f"{request.remote}:0",
+            intro.role,
+            incarnation=metas[0].incarnation,
+            given=metas,
+        )
+        if status != 200:
+            return _json(answer, status)
+        return web.Response(body=self._introduction(), content_type="application/msgpack")
 
     async def _delete_peer(self, request: web.Request) -> web.Response:
         engine_id = self._path_engine_id(request)

@@ -15,16 +15,31 @@ while kubelet updates the Secret's volume on different pods at different times, 
 pod and one not yet updated still accept each other. There are two credentials: the
 operator's (the admin routes: peers, state) and the peers' (a peer's metadata only).
 
-Used by the worker's control API (`agent`, which checks both and sends the peer credential
-to peers), by the vLLM engine's traffic server (`traffic`: the receiving side's
+Peers never send the peer credential itself: a request to a peer is signed with it
+(`sign_peer_request`: an HMAC over the method, the path, the endpoint dialled, a timestamp,
+a nonce and the body), so a peer that is not who the request was meant for learns nothing it
+could use elsewhere (the signature names the endpoint it was made for, and each nonce is
+taken once, `PeerRequestGuard`).
+
+Used by the worker's control API (`agent`, which checks both and signs its requests to
+peers), by the vLLM engine's traffic server (`traffic`: the receiving side's
 `bearer_token` and `accepts`, as the control API uses them) and by the operator's worker
 client (which sends the operator credential); imports nothing but the standard library.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from pathlib import Path
+
+PEER_SCHEME = "KVTopo-Peer"
+PEER_SIGNATURE_WINDOW_S = 60.0  # how far a signature's time may be from the receiver's
+MAX_NONCES_KEPT = 100_000
 
 
 class TokenError(ValueError):
@@ -166,3 +181,100 @@ class TokenSource:
         if self._previous is not None and _same(given, self._previous):
             return "previous"
         return None
+
+
+def _peer_mac(
+    token: str, method: str, path: str, target: str, body: bytes, ts: int, nonce: str
+) -> str:
+    text = "\n".join(
+        [
+            "kvtopo-peer-v1",
+            method.upper(),
+            path,
+            target,
+            str(ts),
+            nonce,
+            hashlib.sha256(body).hexdigest(),
+        ]
+    )
+    return hmac.new(token.encode(), text.encode(), hashlib.sha256).hexdigest()
+
+
+def sign_peer_request(
+    token: str,
+    method: str,
+    path: str,
+    target: str,
+    body: bytes = b"",
+    *,
+    now: float | None = None,
+    nonce: str | None = None,
+) -> str:
+    """The `Authorization` header of a request to a peer at `target` (ip:port), signed with
+    the peer credential `token`; `path` includes the query string. The token is not in it."""
+    ts = int(time.time() if now is None else now)
+    nonce = nonce or secrets.token_hex(16)
+    mac = _peer_mac(token, method, path, target, body, ts, nonce)
+    return f"{PEER_SCHEME} ts={ts},nonce={nonce},mac={mac}"
+
+
+def _parse_peer_header(header: str) -> tuple[int, str, str] | None:
+    if not header.startswith(PEER_SCHEME + " "):
+        return None
+    fields: dict[str, str] = {}
+    for item in header[len(PEER_SCHEME) + 1 :].split(","):
+        key, _, value = item.strip().partition("=")
+        fields[key] = value
+    try:
+        ts = int(fields["ts"])
+        nonce, mac = fields["nonce"], fields["mac"]
+    except (KeyError, ValueError):
+        return None
+    if not 8 <= len(nonce) <= 64 or len(mac) != 64:
+        return None
+    return ts, nonce, mac
+
+
+class PeerRequestGuard:
+    """The receiving side of signed peer requests: checks a signature against the peer
+    credential's current and previous token, the endpoint this server answers at, the time
+    window, and that its nonce was not seen before (bounded memory)."""
+
+    def __init__(self, source: TokenSource, clock: Callable[[], float] = time.time) -> None:
+        self.source = source
+        self._clock = clock
+        self._seen: OrderedDict[str, float] = OrderedDict()
+
+    def accepts(
+        self, header: str, method: str, path: str, targets: Sequence[str], body: bytes
+    ) -> str | None:
+        """ "current" or "previous" (the token that signed it) when `header` is a valid,
+        fresh signature of this request made for one of `targets`; None otherwise.
+        TokenError while the credential file is bad."""
+        parsed = _parse_peer_header(header)
+        candidates = [("current", self.source.current())]
+        previous = self.source.previous()
+        if previous is not None:
+            candidates.append(("previous", previous))
+        if parsed is None:
+            return None
+        ts, nonce, mac = parsed
+        now = self._clock()
+        if abs(now - ts) > PEER_SIGNATURE_WINDOW_S:
+            return None
+        for which, token in candidates:
+            for target in targets:
+                expected = _peer_mac(token, method, path, target, body, ts, nonce)
+                if hmac.compare_digest(expected, mac):
+                    return which if self._fresh(nonce, now) else None
+        return None
+
+    def _fresh(self, nonce: str, now: float) -> bool:
+        while self._seen and next(iter(self._seen.values())) < now - 2 * PEER_SIGNATURE_WINDOW_S:
+            self._seen.popitem(last=False)
+        if nonce in self._seen:
+            return False
+        self._seen[nonce] = now
+        if len(self._seen) > MAX_NONCES_KEPT:
+            self._seen.popitem(last=False)
+        return True

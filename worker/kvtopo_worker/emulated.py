@@ -41,7 +41,7 @@ from kvtopo_worker.protocol import (
     Role,
     SubmitRequest,
 )
-from kvtopo_worker.push import FailedRequest, PushConfig, PushConnector
+from kvtopo_worker.push import FailedRequest, PushConfig, PushConnector, new_connector
 from kvtopo_worker.registry import EngineRegistry
 from kvtopo_worker.traffic import EngineDraining, EngineTraffic, add_engine_arguments
 from kvtopo_worker.transport import NixlTransport
@@ -178,9 +178,10 @@ class EmulatedEngine(EngineTraffic):
             transport = NixlTransport(
                 f"kvtopo-{self.engine_id}-{self.incarnation[:12]}-r{rank}",
                 progress_thread=progress_thread,
+                on_unauthenticated=self._unauthenticated,
             )
             kv = torch.zeros((num_blocks, block_len), dtype=torch.uint8, device=self.device)
-            connector = PushConnector(
+            connector = new_connector(
                 engine_id=self.engine_id,
                 role=role,
                 transport=transport,
@@ -229,6 +230,10 @@ class EmulatedEngine(EngineTraffic):
             target=self._engine_loop, name="kvtopo-engine", daemon=True
         )
         self.verified_bytes = 0
+
+    def _unauthenticated(self, agent_name: str) -> None:
+        self.metrics.reject("unauthenticated")
+        log.warning("dropped a notification that %s did not seal (forged or unknown)", agent_name)
 
     def _remove_agent(self, agent_name: str) -> None:
         """Registry teardown: the agent lives in the transport of the rank it pairs with
@@ -337,6 +342,8 @@ class EmulatedEngine(EngineTraffic):
             if len(self._free) < req.num_blocks:
                 raise BlockingIOError(f"only {len(self._free)} free KV blocks")
             blocks = [self._free.popleft() for _ in range(req.num_blocks)]
+            if self.role == "decode":
+                self._guard_free_blocks(blocks)
             self._requests[req.request_id] = _Request(req.request_id, req.peer_engine_id, blocks)
         # Every rank takes its part, or (nothing taken yet) none does.
         if self.role == "prefill":
@@ -368,8 +375,25 @@ class EmulatedEngine(EngineTraffic):
         with self._alloc_lock:
             req = self._requests.pop(request_id, None)
             if req is not None:
+                if self.role == "decode":  # free blocks hold zeros: see _guard_free_blocks
+                    index = torch.tensor(req.block_ids, device=self.device)
+                    for kv in self.kvs:
+                        kv.index_fill_(0, index, 0)
                 self._free.extend(req.block_ids)
             return req
+
+    def _guard_free_blocks(self, blocks: list[int]) -> None:
+        """A decode's free blocks hold zeros (a released request's blocks are zeroed): one
+        that does not when it is taken again was written while nobody held it, by a WRITE
+        that landed after its request ended. Counted (`kvtopo_worker_late_writes`) and
+        logged; the drill and the tests require 0. Call with the allocator lock held."""
+        index = torch.tensor(blocks, device=self.device)
+        late = 0
+        for kv in self.kvs:
+            late += int(kv.index_select(0, index).any(dim=1).sum())
+        if late:
+            self.metrics.late_writes_total.inc(late)
+            log.error("%d free KV blocks were written after their request ended", late)
 
     def _engine_loop(self) -> None:
         while not self._stop.is_set():

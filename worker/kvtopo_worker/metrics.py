@@ -52,6 +52,12 @@ class WorkerMetrics:
             "Second outcomes for an already ended request (dropped; must stay 0).",
             registry=self.registry,
         )
+        self.late_writes_total = Counter(
+            "kvtopo_worker_late_writes",
+            "KV blocks found written while no request held them (a WRITE that landed after "
+            "the engine let its request go; the emulated engine's guard: must stay 0).",
+            registry=self.registry,
+        )
         self.handshakes_total = Counter(
             "kvtopo_worker_handshakes",
             "Peer handshakes by result.",

@@ -40,12 +40,24 @@ import msgspec
 #      all failed), and why (`health_reason`); a reader that predates them ignores them.
 #      An add of a peer held unhealthy fetches its metadata again and replaces its agents,
 #      answering `renewed` (a result string older operators read as an open string).
-PROTOCOL_VERSION = 4
+#   5: notifications are sealed and bound to the exact peer process. EngineMetadata carries
+#      `notif_key`, the public half of a key pair new on every start; every notification
+#      ends with a 16-byte tag only the two processes of the pair can make (`seal`), so a
+#      notification counts only from the process whose metadata was added under its agent
+#      name. PUSH_HELLO: a rank greets a peer agent it added (the decode sends a request's
+#      registration only to a prefill agent that greeted it, so nothing is sent to, or
+#      kept by, a process that does not hold its peer). PushRegistration loses
+#      `decode_endpoint` (a prefill dials nothing a peer message names): a decode that
+#      handshakes lazily introduces itself (`POST /v1/introductions`, signed with the peer
+#      credential, which never leaves the engine).
+PROTOCOL_VERSION = 5
 
 REG_PREFIX = b"PUSH_REG:"
 DONE_PREFIX = b"PUSH_DONE:"
 FAIL_PREFIX = b"PUSH_FAIL:"
 CANCEL_PREFIX = b"PUSH_CANCEL:"
+HELLO_PREFIX = b"PUSH_HELLO:"
+NOTIF_KEY_LEN = 32  # an X25519 public key
 
 # Bounds on what a peer may send; anything larger is refused before it is decoded further.
 MAX_ID_LEN = 256
@@ -184,6 +196,7 @@ class EngineMetadata(msgspec.Struct, frozen=True, kw_only=True):
     incarnation: str = ""  # the engine process's boot id (new on every start)
     pod: PodIdentity | None = None  # None: the engine was started without its pod identity
     kv_segments: list[KVSegment] = []  # empty: one piece per block (see above)
+    notif_key: bytes = b""  # the process's notification public key (`seal`); v5: required
 
     def segments(self) -> list[KVSegment]:
         """The block's segments, the one-piece layout included."""
@@ -254,6 +267,8 @@ def decode_metadata(data: bytes, expected_hash: str) -> EngineMetadata:
     if not 0 <= meta.tp_rank < meta.tp_size:
         raise MalformedMessage(f"tp_rank {meta.tp_rank} outside tp_size {meta.tp_size}")
     check_identity(meta.incarnation, meta.pod)
+    if len(meta.notif_key) != NOTIF_KEY_LEN:
+        raise MalformedMessage(f"notif_key must be {NOTIF_KEY_LEN} bytes")
     return meta
 
 
@@ -324,9 +339,6 @@ class PushRegistration(msgspec.Struct, frozen=True, kw_only=True):
     # The request's blocks from this one on are wanted (the decode holds the ones before
     # from its own prefix cache): the prefill writes its blocks[first_block:] into block_ids.
     first_block: int = 0
-    # Where the decode's control API answers (ip:port), for a prefill that does not hold the
-    # decode engine yet and handshakes lazily (no operator); "" when not offered.
-    decode_endpoint: str = ""
 
 
 MAX_REQUESTS_PER_WRITE = 64
@@ -366,19 +378,30 @@ class PushCancel(msgspec.Struct, frozen=True, kw_only=True):
     decode_tp_rank: int = 0
 
 
-Notification = PushRegistration | PushDone | PushFail | PushCancel
+class PushHello(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A rank -> the same rank of a peer it has just added: 'I hold your agent: what you send
+    me counts, and I can answer'. Answered with `ack` set by a rank that holds the sender
+    (so the greeting reaches the side that added the other first, too)."""
+
+    engine_id: str
+    ack: bool = False
+
+
+Notification = PushRegistration | PushDone | PushFail | PushCancel | PushHello
 
 _decoders: dict[bytes, msgspec.msgpack.Decoder[Notification]] = {
     REG_PREFIX: msgspec.msgpack.Decoder(PushRegistration),
     DONE_PREFIX: msgspec.msgpack.Decoder(PushDone),
     FAIL_PREFIX: msgspec.msgpack.Decoder(PushFail),
     CANCEL_PREFIX: msgspec.msgpack.Decoder(PushCancel),
+    HELLO_PREFIX: msgspec.msgpack.Decoder(PushHello),
 }
 _prefix_of: dict[type, bytes] = {
     PushRegistration: REG_PREFIX,
     PushDone: DONE_PREFIX,
     PushFail: FAIL_PREFIX,
     PushCancel: CANCEL_PREFIX,
+    PushHello: HELLO_PREFIX,
 }
 
 
@@ -397,6 +420,9 @@ def decode_notification(data: bytes) -> Notification:
                 msg = decoder.decode(data[len(prefix) :])
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 raise MalformedMessage(f"{prefix.decode()} body does not decode: {exc}") from None
+            if isinstance(msg, PushHello):
+                _check_id("engine_id", msg.engine_id)
+                return msg
             _check_id("request_id", msg.request_id)
             if isinstance(msg, PushDone):
                 if len(msg.more_request_ids) >= MAX_REQUESTS_PER_WRITE:
@@ -416,8 +442,6 @@ def decode_notification(data: bytes) -> Notification:
                     raise MalformedMessage("write_timeout_s must be 0..3600 s, expires_at a time")
                 if not 0 <= msg.first_block < MAX_BLOCKS_PER_REQUEST:
                     raise MalformedMessage("first_block must be 0..65535")
-                if len(msg.decode_endpoint) > 64:
-                    raise MalformedMessage("decode_endpoint must be at most 64 characters")
             if isinstance(msg, PushCancel):
                 _check_id("decode_engine_id", msg.decode_engine_id)
                 _check_id("prefill_engine_id", msg.prefill_engine_id)
@@ -426,6 +450,17 @@ def decode_notification(data: bytes) -> Notification:
 
 
 # --- Control API bodies (JSON over the worker's aiohttp server) ----------------------------
+
+
+class Introduction(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`POST /v1/introductions` (msgpack), and its answer: an engine that handshakes lazily
+    (no operator) introduces itself to the peer a request names, with the metadata envelope
+    of each of its TP ranks; the peer adds it and answers its own. The request is signed
+    with the peer credential (`credentials.sign_peer_request`), which is never sent."""
+
+    engine_id: str
+    role: Role
+    ranks: list[bytes]
 
 
 class PeerAddRequest(

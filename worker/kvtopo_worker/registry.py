@@ -33,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from kvtopo_worker.protocol import PeerHealth, PeerState
 
@@ -56,6 +56,16 @@ class _Engine:
     health: PeerHealth = "ok"
     health_reason: str = ""
     failures_in_a_row: int = 0  # failed transfers since the last success
+
+
+class RegistryListener(Protocol):
+    """Told (outside the lock, on the thread that changed the registry) when agents enter
+    and when they have left (their NIXL teardown has finished): the push connectors greet a
+    new peer's agent and forget what an agent that left had pending with them."""
+
+    def agents_added(self, engine_id: str, agents: Mapping[int, str]) -> None: ...
+
+    def agents_removed(self, engine_id: str, agents: Mapping[int, str]) -> None: ...
 
 
 class AgentConflict(Exception):
@@ -101,6 +111,28 @@ class EngineRegistry:
         self.idle_ttl_s = idle_ttl_s
         self.teardown_errors = 0
         self.evictions = 0
+        self._listeners: list[RegistryListener] = []
+
+    def add_listener(self, listener: RegistryListener) -> None:
+        with self.lock:
+            self._listeners.append(listener)
+
+    def remove_listener(self, listener: RegistryListener) -> None:
+        with self.lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+    def _tell(self, added: bool, engine_id: str, agents: Mapping[int, str]) -> None:
+        with self.lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            try:
+                if added:
+                    listener.agents_added(engine_id, agents)
+                else:
+                    listener.agents_removed(engine_id, agents)
+            except Exception:
+                log.exception("a registry listener failed on engine %s", engine_id)
 
     # --- reads ---------------------------------------------------------------------------
 
@@ -109,6 +141,14 @@ class EngineRegistry:
         with self.lock:
             eng = self._engines.get(engine_id)
             return dict(eng.agents) if eng is not None else {}
+
+    def current_agent(self, engine_id: str, rank: int) -> str | None:
+        """The agent `engine_id` holds for `rank` now (None when absent, or being evicted)."""
+        with self.lock:
+            eng = self._engines.get(engine_id)
+            if eng is None or eng.eviction_pending or rank in eng.ranks_pending:
+                return None
+            return eng.agents.get(rank)
 
     def engine_ids(self) -> list[str]:
         with self.lock:
@@ -262,12 +302,15 @@ class EngineRegistry:
                 self._engines[engine_id] = _Engine(
                     agents=dict(agents), last_used=self._clock(), incarnation=incarnation
                 )
-                return True
-            eng.agents.update(agents)
-            eng.eviction_pending = False
-            eng.ranks_pending.difference_update(agents)
-            eng.last_used = self._clock()
-            return False
+                new = True
+            else:
+                eng.agents.update(agents)
+                eng.eviction_pending = False
+                eng.ranks_pending.difference_update(agents)
+                eng.last_used = self._clock()
+                new = False
+        self._tell(True, engine_id, dict(agents))
+        return new
 
     def handshake(
         self, engine_id: str, start: Callable[[], Future[dict[int, str]]]
@@ -414,3 +457,4 @@ class EngineRegistry:
                     released.set()
         if self._on_evicted is not None:
             self._on_evicted(engine_id, agents)
+        self._tell(False, engine_id, agents)

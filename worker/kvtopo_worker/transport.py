@@ -17,6 +17,17 @@ use the prepped per-block lists. Off by default (the CPU numbers do not support 
 `merge_blocks_default`); `merge_blocks=True` or KVTOPO_MERGE_BLOCKS=1 turns it on, and
 `bench push` measures both.
 
+Notifications are sealed (`seal`): each agent has a key pair, new with the process, whose
+public half goes in its metadata; `add_remote_peer` derives the key shared with that peer's
+agent, `send_notif` and a WRITE's completion seal with it, and `get_notifs` hands on only
+what opens with the key of the agent NIXL names as its sender (what does not, from an agent
+never added or a forger posing under a real agent's name, is dropped and counted). The keys
+of agents removed recently are kept, so a late answer of an evicted process still counts.
+
+A peer's block descriptors are built outside the lock (a peer may describe millions of
+blocks; the WRITEs of other peers go on meanwhile), and a peer may describe no more blocks
+than `max_peer_blocks` (by default 16 times ours, at least 65,536).
+
 `KVTransport` is the interface `push` and `agent` use; unit tests inject a fake built through
 the real constructors of those modules.
 """
@@ -27,7 +38,8 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -40,6 +52,7 @@ from kvtopo_worker.protocol import (
     Role,
     compat_hash,
 )
+from kvtopo_worker.seal import NotifKey, PairKey, SealError
 
 if TYPE_CHECKING:
     import torch
@@ -47,6 +60,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 XferState = Literal["DONE", "PROC", "ERR"]
+FORMER_PAIRS_KEPT = 4096  # keys of removed agents whose late notifications still open
 # NIXL transfer handles are opaque binding objects; fakes may use anything hashable.
 XferHandle = Any
 
@@ -180,7 +194,11 @@ class NixlTransport:
         backends: Sequence[str] = ("UCX",),
         progress_thread: bool | None = None,
         merge_blocks: bool | None = None,
+        on_unauthenticated: Callable[[str], None] | None = None,
+        max_peer_blocks: int | None = None,
     ) -> None:
+        """`on_unauthenticated(agent)` is called for every notification dropped because it
+        did not open with that agent's key (counted by the caller's metrics)."""
         from nixl._api import nixl_agent, nixl_agent_config
 
         _quiet_nixl_logging()
@@ -203,6 +221,13 @@ class NixlTransport:
         self._block_len = 0
         self._mem_type = "DRAM"
         self._remotes: dict[str, tuple[int, RemoteKV]] = {}
+        self.notif_key = NotifKey()
+        self._pairs: dict[str, PairKey] = {}
+        self._former_pairs: OrderedDict[str, PairKey] = OrderedDict()
+        self._on_unauthenticated = on_unauthenticated
+        self.unauthenticated = 0
+        self._max_peer_blocks = max_peer_blocks
+        self._adding: set[str] = set()  # agents whose descriptors are being built
         self._closed = False
         self.merge_blocks = merge_blocks_default() if merge_blocks is None else merge_blocks
         self._base = 0
@@ -310,7 +335,21 @@ class NixlTransport:
             incarnation=incarnation,
             pod=pod,
             kv_segments=self._segments if len(self._segments) > 1 else [],
+            notif_key=self.notif_key.public,
         )
+
+    @property
+    def max_peer_blocks(self) -> int:
+        """The most blocks (times segments) a peer's metadata may describe."""
+        if self._max_peer_blocks is not None:
+            return self._max_peer_blocks
+        return max(16 * self._num_blocks * max(1, len(self._segments)), 1 << 16)
+
+    def remote_num_blocks(self, agent_name: str) -> int | None:
+        """How many KV blocks a peer agent's metadata described (None: not added)."""
+        with self._lock:
+            entry = self._remotes.get(agent_name)
+        return entry[1].num_blocks if entry is not None else None
 
     # --- remote agents -------------------------------------------------------------------
 
@@ -324,6 +363,37 @@ class NixlTransport:
         one `meta` names; on a mismatch a newly loaded agent is unloaded again and the call
         raises TransportError('identity').
         """
+        segs = meta.segments()
+        if meta.num_blocks * len(segs) > self.max_peer_blocks:
+            raise TransportError(
+                f"agent {meta.agent_name} describes {meta.num_blocks} blocks x {len(segs)} "
+                f"segments; a peer of this engine may describe at most {self.max_peer_blocks}",
+                "invalid",
+            )
+        if [s.length for s in segs] != [s.length for s in self._segments] and (
+            len(segs) > 1 or len(self._segments) > 1
+        ):
+            raise TransportError(
+                f"agent {meta.agent_name}'s KV blocks are cut into segments of "
+                f"{[s.length for s in segs][:8]} bytes, ours into "
+                f"{[s.length for s in self._segments][:8]}",
+                "invalid",
+            )
+        try:
+            pair = self.notif_key.pair(meta.notif_key, self.agent_name, meta.agent_name)
+        except SealError as exc:
+            raise TransportError(f"agent {meta.agent_name}: {exc}", "invalid") from None
+        with self._lock:
+            if meta.agent_name in self._adding:
+                raise TransportError(f"agent {meta.agent_name} is being added already", "invalid")
+            self._adding.add(meta.agent_name)
+        try:
+            return self._add_remote(meta, segs, pair)
+        finally:
+            with self._lock:
+                self._adding.discard(meta.agent_name)
+
+    def _add_remote(self, meta: EngineMetadata, segs: list[KVSegment], pair: PairKey) -> str:
         with self._lock:
             known = set(self._remotes)
             try:
@@ -340,24 +410,14 @@ class NixlTransport:
                 )
             if name in self._remotes:
                 return name
-            bl = meta.block_len
-            segs = meta.segments()
-            if [s.length for s in segs] != [s.length for s in self._segments] and (
-                len(segs) > 1 or len(self._segments) > 1
-            ):
-                if name not in known:
-                    self._unload(name)
-                raise TransportError(
-                    f"agent {name}'s KV blocks are cut into segments of "
-                    f"{[s.length for s in segs][:8]} bytes, ours into "
-                    f"{[s.length for s in self._segments][:8]}",
-                    "invalid",
-                )
-            blocks = [
-                (seg.addr + i * seg.stride, seg.length, meta.kv_device)
-                for i in range(meta.num_blocks)
-                for seg in segs
-            ]
+        # The descriptors of the peer's blocks, built off the lock: the WRITEs and
+        # notifications of other peers go on meanwhile.
+        blocks = [
+            (seg.addr + i * seg.stride, seg.length, meta.kv_device)
+            for i in range(meta.num_blocks)
+            for seg in segs
+        ]
+        with self._lock:
             try:
                 descs = self._agent.get_xfer_descs(blocks, meta.kv_mem)
                 dlist = self._agent.prep_xfer_dlist(name, descs)
@@ -369,9 +429,17 @@ class NixlTransport:
                     f"the KV region of agent {name}{why}: {type(exc).__name__}: {exc}", kind
                 ) from exc
             remote = RemoteKV(
-                name, meta.num_blocks, bl, meta.kv_addr, meta.kv_device, descs.getType(), len(segs)
+                name,
+                meta.num_blocks,
+                meta.block_len,
+                meta.kv_addr,
+                meta.kv_device,
+                descs.getType(),
+                len(segs),
             )
             self._remotes[name] = (dlist, remote)
+            self._pairs[name] = pair
+            self._former_pairs.pop(name, None)
             return name
 
     def _unload(self, agent_name: str) -> None:
@@ -387,6 +455,11 @@ class NixlTransport:
             entry = self._remotes.pop(agent_name, None)
             if entry is None:
                 return
+            pair = self._pairs.pop(agent_name, None)
+            if pair is not None:  # a late answer of its process still opens
+                self._former_pairs[agent_name] = pair
+                if len(self._former_pairs) > FORMER_PAIRS_KEPT:
+                    self._former_pairs.popitem(last=False)
             try:
                 self._agent.release_dlist_handle(entry[0])
             finally:
@@ -450,10 +523,11 @@ class NixlTransport:
 
     def send_notif(self, agent_name: str, payload: bytes) -> None:
         with self._lock:
-            if agent_name not in self._remotes:
+            pair = self._pairs.get(agent_name)
+            if agent_name not in self._remotes or pair is None:
                 raise TransportError(f"agent {agent_name} is not (or no longer) added", "not_found")
             try:
-                self._agent.send_notif(agent_name, payload)
+                self._agent.send_notif(agent_name, pair.seal(payload))
             except Exception as exc:
                 raise TransportError(f"send_notif to {agent_name}: {exc}", _classify(exc)) from exc
 
@@ -463,7 +537,16 @@ class NixlTransport:
         out: list[tuple[str, bytes]] = []
         for agent, msgs in notifs.items():
             name = agent.decode() if isinstance(agent, bytes) else str(agent)
-            out.extend((name, bytes(m)) for m in msgs)
+            with self._lock:
+                pair = self._pairs.get(name) or self._former_pairs.get(name)
+            for m in msgs:
+                payload = pair.open(bytes(m)) if pair is not None else None
+                if payload is None:
+                    self.unauthenticated += 1
+                    if self._on_unauthenticated is not None:
+                        self._on_unauthenticated(name)
+                    continue
+                out.append((name, payload))
         return out
 
     def write_blocks(
@@ -483,6 +566,7 @@ class NixlTransport:
             if entry is None:
                 raise TransportError(f"agent {agent_name} is not (or no longer) added", "not_found")
             remote_dlist, remote = entry
+            notif = self._pairs[agent_name].seal(notif)
             if not local_block_ids:
                 raise TransportError("a WRITE needs at least one block", "invalid")
             if min(remote_block_ids) < 0 or max(remote_block_ids) >= remote.num_blocks:

@@ -25,8 +25,9 @@ Owns the mapping between vLLM's connector API (`KVConnectorBase_V1`) and the kvt
   engines and the control API (`ControlServer`) the operator drives, served once every
   local TP rank has registered its KV cache. When the operator has connected the pair
   nothing handshakes on the request path; a prefill engine the decode does not hold (no
-  operator) is handshaken lazily with its control endpoint, and the prefill handshakes back
-  with the endpoint the registration offers.
+  operator) is handshaken lazily: the decode introduces itself at the control endpoint the
+  request names (`POST /v1/introductions`, signed with the peer credential, which is never
+  sent), and both add each other from the metadata exchanged. The prefill dials nothing.
 
 `kv_connector_extra_config` keys: `role` ("prefill"/"decode"; default from `kv_role`),
 `control_host` (default $KVTOPO_POD_IP, else 127.0.0.1), `control_port` (8975),
@@ -67,7 +68,7 @@ from kvtopo_worker.protocol import (
     PodIdentity,
     Role,
 )
-from kvtopo_worker.push import FailedRequest, PushConfig, PushConnector
+from kvtopo_worker.push import FailedRequest, PushConfig, PushConnector, new_connector
 from kvtopo_worker.registry import EngineRegistry
 from kvtopo_worker.traffic import EngineTraffic
 from kvtopo_worker.transport import NixlTransport
@@ -380,7 +381,6 @@ class _EngineHost:
         self._lock = threading.Lock()
         self.server: ControlServer | None = None
         self._users = 0
-        self._lazy: dict[str, threading.Thread] = {}
 
     def _remove_agent(self, agent_name: str) -> None:
         for transport in list(self.transports.values()):
@@ -469,34 +469,15 @@ class _EngineHost:
             return
 
         def run() -> None:
-            status, answer = server.add_peer(engine_id, endpoint, role, incarnation=incarnation)
+            # An introduction: the endpoint comes from a request's kv_transfer_params (an
+            # API client chose it), so nothing reusable is sent there.
+            status, answer = server.introduce(engine_id, endpoint, role, incarnation=incarnation)
             if status == 200:
                 then()
             else:
                 failed(f"lazy handshake with {engine_id} at {endpoint}: HTTP {status}: {answer}")
 
         threading.Thread(target=run, name=f"kvtopo-lazy-{engine_id[:8]}", daemon=True).start()
-
-    def unknown_decode(self, engine_id: str, endpoint: str) -> None:
-        """Prefill: a registration came from a decode engine not held; handshake back."""
-        if not self.s.lazy_handshake or self.server is None:
-            return
-        with self._lock:
-            running = self._lazy.get(engine_id)
-            if running is not None and running.is_alive():
-                return
-            server = self.server
-            if engine_id in server.operator_evicted:
-                return
-
-            def run() -> None:
-                status, answer = server.add_peer(engine_id, endpoint, "decode")
-                if status != 200:
-                    log.warning("lazy handshake back to decode %s failed: %s", engine_id, answer)
-
-            t = threading.Thread(target=run, name=f"kvtopo-lazy-{engine_id[:8]}", daemon=True)
-            self._lazy[engine_id] = t
-            t.start()
 
     def release(self) -> None:
         """A rank shut down; the last one stops the control API."""
@@ -574,7 +555,8 @@ class _RankWorker:
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         tensors, segments = kv_segments(kv_caches, num_blocks)
         transport = NixlTransport(
-            f"kvtopo-{self.s.engine_id}-{self.host.incarnation[:12]}-r{self.rank}"
+            f"kvtopo-{self.s.engine_id}-{self.host.incarnation[:12]}-r{self.rank}",
+            on_unauthenticated=lambda agent: self.host.metrics.reject("unauthenticated"),
         )
         transport.register_kv_segments(tensors, segments, num_blocks)
         dtype = str(tensors[0].dtype).removeprefix("torch.")
@@ -594,7 +576,7 @@ class _RankWorker:
             incarnation=self.host.incarnation,
             pod=self.host.pod(),
         )
-        self.push = PushConnector(
+        self.push = new_connector(
             engine_id=self.s.engine_id,
             role=self.s.role,
             transport=transport,
@@ -603,8 +585,6 @@ class _RankWorker:
             config=self.s.push,
             tp_rank=self.rank,
             block_len=transport.block_len,
-            unknown_decode=self.host.unknown_decode,
-            decode_endpoint=self.s.endpoint if self.s.lazy_handshake else "",
         )
         self.transport = transport
         self.push.start()
