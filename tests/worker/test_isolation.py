@@ -208,6 +208,7 @@ def test_a_rogue_agent_posing_under_the_prefills_agent_name_ends_nothing(
         ]
         for msg in forged:
             rogue.send_notif(d_agent, encode_notification(msg))
+
         def handled() -> bool:
             rogue.get_notifs()  # progresses the rogue's sends (its NIXL thread is off)
             return d.rejected("unauthenticated") >= 2 or bool(d.drain())

@@ -136,11 +136,13 @@ class HeldAction(enum.StrEnum):
 HELD_TABLE: dict[tuple[Held, HeldEvent], tuple[Held, HeldAction]] = {
     (Held.GONE, HeldEvent.REGISTERED): (Held.HELD, HeldAction.KEEP),
     (Held.GONE, HeldEvent.CANCELLED): (Held.TOMBSTONE, HeldAction.ANSWER_FAIL),
-    (Held.HELD, HeldEvent.CANCELLED): (Held.GONE, HeldAction.ANSWER_FAIL),
+    # A cancelled registration leaves a tombstone too: its KV, ready later, fails at once,
+    # and a duplicate of the registration is refused.
+    (Held.HELD, HeldEvent.CANCELLED): (Held.TOMBSTONE, HeldAction.ANSWER_FAIL),
     (Held.HELD, HeldEvent.MATCHED): (Held.GONE, HeldAction.NONE),
     (Held.HELD, HeldEvent.EXPIRED): (Held.GONE, HeldAction.ANSWER_FAIL),
     (Held.HELD, HeldEvent.SENDER_GONE): (Held.GONE, HeldAction.DROP),
-    (Held.TOMBSTONE, HeldEvent.REGISTERED): (Held.GONE, HeldAction.REFUSE),
+    (Held.TOMBSTONE, HeldEvent.REGISTERED): (Held.TOMBSTONE, HeldAction.REFUSE),
     (Held.TOMBSTONE, HeldEvent.CANCELLED): (Held.TOMBSTONE, HeldAction.ANSWER_FAIL),
     (Held.TOMBSTONE, HeldEvent.EXPIRED): (Held.GONE, HeldAction.DROP),
     (Held.TOMBSTONE, HeldEvent.SENDER_GONE): (Held.GONE, HeldAction.DROP),

@@ -166,6 +166,9 @@ class PrefillPush(PushConnector):
         elif keep is not None and keep.phase is not phase:
             self._drop(agent, rid)
             keep.phase = phase
+            if phase is Held.TOMBSTONE:
+                keep.reg, keep.blocks = None, 0
+                keep.deadline = self._clock() + self.config.kv_lease_s
             self._put(agent, rid, keep)
         return keep, action
 
@@ -329,6 +332,7 @@ class PrefillPush(PushConnector):
                 self._held_step(agent, rid, HeldEvent.REGISTERED)  # refused: cancel answered
                 self.metrics.reject("cancelled_registration")
                 return
+            expired_send: _Send | None = None
             if kept is not None or (send is not None and send.phase is Send.WRITING):
                 self.metrics.reject("notification")  # a duplicate
                 return
@@ -351,6 +355,13 @@ class PrefillPush(PushConnector):
                     FailureType.REGISTRATION_TIMEOUT,
                     "the registration expired before it could be used",
                 )
+                # Its decode gives the request up on this answer: so does our side.
+                if (
+                    send is not None
+                    and send.decode_engine_id in (None, engine)
+                    and self._advance(rid, send, SendEvent.CANCELLED) is SendAction.END
+                ):
+                    expired_send = send
             elif len(
                 self._kept_by_agent.get(agent, {})
             ) >= self.config.max_held_per_peer or self._held_blocks.get(agent, 0) + len(
@@ -364,6 +375,10 @@ class PrefillPush(PushConnector):
                 lease = min(self.config.kv_lease_s, msg.expires_at - wall)
                 keep = _Keep(Held.HELD, engine, now + lease, msg, len(msg.block_ids))
                 self._put(agent, rid, keep)
+        if expired_send is not None:
+            self._fail_send(
+                rid, FailureType.REGISTRATION_TIMEOUT, answer[1] if answer else "", None
+            )
         if answer is not None:
             self.metrics.reject("notification")
             self._answer(agent, engine, rid, *answer)
