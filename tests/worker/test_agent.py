@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.server
 import json
 import socket
 import threading
@@ -583,3 +584,78 @@ def test_the_state_is_not_sent_again_while_only_its_request_counters_move() -> N
     finally:
         p.server.stop()
         d.server.stop()
+
+
+class _Spy:
+    """An endpoint a request's parameters point at (an API client chose it): it records
+    every request that reaches it and answers 401."""
+
+    def __init__(self) -> None:
+        self.seen: list[bytes] = []
+        spy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _record(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                spy.seen.append(bytes(self.headers) + self.rfile.read(length))
+                self.send_response(401)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            do_GET = do_POST = do_PUT = _record
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_lazy_handshake_sends_no_credential_where_a_request_points() -> None:
+    """The vLLM connector handshakes lazily with the endpoint a request's kv_transfer_params
+    name (an API client chose it): a spy there learns nothing it could present elsewhere,
+    through the lazy path (an introduction) or the operator's (a metadata fetch)."""
+    d = make_node("dec-1", "decode", peer_token=TokenSource(value="the-peer-secret"))
+    spy = _Spy()
+    try:
+        status, _ = d.server.introduce("pre-x", spy.endpoint, "prefill")
+        assert status != 200
+        status, _ = d.server.add_peer("pre-x", spy.endpoint, "prefill")
+        assert status != 200
+        assert spy.seen, "the spy was never asked"
+        for request in spy.seen:
+            assert b"the-peer-secret" not in request, request
+        assert d.registry.engine_ids() == []
+    finally:
+        spy.close()
+        d.server.stop()
+
+
+def test_an_introduction_adds_both_sides_and_refuses_an_id_a_live_process_holds() -> None:
+    peer = TokenSource(value="peer-secret")
+    p = make_node("pre-1", "prefill", peer_token=peer, incarnation="p-inc")
+    d = make_node("dec-1", "decode", peer_token=peer, incarnation="d-inc")
+    imposter = make_node("dec-1", "decode", peer_token=peer, incarnation="other-inc")
+    wrong = make_node("dec-2", "decode", peer_token=TokenSource(value="not-the-secret"))
+    try:
+        status, answer = d.server.introduce("pre-1", p.server.endpoint, "prefill")
+        assert status == 200, answer
+        assert d.registry.engine_ids() == ["pre-1"] and p.registry.engine_ids() == ["dec-1"]
+        # Another process claiming dec-1 while dec-1 is held (healthy) takes nothing over.
+        status, answer = imposter.server.introduce("pre-1", p.server.endpoint, "prefill")
+        assert status != 200
+        assert p.registry.incarnation("dec-1") == "d-inc"
+        # Without the peer credential nothing is added.
+        status, answer = wrong.server.introduce("pre-1", p.server.endpoint, "prefill")
+        assert status != 200 and "dec-2" not in p.registry.engine_ids()
+        # The answer must be the engine the request named.
+        status, answer = d.server.introduce("pre-other", p.server.endpoint, "prefill")
+        assert status == 409, answer
+    finally:
+        for node in (p, d, imposter, wrong):
+            node.server.stop()
