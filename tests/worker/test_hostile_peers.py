@@ -211,3 +211,68 @@ def test_a_second_decode_registering_the_same_request_id_does_not_take_the_write
     assert d2.outcomes[0]["reason"] == "remote_rejected", d2.outcomes
     wait_for(lambda: p.drain() or p.outcomes)
     assert collections.Counter(o["status"] for o in p.outcomes) == {"done": 1}
+
+
+def _compat_of(w: WorkerProcess) -> Any:
+    return decode_metadata(raw_metadata(w), w.state()["compat_hash"]).compat
+
+
+def test_a_peer_describing_millions_of_blocks_is_refused_at_once_and_stalls_no_one(
+    workers: dict[str, WorkerProcess], crafted: MetadataPeer
+) -> None:
+    """Metadata at the protocol's limit (2^24 blocks) used to build 16M descriptors in
+    Python under the data path's lock, stalling that rank's requests for many seconds. A
+    peer may describe no more blocks than this engine's size allows (16x its own), and
+    descriptors are built off the lock: another pair's requests go on."""
+    import torch
+
+    from kvtopo_worker.transport import NixlTransport
+
+    p, d = workers["p"], workers["d"]
+    d.connect(p)
+    p.connect(d)
+    # A process of its own (its NIXL blob names its own agent) that claims 2^24 blocks.
+    rogue = NixlTransport("kvtopo-huge", progress_thread=False)
+    rogue.register_kv_cache(torch.zeros((4, BLOCK), dtype=torch.uint8))
+    own = rogue.describe(engine_id="huge", role="prefill", compat=_compat_of(p))
+    crafted.payload = recraft(
+        raw_metadata(p),
+        engine_id="huge",
+        agent_name=own.agent_name,
+        agent_metadata=own.agent_metadata,
+        kv_addr=own.kv_addr,
+        num_blocks=1 << 24,
+        notif_key=own.notif_key,
+    )
+    latencies: list[float] = []
+    stop = False
+
+    def traffic() -> None:
+        i = 0
+        while not stop:
+            rid = f"during-{i}"
+            t0 = time.monotonic()
+            assert d.submit(rid, p, 1) == 202 and p.submit(rid, d, 1) == 202
+            while not any(o["request_id"] == rid for o in d.outcomes):
+                d.drain()
+            latencies.append(time.monotonic() - t0)
+            i += 1
+
+    import threading
+
+    runner = threading.Thread(target=traffic)
+    runner.start()
+    try:
+        answers = [
+            d.call("PUT", "/v1/peers/huge", {"endpoint": crafted.endpoint, "role": "prefill"})
+            for _ in range(5)
+        ]
+    finally:
+        stop = True
+        runner.join(30)
+        rogue.close()
+    for status, body in answers:
+        assert status == 502 and "may describe at most" in body["message"], body
+    assert all(o["status"] == "done" for o in d.outcomes)
+    latencies.sort()
+    assert latencies and latencies[-1] < 2.0, f"another pair stalled {latencies[-1]:.2f} s"
