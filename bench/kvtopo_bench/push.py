@@ -158,9 +158,7 @@ def _peer_main(
                     transport=transport,
                     registry=registry,
                     metrics=WorkerMetrics(),
-                    config=PushConfig(
-                        registration_timeout_s=60, kv_lease_s=60, greet_peers=False
-                    ),
+                    config=PushConfig(registration_timeout_s=60, kv_lease_s=60, greet_peers=False),
                     block_len=block_len,
                 )
                 connector.start()

@@ -602,7 +602,11 @@ class _Spy:
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
-            do_GET = do_POST = do_PUT = _record
+            def do_GET(self) -> None:
+                self._record()
+
+            def do_POST(self) -> None:
+                self._record()
 
             def log_message(self, *args: object) -> None:
                 pass

@@ -259,7 +259,7 @@ def test_registrations_from_an_agent_nobody_added_are_not_kept(
             nonlocal grown
             rogue.get_notifs()
             grown = _rss_mb(p) - before
-            return p.rejected("unauthenticated") >= n or grown > 200
+            return p.rejected("unknown_agent") >= n or grown > 200
 
         wait_until(handled, 60, "the prefill to take the flood in")
         assert grown < 64, f"the prefill kept {grown:.0f} MB of a stranger's registrations"

@@ -178,7 +178,7 @@ class EmulatedEngine(EngineTraffic):
             transport = NixlTransport(
                 f"kvtopo-{self.engine_id}-{self.incarnation[:12]}-r{rank}",
                 progress_thread=progress_thread,
-                on_unauthenticated=self._unauthenticated,
+                on_unauthenticated=self.metrics.unauthenticated,
             )
             kv = torch.zeros((num_blocks, block_len), dtype=torch.uint8, device=self.device)
             connector = new_connector(
@@ -230,10 +230,6 @@ class EmulatedEngine(EngineTraffic):
             target=self._engine_loop, name="kvtopo-engine", daemon=True
         )
         self.verified_bytes = 0
-
-    def _unauthenticated(self, agent_name: str) -> None:
-        self.metrics.reject("unauthenticated")
-        log.warning("dropped a notification that %s did not seal (forged or unknown)", agent_name)
 
     def _remove_agent(self, agent_name: str) -> None:
         """Registry teardown: the agent lives in the transport of the rank it pairs with

@@ -120,6 +120,17 @@ class WorkerMetrics:
             self._failures[FailureType.MALFORMED_MESSAGE.value] += 1
         self.rejected_total.labels(source).inc()
 
+    def unauthenticated(self, agent_name: str, known: bool) -> None:
+        """Counts a notification dropped because it did not open with its sender's key: a
+        forgery (or an altered message) from an agent we hold is a rejected message; one
+        from an agent never added (a greeting that raced its handshake, or a stranger) is
+        counted apart, as `unknown_agent`, and is no failure."""
+        if known:
+            self.reject("unauthenticated")
+            log.warning("dropped a notification %s did not seal (forged or altered)", agent_name)
+        else:
+            self.rejected_total.labels("unknown_agent").inc()
+
     def failure_counts(self) -> dict[str, int]:
         with self._lock:
             return dict(self._failures)

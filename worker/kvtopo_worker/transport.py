@@ -194,11 +194,13 @@ class NixlTransport:
         backends: Sequence[str] = ("UCX",),
         progress_thread: bool | None = None,
         merge_blocks: bool | None = None,
-        on_unauthenticated: Callable[[str], None] | None = None,
+        on_unauthenticated: Callable[[str, bool], None] | None = None,
         max_peer_blocks: int | None = None,
     ) -> None:
-        """`on_unauthenticated(agent)` is called for every notification dropped because it
-        did not open with that agent's key (counted by the caller's metrics)."""
+        """`on_unauthenticated(agent, known)` is called for every notification dropped
+        because it did not open with that agent's key (`known`: an agent we hold or held,
+        so a forgery or an altered message; else an agent never added, as when a peer
+        greets before we added it), for the caller's metrics."""
         from nixl._api import nixl_agent, nixl_agent_config
 
         _quiet_nixl_logging()
@@ -544,7 +546,7 @@ class NixlTransport:
                 if payload is None:
                     self.unauthenticated += 1
                     if self._on_unauthenticated is not None:
-                        self._on_unauthenticated(name)
+                        self._on_unauthenticated(name, pair is not None)
                     continue
                 out.append((name, payload))
         return out

@@ -556,7 +556,7 @@ class _RankWorker:
         tensors, segments = kv_segments(kv_caches, num_blocks)
         transport = NixlTransport(
             f"kvtopo-{self.s.engine_id}-{self.host.incarnation[:12]}-r{self.rank}",
-            on_unauthenticated=lambda agent: self.host.metrics.reject("unauthenticated"),
+            on_unauthenticated=self.host.metrics.unauthenticated,
         )
         transport.register_kv_segments(tensors, segments, num_blocks)
         dtype = str(tensors[0].dtype).removeprefix("torch.")
