@@ -53,6 +53,7 @@ def add_drill_parser(verbs: Any) -> None:
             "freeze-decode",
             "kill-prefill",
             "restart-engine",
+            "abort-storm",
         ],
         help="a fault during the run: operator-kill, apiserver-restart, rotate-credentials "
         "(both credentials replaced, pod by pod, under traffic) and leader-kill (two operator "
@@ -62,7 +63,11 @@ def add_drill_parser(verbs: Any) -> None:
         "prefill engine with requests in flight (its pod is then replaced); restart-engine "
         "SIGKILLs a prefill engine with requests in flight and starts it again in the same "
         "pod (same IP, port and engine id, a new incarnation: a container restart), and "
-        "reports the time until every pair is connected again (restart_recovery_s)",
+        "reports the time until every pair is connected again (restart_recovery_s); "
+        "abort-storm aborts about a fifth of the requests (DELETE /v1/requests/{id}, as vLLM "
+        "aborts a request) at random stages, on either engine, through every rollout: at "
+        "least 10%% must be aborted, and both sides must still agree on each, with no KV "
+        "landing after its request ended (late_writes)",
     )
     p.add_argument(
         "--tp",

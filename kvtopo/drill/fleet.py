@@ -89,6 +89,8 @@ class Fleet:
     on_outcomes: Callable[[str, list[dict[str, Any]], float], None]
     on_going: Callable[[str, float], None]
     trace: Callable[..., None] = lambda event, **fields: None
+    # A drained engine's count of blocks written after their request ended (its guard).
+    on_late_writes: Callable[[str, int], None] = lambda engine_id, n: None
     drain_deadline_s: float = 15.0
     engine_drain_s: float = 10.0  # the engine's own deadline: then it fails what it holds
     engines: dict[str, Engine] = field(default_factory=dict)
@@ -302,6 +304,7 @@ class Fleet:
                 state = await self.drain(eng)
                 if state is not None and state.get("drained"):
                     drained = True
+                    self.on_late_writes(eng.engine_id, int(state.get("late_writes") or 0))
                     break
                 await self.collect(eng)
                 if time.monotonic() >= deadline:
@@ -404,6 +407,15 @@ class Fleet:
         except (aiohttp.ClientError, TimeoutError, OSError):
             return None
         return state if status == 200 and isinstance(state, dict) else None
+
+    async def abort(self, eng: Engine, request_id: str) -> int:
+        """Aborts one request on the engine (vLLM's abort: `DELETE /v1/requests/{id}`):
+        202 once it is being given up, 404 when the engine no longer holds it."""
+        try:
+            status, _ = await self.call("DELETE", f"http://{eng.endpoint}/v1/requests/{request_id}")
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return 0
+        return status
 
     async def submit(self, eng: Engine, request_id: str, peer: str, num_blocks: int) -> int:
         body = {"request_id": request_id, "peer_engine_id": peer, "num_blocks": num_blocks}

@@ -67,6 +67,11 @@ class Ledger:
     # fault to the topology converged again. No gate can turn True then; an engine whose
     # wait overlaps one is reported apart, not held to the gate's p99.
     control_faults: list[tuple[float, float]] = field(default_factory=list)
+    # --chaos abort-storm: requests an engine took an abort for (they may fail, with reason
+    # aborted on the side aborted, and must agree), and the share of requests to abort.
+    aborted: set[str] = field(default_factory=set)
+    abort_share: float = 0.0
+    late_writes: int = 0  # blocks written after their request ended, by drained engines
 
     # --- recording -------------------------------------------------------------------------
 
@@ -137,7 +142,11 @@ class Ledger:
             for r in self.requests.values()
             if len(r.decode_outcomes) > 1 or len(r.prefill_outcomes) > 1
         ]
-        false_failures = [r.request_id for r in failed if self.connected_throughout(r)]
+        false_failures = [
+            r.request_id
+            for r in failed
+            if r.request_id not in self.aborted and self.connected_throughout(r)
+        ]
         corrupted = [r.request_id for r in failed if _corrupted(r)]
         mismatched = [
             r.request_id
@@ -177,6 +186,12 @@ class Ledger:
             "engine_up_to_gate_p99_s": round(_percentile(gate, 0.99), 3) if gate else None,
             "engine_up_to_gate_max_s": round(max(gate), 3) if gate else None,
             "orphan_outcomes": self.orphan_outcomes,
+            "aborted": len(self.aborted),
+            "aborted_share": round(len(self.aborted) / len(self.requests), 3)
+            if self.requests
+            else 0.0,
+            "abort_share_wanted": self.abort_share,
+            "late_writes": self.late_writes,
             "chaos_recovery_s": [round(s, 3) for s in self.chaos_recovery_s],
             "leader_takeover_s": [round(s, 3) for s in self.leader_takeover_s],
             "restart_recovery_s": [round(s, 3) for s in self.restart_recovery_s],
@@ -217,6 +232,7 @@ def _percentile(sorted_values: list[float], q: float) -> float:
 
 
 GATE_P99_LIMIT_S = 1.0
+ABORTED_SHARE_MIN = 0.10
 
 
 def invariants_hold(report: dict[str, Any]) -> bool:
@@ -228,14 +244,19 @@ def invariants_hold(report: dict[str, Any]) -> bool:
         "outcome_mismatch",
         "unverified_completions",
         "stale_peers_at_end",
+        "late_writes",
     )
     # A killed leader's standby converges the topology within the Lease duration + 5 s.
     takeover_limit = float(report.get("lease_s") or 0) + 5
     takeovers = report.get("leader_takeover_s") or []
     # The readiness gate turns True within 1 s (p99) of an engine serving.
     gate_ok = (report.get("engine_up_to_gate_p99_s") or 0) <= GATE_P99_LIMIT_S
+    # --chaos abort-storm: at least 10% of the requests were aborted (at random stages).
+    wanted = float(report.get("abort_share_wanted") or 0)
+    aborts_ok = not wanted or float(report.get("aborted_share") or 0) >= ABORTED_SHARE_MIN
     return (
-        all(int(report[k]) == 0 for k in keys)
+        aborts_ok
+        and all(int(report.get(k) or 0) == 0 for k in keys)
         and all(t <= takeover_limit for t in takeovers)
         and gate_ok
     )

@@ -36,6 +36,7 @@ def render_table(report: dict[str, Any]) -> Any:
         ("duplicate failure reports", str(report["duplicate_failure_reports"]), "0"),
         ("corrupted (failed verification)", str(report["corrupted"]), "0"),
         ("outcome mismatch (prefill vs decode)", str(report["outcome_mismatch"]), "0"),
+        ("KV blocks written after their request ended", str(report.get("late_writes", 0)), "0"),
         ("verified bytes", f"{report['verified_bytes']:,}", ""),
         ("convergence per rollout (s)", ", ".join(f"{c:.2f}" for c in conv) or "-", "p99 <= 5"),
         ("convergence p99, all new engines (s)", str(report["convergence_p99_s"]), "<= 5"),
@@ -57,6 +58,15 @@ def render_table(report: dict[str, Any]) -> Any:
         ),
         ("stale peers at the end", str(report["stale_peers_at_end"]), "0"),
     ]
+    if report.get("abort_share_wanted"):
+        rows.insert(
+            3,
+            (
+                "aborted (at random stages, either side)",
+                f"{report['aborted']} ({100 * report['aborted_share']:.1f}%)",
+                ">= 10%",
+            ),
+        )
     if report.get("leader_takeover_s"):
         rows.insert(
             -1,

@@ -36,6 +36,16 @@ from kvtopo_operator.kube import ClusterApi
 log = logging.getLogger(__name__)
 
 ENGINE_FAULTS = ("freeze-decode", "kill-prefill", "restart-engine")
+# --chaos abort-storm: the share of requests aborted, at random stages on either side
+# (more than the 10% the drill requires, as some aborts come after the request ended).
+ABORT_STORM_SHARE = 0.3
+ABORT_STAGES = (
+    "prefill-waiting",
+    "decode-queued",
+    "prefill-racing",
+    "decode-later",
+    "prefill-later",
+)
 REGISTRATION_TIMEOUT_S = 5.0  # the workers' --registration-timeout, --transfer-timeout
 GIVE_UP_S = 2 * REGISTRATION_TIMEOUT_S + 2 + 1  # + the cancel margin, + slack
 
@@ -102,6 +112,9 @@ class Drill:
         self.traffic_on = False
         self.stop_traffic = asyncio.Event()
         self._serving_log: dict[str, float] = {}  # engine -> when it began serving
+        self._aborts: set[asyncio.Task[None]] = set()  # --chaos abort-storm's pending aborts
+        if opts.chaos == "abort-storm":
+            self.ledger.abort_share = ABORT_STORM_SHARE
 
     # --- set-up ----------------------------------------------------------------------------
 
@@ -185,6 +198,7 @@ class Drill:
             annotate=annotate,
             on_outcomes=self._record_outcomes,
             on_going=self.ledger.going_away,
+            on_late_writes=self._late_writes,
             trace=self.trace,
             kill_without_drain=self.opts.fault == "crash-decode",
             engine=self.opts.engine,
@@ -212,6 +226,21 @@ class Drill:
             await asyncio.to_thread(
                 kube.apps.create_namespaced_deployment, self.namespace, deployment
             )
+
+    def _late_writes(self, engine_id: str, n: int) -> None:
+        if n:
+            self.trace("late_writes", engine=engine_id, blocks=n)
+        self.ledger.late_writes += n
+
+    async def _abort_later(self, rid: str, eng: Any, delay: float) -> None:
+        """--chaos abort-storm: aborts `rid` on `eng` after `delay` (a random stage: before
+        or with its registration, while its KV waits, during or after its WRITE)."""
+        await asyncio.sleep(delay)
+        assert self.fleet is not None
+        status = await self.fleet.abort(eng, rid)
+        self.trace("abort", rid=rid, engine=eng.engine_id, answer=status)
+        if status == 202:
+            self.ledger.aborted.add(rid)
 
     def _record_outcomes(self, role: str, outcomes: list[dict[str, Any]], t: float) -> None:
         for outcome in outcomes:
@@ -323,6 +352,11 @@ class Drill:
                     self.ledger.eviction.append((eid, now - since))
             await asyncio.sleep(0.2)
 
+    def _spawn_abort(self, rid: str, eng: Any, delay: float) -> None:
+        task = asyncio.create_task(self._abort_later(rid, eng, delay))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
     async def traffic_loop(self) -> None:
         fleet = self.fleet
         assert fleet is not None
@@ -343,6 +377,9 @@ class Drill:
             pid, did = self.rng.choice(pairs)
             self.seq += 1
             rid = f"drill-{self.opts.seed}-{self.seq}"
+            stage = ""
+            if self.opts.chaos == "abort-storm" and self.rng.random() < ABORT_STORM_SHARE:
+                stage = self.rng.choice(ABORT_STAGES)
             status = await fleet.submit(serving[pid], rid, did, self.opts.blocks)
             self.trace("submit", rid=rid, side="prefill", engine=pid, answer=status)
             if status != 202:  # e.g. 503 draining: pick another pair next time
@@ -351,10 +388,19 @@ class Drill:
             # the answer to this very call arrives.
             self.ledger.submitted(rid, pid, did, time.monotonic())
             self.trace("booked", rid=rid, prefill=pid, decode=did)
+            if stage == "prefill-waiting":  # its KV waits for a registration not sent yet
+                await self._abort_later(rid, serving[pid], 0.0)
             status = await fleet.submit(serving[did], rid, pid, self.opts.blocks)
             self.trace("submit", rid=rid, side="decode", engine=did, answer=status)
             if status != 202:  # refused (503 draining): it never started on the decode side
                 self.ledger.withdraw(rid)
+            elif stage == "decode-queued":  # its registration queued or just sent
+                await self._abort_later(rid, serving[did], 0.0)
+            elif stage == "prefill-racing":  # the registration is on its way to the prefill
+                await self._abort_later(rid, serving[pid], 0.0)
+            elif stage:  # later, on either side: while or after its KV is written
+                side = serving[did] if stage == "decode-later" else serving[pid]
+                self._spawn_abort(rid, side, self.rng.uniform(0.0005, 0.02))
 
     # --- the scenario ----------------------------------------------------------------------
 
@@ -858,6 +904,8 @@ class Drill:
             self.stop_traffic.set()
             self.phase = "stopping"
             for t in tasks:
+                t.cancel()
+            for t in list(self._aborts):
                 t.cancel()
             if self.fleet is not None:
                 await self.fleet.stop_all()

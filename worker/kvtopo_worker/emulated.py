@@ -388,6 +388,7 @@ class EmulatedEngine(EngineTraffic):
         for kv in self.kvs:
             late += int(kv.index_select(0, index).any(dim=1).sum())
         if late:
+            self.late_writes += late
             self.metrics.late_writes_total.inc(late)
             log.error("%d free KV blocks were written after their request ended", late)
 

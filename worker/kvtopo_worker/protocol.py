@@ -699,6 +699,9 @@ class DrainState(msgspec.Struct, frozen=True, kw_only=True):
     requests_held: int
     requests_in_flight: int
     drained: bool
+    # KV blocks the engine found written while it held no request in them (a WRITE that
+    # landed after its request ended; the emulated engine's guard, 0 where not kept).
+    late_writes: int = 0
 
 
 def decode_json_body(data: bytes, kind: type[_T]) -> _T:

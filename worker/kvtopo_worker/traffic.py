@@ -80,6 +80,7 @@ class EngineTraffic:
         self._last_seq = 0
         self.requests_done = 0
         self.requests_failed = 0
+        self.late_writes = 0  # blocks found written while free (an engine's own guard)
 
     # --- what the engine implements ------------------------------------------------------
 
@@ -191,6 +192,7 @@ class EngineTraffic:
             requests_held=held,
             requests_in_flight=in_flight,
             drained=self.draining and held == 0 and in_flight == 0,
+            late_writes=self.late_writes,
         )
 
     def wait_drained(self, timeout_s: float, stop: threading.Event | None = None) -> bool:
