@@ -824,7 +824,12 @@ class Drill:
         await asyncio.sleep(opts.settle_s)
         engine_fault = opts.chaos in ENGINE_FAULTS
         for i in range(opts.rollouts):
-            chaos = opts.chaos is not None and i == min(1, opts.rollouts - 1)
+            # abort-storm is in the traffic itself, through every rollout: no one-shot fault.
+            chaos = (
+                opts.chaos is not None
+                and opts.chaos != "abort-storm"
+                and i == min(1, opts.rollouts - 1)
+            )
             await self._rollout(
                 "decode", f"decode rollout {i + 1}/{opts.rollouts}", chaos and not engine_fault
             )
