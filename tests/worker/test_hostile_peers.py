@@ -22,7 +22,7 @@ from kvtopo_worker.protocol import (
     encode_notification,
 )
 from tests.worker.fakes import MetadataPeer
-from tests.worker.workers import WorkerProcess, start_worker
+from tests.worker.workers import WorkerProcess, rogue_agent, start_worker
 
 pytestmark = pytest.mark.nixl
 
@@ -141,28 +141,13 @@ def test_a_peer_carrying_another_engines_nixl_blob_is_refused(
     assert outcomes and outcomes[0]["status"] == "done", outcomes
 
 
-def _rogue_agent(targets: list[WorkerProcess], name: str = "kvtopo-rogue") -> Any:
-    """A NIXL agent in the test process that has added each target's agent."""
-    import torch
-
-    from kvtopo_worker.transport import NixlTransport
-
-    rogue = NixlTransport(name, progress_thread=False)
-    rogue.register_kv_cache(torch.zeros((4, BLOCK), dtype=torch.uint8))
-    names = []
-    for w in targets:
-        meta = decode_metadata(raw_metadata(w), w.state()["compat_hash"])
-        names.append(rogue.add_remote_peer(meta))
-    return rogue, names
-
-
 def test_completions_and_failures_from_agents_not_paired_are_dropped(
     workers: dict[str, WorkerProcess],
 ) -> None:
     p, d = workers["p"], workers["d"]
     d.connect(p)
     p.connect(d)
-    rogue, (d_agent,) = _rogue_agent([d])
+    rogue, (d_agent,) = rogue_agent([d], block=BLOCK)
     try:
         assert d.submit("r-done", p, 2) == 202
         assert d.submit("r-fail", p, 2) == 202

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from kvtopo_worker.protocol import PushDone, PushFail, PushRegistration, encode_notification
-from tests.worker.workers import WorkerProcess, start_worker
+from tests.worker.workers import WorkerProcess, rogue_agent, start_worker
 
 pytestmark = pytest.mark.nixl
 
@@ -168,23 +168,6 @@ def test_a_failure_from_a_new_prefill_process_does_not_end_the_old_ones_request(
     assert late_writes(d) == 0
 
 
-def _rogue(name: str, targets: list[WorkerProcess]) -> tuple[Any, list[str]]:
-    """A NIXL agent in the test process, named `name`, that has added each target's agent
-    (with the peer credential, as any engine holding it could)."""
-    import torch
-
-    from kvtopo_worker.protocol import decode_metadata
-    from kvtopo_worker.transport import NixlTransport
-
-    rogue = NixlTransport(name, progress_thread=False)
-    rogue.register_kv_cache(torch.zeros((4, BLOCK), dtype=torch.uint8))
-    names = [
-        rogue.add_remote_peer(decode_metadata(w.raw_metadata(), w.state()["compat_hash"]))
-        for w in targets
-    ]
-    return rogue, names
-
-
 def test_a_rogue_agent_posing_under_the_prefills_agent_name_ends_nothing(
     started: list[WorkerProcess], token_file: Path, tmp_path: Path
 ) -> None:
@@ -195,7 +178,7 @@ def test_a_rogue_agent_posing_under_the_prefills_agent_name_ends_nothing(
     (p_agent,) = {a for peer in d.state()["peers"] for a in peer["agents"].values()}
     assert d.submit("r-done", p, 2) == 202
     assert d.submit("r-fail", p, 2) == 202
-    rogue, (d_agent,) = _rogue(p_agent, [d])
+    rogue, (d_agent,) = rogue_agent([d], p_agent, BLOCK)
     try:
         forged = [
             PushDone(request_id="r-done", prefill_engine_id=p.engine_id, num_blocks=2),
@@ -240,7 +223,7 @@ def test_registrations_from_an_agent_nobody_added_are_not_kept(
 ) -> None:
     p = start(started, "prefill", token_file, tmp_path)
     before = _rss_mb(p)
-    rogue, (p_agent,) = _rogue("kvtopo-stranger", [p])
+    rogue, (p_agent,) = rogue_agent([p], "kvtopo-stranger", BLOCK)
     n = 150
     try:
         for i in range(n):

@@ -129,6 +129,26 @@ class WorkerProcess:
         return processes.log_tail(self.log_path, n)
 
 
+def rogue_agent(
+    targets: Iterable[WorkerProcess], name: str = "kvtopo-rogue", block: int = 64 * 1024
+) -> tuple[Any, list[str]]:
+    """A NIXL agent in the test process, named `name` (anything a process may choose),
+    that has added each target's agent from its metadata, as any process holding the peer
+    credential could; and the names of the agents it added."""
+    import torch
+
+    from kvtopo_worker.protocol import decode_metadata
+    from kvtopo_worker.transport import NixlTransport
+
+    rogue = NixlTransport(name, progress_thread=False)
+    rogue.register_kv_cache(torch.zeros((4, block), dtype=torch.uint8))
+    names = [
+        rogue.add_remote_peer(decode_metadata(w.raw_metadata(), w.state()["compat_hash"]))
+        for w in targets
+    ]
+    return rogue, names
+
+
 def start_worker(
     role: str,
     token_file: Path,
