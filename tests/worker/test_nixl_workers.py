@@ -163,46 +163,80 @@ def test_idle_worker_uses_under_two_percent_of_a_core(
 def test_garbage_notifications_over_nixl_are_counted_and_survived(
     pair: tuple[WorkerProcess, WorkerProcess], tmp_path: Path
 ) -> None:
-    """A peer that speaks NIXL but sends garbage: the workers count it and keep serving."""
-    import urllib.request as rq
-
-    from kvtopo_worker.protocol import REG_PREFIX, decode_metadata
-    from kvtopo_worker.transport import NixlTransport
-
-    p, d = pair
+    """A peer that speaks NIXL but sends garbage: the workers count it and keep serving.
+    From an agent they never added nothing even opens (counted as `unknown_agent`); from a
+    peer they hold, sealed properly, it opens and is refused as malformed."""
+    import msgspec
     import torch
 
-    rogue = NixlTransport("kvtopo-rogue", progress_thread=False)
-    try:
-        rogue.register_kv_cache(torch.zeros((4, BLOCK), dtype=torch.uint8))
-        targets = []
-        for w in (p, d):
-            req = rq.Request(w.url + "/v1/metadata", headers={"Authorization": f"Bearer {w.token}"})
-            raw = rq.urlopen(req, timeout=10).read()
-            meta = decode_metadata(raw, w.state()["compat_hash"])
-            targets.append(rogue.add_remote_peer(meta))
-        garbage = [
-            b"",
-            b"\x00" * 32,
-            REG_PREFIX + b"\xff\xfe",
-            b"PUSH_DONE:\x93\x01\x02",
-            REG_PREFIX + b"\x85" + b"\xa1x" * 5,
-            b"PUSH_FAIL:not msgpack",
-        ]
-        for agent in targets:
-            for g in garbage:
-                rogue.send_notif(agent, g)
+    from kvtopo_worker.protocol import REG_PREFIX, decode_metadata, encode_metadata
+    from kvtopo_worker.transport import NixlTransport
+    from tests.worker.fakes import MetadataPeer
+
+    p, d = pair
+    garbage = [
+        b"",
+        b"\x00" * 32,
+        REG_PREFIX + b"\xff\xfe",
+        b"PUSH_DONE:\x93\x01\x02",
+        REG_PREFIX + b"\x85" + b"\xa1x" * 5,
+        b"PUSH_FAIL:not msgpack",
+    ]
+
+    def count(source: str) -> dict[str, int]:
+        return {w.role: w.rejected(source) for w in (p, d)}
+
+    def sent_all(rogue: NixlTransport, source: str) -> dict[str, int]:
         deadline = time.monotonic() + 10
         counts: dict[str, int] = {}
         while time.monotonic() < deadline:
             rogue.get_notifs()  # drive our side's progress (progress thread off)
-            counts = {w.role: w.state()["failures"].get("malformed_message", 0) for w in (p, d)}
+            counts = count(source)
             if all(c >= len(garbage) for c in counts.values()):
                 break
             time.sleep(0.05)
-        assert counts == {"prefill": len(garbage), "decode": len(garbage)}
+        return counts
+
+    stranger = NixlTransport("kvtopo-stranger", progress_thread=False)
+    held = NixlTransport("kvtopo-held-rogue", progress_thread=False)
+    served = MetadataPeer()
+    try:
+        stranger.register_kv_cache(torch.zeros((4, BLOCK), dtype=torch.uint8))
+        targets = [
+            stranger.add_remote_peer(decode_metadata(w.raw_metadata(), w.state()["compat_hash"]))
+            for w in (p, d)
+        ]
+        for agent in targets:
+            for g in garbage:
+                stranger.send_notif(agent, g)
+        assert sent_all(stranger, "unknown_agent") == {"prefill": 6, "decode": 6}
+        assert {w.role: w.state()["failures"].get("malformed_message", 0) for w in (p, d)} == {
+            "prefill": 0,
+            "decode": 0,
+        }
+        # A peer each worker holds (it added the rogue's metadata), sending sealed garbage.
+        held.register_kv_cache(torch.zeros((4, BLOCK), dtype=torch.uint8))
+        agents = []
+        for w, role in ((p, "decode"), (d, "prefill")):
+            compat = decode_metadata(w.raw_metadata(), w.state()["compat_hash"]).compat
+            meta = held.describe(engine_id=f"rogue-{role}", role=role, compat=compat)
+            served.payload = encode_metadata(meta)
+            status, body = w.call(
+                "PUT", f"/v1/peers/rogue-{role}", {"endpoint": served.endpoint, "role": role}
+            )
+            assert status == 200, body
+            agents.append(
+                held.add_remote_peer(decode_metadata(w.raw_metadata(), w.state()["compat_hash"]))
+            )
+        for agent in agents:
+            for g in garbage:
+                held.send_notif(agent, g)
+        assert sent_all(held, "notification") == {"prefill": 6, "decode": 6}
+        assert msgspec.json.encode(count("unauthenticated")) == b'{"prefill":0,"decode":0}'
     finally:
-        rogue.close()
+        stranger.close()
+        held.close()
+        served.close()
     # Both still serve real traffic afterwards.
     submitted, ended = stream(p, d, 20)
     assert ended == set(submitted) and len(submitted) == 20
