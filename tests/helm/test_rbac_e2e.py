@@ -199,7 +199,8 @@ def refusals(log: str) -> set[str]:
     when the line names it, else the line itself."""
     out = set()
     for line in log.splitlines():
-        if not re.search(r"\b403\b|forbidden", line, re.IGNORECASE):
+        # Not a log timestamp's milliseconds (",403"): a status or the API server's word.
+        if not re.search(r"(?<![,.])\b403\b|forbidden", line, re.IGNORECASE):
             continue
         named = re.search(r'cannot \w+ resource \\?"([\w./-]+)\\?"', line)
         out.add(named.group(1) if named else line.strip()[:300])
