@@ -16,13 +16,10 @@ import msgspec
 import pytest
 
 from kvtopo_worker.protocol import (
-    PushDone,
-    PushFail,
     decode_metadata,
-    encode_notification,
 )
 from tests.worker.fakes import MetadataPeer
-from tests.worker.workers import WorkerProcess, rogue_agent, start_worker
+from tests.worker.workers import WorkerProcess, forged_answers, rogue_agent, start_worker
 
 pytestmark = pytest.mark.nixl
 
@@ -151,16 +148,8 @@ def test_completions_and_failures_from_agents_not_paired_are_dropped(
     try:
         assert d.submit("r-done", p, 2) == 202
         assert d.submit("r-fail", p, 2) == 202
-        for msg in (
-            PushDone(request_id="r-done", prefill_engine_id=p.engine_id, num_blocks=2),
-            PushFail(
-                request_id="r-fail",
-                prefill_engine_id=p.engine_id,
-                reason="transfer_failed",  # type: ignore[arg-type]
-                message="forged",
-            ),
-        ):
-            rogue.send_notif(d_agent, encode_notification(msg))
+        for data in forged_answers(p.engine_id):
+            rogue.send_notif(d_agent, data)
 
         def rejected() -> int:
             rogue.get_notifs()

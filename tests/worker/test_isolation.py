@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from kvtopo_worker.protocol import PushDone, PushFail, PushRegistration, encode_notification
-from tests.worker.workers import WorkerProcess, rogue_agent, start_worker
+from kvtopo_worker.protocol import PushRegistration, encode_notification
+from tests.worker.workers import WorkerProcess, forged_answers, rogue_agent, start_worker
 
 pytestmark = pytest.mark.nixl
 
@@ -180,17 +180,8 @@ def test_a_rogue_agent_posing_under_the_prefills_agent_name_ends_nothing(
     assert d.submit("r-fail", p, 2) == 202
     rogue, (d_agent,) = rogue_agent([d], p_agent, BLOCK)
     try:
-        forged = [
-            PushDone(request_id="r-done", prefill_engine_id=p.engine_id, num_blocks=2),
-            PushFail(
-                request_id="r-fail",
-                prefill_engine_id=p.engine_id,
-                reason="transfer_failed",  # type: ignore[arg-type]
-                message="forged",
-            ),
-        ]
-        for msg in forged:
-            rogue.send_notif(d_agent, encode_notification(msg))
+        for data in forged_answers(p.engine_id):
+            rogue.send_notif(d_agent, data)
 
         def handled() -> bool:
             rogue.get_notifs()  # progresses the rogue's sends (its NIXL thread is off)

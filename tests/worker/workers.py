@@ -129,6 +129,26 @@ class WorkerProcess:
         return processes.log_tail(self.log_path, n)
 
 
+def forged_answers(prefill_engine_id: str) -> list[bytes]:
+    """What a forger sends a decode in the name of prefill engine `prefill_engine_id`: a
+    completion of request "r-done" and a failure of "r-fail" (framed, unsealed)."""
+    from kvtopo_worker.protocol import FailureType, PushDone, PushFail, encode_notification
+
+    return [
+        encode_notification(
+            PushDone(request_id="r-done", prefill_engine_id=prefill_engine_id, num_blocks=2)
+        ),
+        encode_notification(
+            PushFail(
+                request_id="r-fail",
+                prefill_engine_id=prefill_engine_id,
+                reason=FailureType.TRANSFER_FAILED,
+                message="forged",
+            )
+        ),
+    ]
+
+
 def rogue_agent(
     targets: Iterable[WorkerProcess], name: str = "kvtopo-rogue", block: int = 64 * 1024
 ) -> tuple[Any, list[str]]:

@@ -25,9 +25,11 @@ from kvtopo_worker.metrics import WorkerMetrics
 from kvtopo_worker.protocol import (
     MAX_REQUESTS_PER_WRITE,
     FailureType,
+    MalformedMessage,
     Notification,
     PushHello,
     Role,
+    decode_notification,
     encode_notification,
 )
 from kvtopo_worker.registry import EngineRegistry
@@ -400,10 +402,6 @@ class PushConnector:
             self._peer_failed(engine_id, agent, why, dropped=True)
         return len(confirmed)
 
-    def _rank_agent(self, engine_id: str) -> str | None:
-        """The agent of `engine_id`'s rank that pairs with ours (same TP rank)."""
-        return self.registry.snapshot(engine_id).get(self.tp_rank)
-
     # --- the progress thread -------------------------------------------------------------
 
     def _progress_loop(self) -> None:
@@ -444,7 +442,16 @@ class PushConnector:
         notifs = self.transport.get_notifs()
         for agent_name, data in notifs:
             try:
-                self._on_notification(agent_name, data)
+                msg = decode_notification(data)
+            except MalformedMessage as exc:
+                self.metrics.reject("notification")
+                log.warning("dropped malformed notification from %s: %s", agent_name, exc.message)
+                continue
+            try:
+                if isinstance(msg, PushHello):
+                    self._on_hello(agent_name, msg)
+                else:
+                    self._on_message(agent_name, msg)
             except Exception:  # nothing a peer sends may stop the pass
                 self.metrics.reject("notification")
                 log.exception("handling a notification from %s", agent_name)
@@ -455,7 +462,9 @@ class PushConnector:
             self._expire(now)
         return self._load()
 
-    def _on_notification(self, agent_name: str, data: bytes) -> None:
+    def _on_message(self, agent_name: str, msg: Notification) -> None:
+        """One decoded notification (not a greeting) from `agent_name`, in arrival order;
+        a kind the half does not receive is counted and dropped."""
         raise NotImplementedError
 
     def _progress_side(self) -> None:

@@ -23,14 +23,12 @@ from dataclasses import dataclass
 
 from kvtopo_worker.protocol import (
     FailureType,
-    MalformedMessage,
+    Notification,
     PushCancel,
     PushDone,
     PushFail,
-    PushHello,
     PushRegistration,
     Role,
-    decode_notification,
     encode_notification,
 )
 from kvtopo_worker.push.core import PushConnector, signal_event
@@ -291,19 +289,11 @@ class DecodePush(PushConnector):
 
     # --- notifications -------------------------------------------------------------------
 
-    def _on_notification(self, agent_name: str, data: bytes) -> None:
-        try:
-            msg = decode_notification(data)
-        except MalformedMessage as exc:
-            self.metrics.reject("notification")
-            log.warning("dropped malformed notification from %s: %s", agent_name, exc.message)
-            return
+    def _on_message(self, agent_name: str, msg: Notification) -> None:
         if isinstance(msg, PushDone):
             self._on_answer(agent_name, msg.prefill_engine_id, msg.request_ids, None)
         elif isinstance(msg, PushFail):
             self._on_answer(agent_name, msg.prefill_engine_id, [msg.request_id], msg)
-        elif isinstance(msg, PushHello):
-            self._on_hello(agent_name, msg)
         else:  # registrations and cancels are the prefill's to receive
             self.metrics.reject("notification")
 

@@ -34,14 +34,12 @@ from dataclasses import dataclass
 
 from kvtopo_worker.protocol import (
     FailureType,
-    MalformedMessage,
+    Notification,
     PushCancel,
     PushDone,
     PushFail,
-    PushHello,
     PushRegistration,
     Role,
-    decode_notification,
     encode_notification,
 )
 from kvtopo_worker.push.core import PushConnector, signal_event
@@ -280,19 +278,11 @@ class PrefillPush(PushConnector):
 
     # --- notifications -------------------------------------------------------------------
 
-    def _on_notification(self, agent_name: str, data: bytes) -> None:
-        try:
-            msg = decode_notification(data)
-        except MalformedMessage as exc:
-            self.metrics.reject("notification")
-            log.warning("dropped malformed notification from %s: %s", agent_name, exc.message)
-            return
+    def _on_message(self, agent_name: str, msg: Notification) -> None:
         if isinstance(msg, PushRegistration):
             self._on_registration(agent_name, msg)
         elif isinstance(msg, PushCancel):
             self._on_cancel(agent_name, msg)
-        elif isinstance(msg, PushHello):
-            self._on_hello(agent_name, msg)
         else:  # completions and failures are the decode's to receive
             self.metrics.reject("notification")
 
