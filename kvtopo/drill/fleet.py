@@ -41,6 +41,17 @@ from kvtopo_worker.protocol import UNHEALTHY
 log = logging.getLogger(__name__)
 
 
+def _stage_counts(raw: Any) -> dict[str, int]:
+    """An engine's abort-stage counts as it reported them (untrusted: bounded, clamped)."""
+    if not isinstance(raw, dict):
+        return {}
+    out: dict[str, int] = {}
+    for stage, n in list(raw.items())[:32]:
+        if isinstance(stage, str) and isinstance(n, int) and 0 < n < 1 << 31:
+            out[stage[:64]] = n
+    return out
+
+
 @dataclass
 class Engine:
     pod: str
@@ -91,6 +102,8 @@ class Fleet:
     trace: Callable[..., None] = lambda event, **fields: None
     # A drained engine's count of blocks written after their request ended (its guard).
     on_late_writes: Callable[[str, int], None] = lambda engine_id, n: None
+    # A drained engine's abort stages (where the client's aborts found its requests).
+    on_abort_stages: Callable[[dict[str, int]], None] = lambda stages: None
     drain_deadline_s: float = 15.0
     engine_drain_s: float = 10.0  # the engine's own deadline: then it fails what it holds
     engines: dict[str, Engine] = field(default_factory=dict)
@@ -305,6 +318,7 @@ class Fleet:
                 if state is not None and state.get("drained"):
                     drained = True
                     self.on_late_writes(eng.engine_id, int(state.get("late_writes") or 0))
+                    self.on_abort_stages(_stage_counts(state.get("abort_stages")))
                     break
                 await self.collect(eng)
                 if time.monotonic() >= deadline:

@@ -72,8 +72,14 @@ class Ledger:
     aborted: set[str] = field(default_factory=set)
     abort_share: float = 0.0
     late_writes: int = 0  # blocks written after their request ended, by drained engines
+    abort_stages: dict[str, int] = field(default_factory=dict)  # drained engines' counts
 
     # --- recording -------------------------------------------------------------------------
+
+    def count_abort_stages(self, stages: dict[str, int]) -> None:
+        """Adds a drained engine's counts of where aborts found its requests."""
+        for stage, n in stages.items():
+            self.abort_stages[stage] = self.abort_stages.get(stage, 0) + n
 
     def submitted(self, request_id: str, prefill: str, decode: str, t: float) -> None:
         self.requests[request_id] = RequestRecord(request_id, prefill, decode, t)
@@ -192,6 +198,7 @@ class Ledger:
             else 0.0,
             "abort_share_wanted": self.abort_share,
             "late_writes": self.late_writes,
+            "abort_stages": dict(sorted(self.abort_stages.items())),
             "chaos_recovery_s": [round(s, 3) for s in self.chaos_recovery_s],
             "leader_takeover_s": [round(s, 3) for s in self.leader_takeover_s],
             "restart_recovery_s": [round(s, 3) for s in self.restart_recovery_s],

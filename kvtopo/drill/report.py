@@ -67,6 +67,9 @@ def render_table(report: dict[str, Any]) -> Any:
                 ">= 10%",
             ),
         )
+    if report.get("abort_stages"):
+        stages = ", ".join(f"{k} {v}" for k, v in report["abort_stages"].items())
+        rows.append(("where the aborts found their requests", stages, "every stage"))
     if report.get("leader_takeover_s"):
         rows.insert(
             -1,

@@ -199,6 +199,7 @@ class Drill:
             on_outcomes=self._record_outcomes,
             on_going=self.ledger.going_away,
             on_late_writes=self._late_writes,
+            on_abort_stages=self.ledger.count_abort_stages,
             trace=self.trace,
             kill_without_drain=self.opts.fault == "crash-decode",
             engine=self.opts.engine,

@@ -233,7 +233,7 @@ def usable_engines(
                 "with its pod identity (--pod-uid, from the downward API)"
             )
             unusable[pod.name] = (pod, why, Reason.IDENTITY_MISMATCH)
-        elif worker.role != pod.role:
+        elif worker.role not in (pod.role, "both"):  # a kv_both engine takes its pod's part
             why = f"worker unreachable: worker reports role {worker.role}, pod says {pod.role}"
             unusable[pod.name] = (pod, why, Reason.WORKER_UNREACHABLE)
         else:

@@ -10,7 +10,8 @@ connector's finished_sending / finished_recving / failed_recving, and how vLLM f
                                          params name the prefill's request to receive)
     {"op": "wait", "rids", "timeout"}   until each request has left the scheduler; answers
                                          every event seen of them, and the engine's outcome
-    {"op": "state"}                      free blocks, requests held, peers
+    {"op": "abort", "rid"}              the client aborts a request (vLLM's abort)
+    {"op": "state"}                      free blocks, requests held, peers, abort stages
     {"op": "quit"}
 
 Run: python -m tests.vllm.engine --role prefill --model-dir D --port P --token-file F ...
@@ -48,7 +49,15 @@ class DrivenEngine(VllmEngine):
                 self._note(rid, event="finished_sending")
             for rid in kv_output.finished_recving or ():
                 kind = "failed_recving" if rid in failed else "finished_recving"
-                self._note(rid, event=kind, waited_s=time.monotonic() - self.added_at[rid])
+                self._note(
+                    rid,
+                    event=kind,
+                    waited_s=time.monotonic() - self.added_at[rid],
+                    # Whether vLLM let the request (and its blocks) go in the step that
+                    # reported it, and the connector then had nothing left to do.
+                    freed=rid not in self.scheduler.requests,
+                    pending_push_work=self.scheduler.connector.has_pending_push_work(),
+                )
         for batch in engine_outputs.values():
             for o in batch.outputs:
                 if o.finish_reason is not None:
@@ -83,6 +92,8 @@ class DrivenEngine(VllmEngine):
                 content_id=str(params.get("remote_request_id") or cmd["rid"]),
             )
             return {"ok": True}
+        if op == "abort":
+            return {"ok": self.abort(cmd["rid"])}
         if op == "wait":
             deadline = time.monotonic() + float(cmd.get("timeout", 30))
             rids = list(cmd["rids"])
@@ -106,13 +117,20 @@ class DrivenEngine(VllmEngine):
                     "requests": sorted(self.scheduler.requests),
                     "peers": sorted(self.workers[0].peers()),
                     "error": self.step_error,
+                    "pending_push_work": self.scheduler.connector.has_pending_push_work(),
+                    "receiving": sum(
+                        p.in_flight()
+                        for p in [self.workers[0].push_connector]
+                        if p is not None and self.role != "prefill"
+                    ),
+                    "abort_stages": dict(self.abort_stages),
                 }
         raise ValueError(f"unknown op {op!r}")
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--role", choices=["prefill", "decode"], required=True)
+    p.add_argument("--role", choices=["prefill", "decode", "both"], required=True)
     p.add_argument("--engine-id", required=True)
     p.add_argument("--model-dir", required=True)
     p.add_argument("--port", type=int, required=True)
@@ -124,6 +142,7 @@ def main() -> int:
     p.add_argument("--transfer-timeout", type=float, default=30.0)
     p.add_argument("--failure-policy", choices=["fail", "recompute"], default="fail")
     p.add_argument("--no-lazy", action="store_true")
+    p.add_argument("--no-async-scheduling", action="store_true")
     args = p.parse_args()
     # stdout carries this driver's answers only (vLLM may log to stdout).
     sys.stdout.flush()
@@ -142,6 +161,7 @@ def main() -> int:
         transfer_timeout_s=args.transfer_timeout,
         failure_policy=args.failure_policy,
         lazy_handshake=not args.no_lazy,
+        async_scheduling=not args.no_async_scheduling,
     )
     engine.start()
     ready = {

@@ -187,6 +187,10 @@ class Engines:
         d = self._spawn("decode", f"d-{name}", tp, **decode)
         return self._ready("prefill", f"p-{name}", p), self._ready("decode", f"d-{name}", d)
 
+    def start(self, role: str, engine_id: str, tp: int = 1, **opts: Any) -> EngineProc:
+        """One engine of `role` ("prefill", "decode" or "both": kv_both)."""
+        return self._ready(role, engine_id, self._spawn(role, engine_id, tp, **opts))
+
     def restart(self, engine: EngineProc, **opts: Any) -> EngineProc:
         """A new process of `engine` (same role and engine id) once the old one exited."""
         return self._ready(
@@ -232,12 +236,17 @@ def verified(got: list[dict[str, Any]]) -> int:
     return int(outcome["verified_bytes"])
 
 
-def failed_once(got: list[dict[str, Any]]) -> dict[str, Any]:
-    """The one outcome of a request that failed, and vLLM's one failed load of it."""
+def failed_once(got: list[dict[str, Any]], *, freed: bool = True) -> dict[str, Any]:
+    """The one outcome of a request that failed, and vLLM's one failed load of it; under
+    the `fail` policy (`freed`) vLLM lets the request and its blocks go in the very step
+    that reports the failed load, and the connector keeps no work pending for it (as
+    vLLM's NixlPushConnector)."""
     (outcome,) = events(got, "outcome")
     assert outcome["status"] == "failed", got
-    assert len(events(got, "failed_recving")) == 1, got
+    (failed,) = events(got, "failed_recving")
     assert not events(got, "finished_recving"), got
+    assert failed["freed"] is freed, got
+    assert failed["pending_push_work"] is False, got
     return outcome
 
 
@@ -339,7 +348,7 @@ def test_a_failed_load_is_recomputed_under_the_recompute_policy(engines: Engines
     prefill.kill()
     decode.add("d1", 40, 3, params)
     got = decode.wait(["d1"], timeout=30)["d1"]
-    failed_once(got)
+    failed_once(got, freed=False)
     finished = events(got, "finished")
     assert len(finished) == 1 and finished[0]["reason"] == "length", got  # ran locally
     assert decode.state()["free_blocks"] == decode.free_blocks
@@ -358,3 +367,66 @@ def test_a_prefill_the_operator_evicted_is_not_used_again(engines: Engines) -> N
     got = decode.wait(["d1"], timeout=30)["d1"]
     assert "evicted by the operator" in failed_once(got)["message"], got
     assert decode.state()["peers"] == []  # not handshaken again behind the operator's back
+
+
+def test_kv_both_engines_serve_plain_requests_prefill_and_decode_at_once(
+    engines: Engines,
+) -> None:
+    """vLLM's documented P/D setup: `kv_role: kv_both` on both engines, no other key; each
+    request's part comes from its kv_transfer_params (selective P/D). Each engine prefills
+    for the other and decodes from the other, beside a plain request, over lazy
+    handshakes; every received byte verified."""
+    a = engines.start("both", "both-a")
+    b = engines.start("both", "both-b")
+    a.add("plain-a", 40, 3, {})
+    a.add("pa", 45, 1, {"do_remote_decode": True})
+    b.add("pb", 60, 1, {"do_remote_decode": True})
+    from_a, from_b = prefill_params(a, "pa"), prefill_params(b, "pb")
+    assert from_a["remote_engine_id"] == "both-a" and from_b["remote_engine_id"] == "both-b"
+    b.add("db", 45, 2, from_a)  # b decodes a's prefill ...
+    a.add("da", 60, 2, from_b)  # ... while a decodes b's
+    got_a = a.wait(["da", "plain-a", "pa"])
+    got_b = b.wait(["db", "pb"])
+    assert verified(got_a["da"]) > 0 and verified(got_b["db"]) > 0, (got_a, got_b)
+    (plain,) = events(got_a["plain-a"], "outcome")
+    assert plain["status"] == "done", got_a
+    assert events(got_a["plain-a"], "finished")[0]["reason"] == "length", got_a
+    assert not events(got_a["plain-a"], "finished_sending"), got_a  # no KV moved
+    for got, rid in ((got_a, "pa"), (got_b, "pb")):
+        assert len(events(got[rid], "finished_sending")) == 1, got
+    for engine in (a, b):
+        state = engine.state()
+        assert state["free_blocks"] == engine.free_blocks, state
+        assert state["pending_push_work"] is False, state
+    assert a.state()["peers"] == ["both-b"] and b.state()["peers"] == ["both-a"]
+
+
+def test_an_abort_while_waiting_for_remote_kv_holds_the_blocks_until_no_write_can_land(
+    engines: Engines,
+) -> None:
+    """A client aborts a decode request whose KV a frozen prefill still owes it: vLLM
+    finishes the request at once, keeps its blocks until the connector reports that no
+    WRITE can land (the cancel unanswered, the give-up time passed), then frees them; the
+    request ends once, aborted."""
+    prefill, decode = engines.pair("abort", registration_timeout=2, transfer_timeout=2)
+    decode.connect(prefill)
+    prefill.connect(decode)
+    prefill.add("r1", 40, 1, {"do_remote_decode": True})
+    params = prefill_params(prefill, "r1")
+    prefill.kill(signal.SIGSTOP)
+    decode.add("d1", 40, 4, params)
+    deadline = time.monotonic() + 10
+    while decode.state()["receiving"] != 1:  # its registration is with the workers
+        assert time.monotonic() < deadline, decode.state()
+    assert decode.ask({"op": "abort", "rid": "d1"})["ok"] is True
+    state = decode.state()
+    assert state["abort_stages"] == {"recv:waiting-for-kv": 1}, state
+    assert "d1" in state["requests"] and state["free_blocks"] < decode.free_blocks, state
+    got = decode.wait(["d1"], timeout=30)["d1"]
+    (outcome,) = events(got, "outcome")
+    assert (outcome["status"], outcome["reason"]) == ("failed", "aborted"), got
+    assert not events(got, "finished"), got  # vLLM answers an abort to no one
+    (recv,) = events(got, "finished_recving")  # the connector let the blocks go, once
+    assert recv["freed"] is True and not events(got, "failed_recving"), got
+    state = decode.state()
+    assert state["free_blocks"] == decode.free_blocks and not state["pending_push_work"], state

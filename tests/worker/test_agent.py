@@ -61,6 +61,7 @@ def make_node(
     peer_token: TokenSource | None = None,
     pod: PodIdentity | None = None,
     incarnation: str = "",
+    introductions: bool = True,
 ) -> Node:
     """An in-process worker control API over a fake transport; `token` is its operator
     credential (a token or a source), `peer_token` its peer credential (default: the same)."""
@@ -88,6 +89,7 @@ def make_node(
         token=token if isinstance(token, TokenSource) else TokenSource(value=token),
         peer_token=peer_token,
         metrics=WorkerMetrics(),
+        introductions=introductions,
     )
     server.start()
     return Node(server, transport, registry)
@@ -662,4 +664,37 @@ def test_an_introduction_adds_both_sides_and_refuses_an_id_a_live_process_holds(
         assert status == 409, answer
     finally:
         for node in (p, d, imposter, wrong):
+            node.server.stop()
+
+
+def test_an_engine_paired_by_the_operator_only_refuses_introductions() -> None:
+    """Lazy handshakes are the vLLM connector's, without an operator: an engine that pairs
+    through the operator only adds nobody who merely holds the peer credential."""
+    peer = TokenSource(value="peer-secret")
+    p = make_node("pre-1", "prefill", peer_token=peer, introductions=False)
+    d = make_node("dec-1", "decode", peer_token=peer)
+    try:
+        status, answer = d.server.introduce("pre-1", p.server.endpoint, "prefill")
+        assert status == 502 and "403" in str(answer), answer
+        assert p.registry.engine_ids() == [] and d.registry.engine_ids() == []
+        assert p.server.metrics.rejected_total.labels("introduction")._value.get() == 1
+    finally:
+        p.server.stop()
+        d.server.stop()
+
+
+def test_kv_both_engines_pair_with_each_other_and_with_either_role() -> None:
+    """A kv_both engine takes either part: it pairs with another kv_both engine, and with a
+    prefill or a decode as the operator names it; two prefills still never pair."""
+    a, b = make_node("both-a", "both"), make_node("both-b", "both")
+    p, p2 = make_node("pre-1", "prefill"), make_node("pre-2", "prefill")
+    try:
+        assert a.server.introduce("both-b", b.server.endpoint, "prefill")[0] == 200
+        assert a.registry.engine_ids() == ["both-b"] and b.registry.engine_ids() == ["both-a"]
+        assert p.server.add_peer("both-a", a.server.endpoint, "decode")[0] == 200
+        assert a.server.add_peer("pre-1", p.server.endpoint, "prefill")[0] == 200
+        status, answer = p.server.add_peer("pre-2", p2.server.endpoint, "prefill")
+        assert status == 400 and "other role" in str(answer), answer
+    finally:
+        for node in (a, b, p, p2):
             node.server.stop()

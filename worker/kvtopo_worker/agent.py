@@ -25,7 +25,8 @@ Owns the aiohttp server that runs inside the engine process on its own thread an
                                    operator) introduces itself with its metadata; its agents
                                    are added and our metadata answered (peer credential,
                                    signed; an engine id held by another live process, or
-                                   evicted by the operator, is refused)
+                                   evicted by the operator, is refused; 403 unless the
+                                   engine takes lazy handshakes: `introductions`)
     GET    /metrics                Prometheus text (no token)
     GET    /healthz                liveness (no token)
 
@@ -97,6 +98,8 @@ from kvtopo_worker.protocol import (
     decode_json_body,
     decode_metadata,
     encode_metadata,
+    pairs_with,
+    plays,
     state_tag,
     tag_matches,
 )
@@ -209,8 +212,13 @@ class ControlServer:
         port: int = 0,
         handshake_timeout_s: float = 5.0,
         request_counts: StateExtras | None = None,
+        introductions: bool = False,
     ) -> None:
+        """`introductions`: take lazy handshakes (`POST /v1/introductions`), for engines
+        that pair without an operator (the vLLM connector's `lazy_handshake`); off, only
+        the operator adds peers and an introduction is refused (403)."""
         self.engine = engine
+        self.introductions = introductions
         self.registry = registry
         # One transport per local TP rank; a peer's rank r is added to ours.
         self.transports: list[PeerTransport] = (
@@ -561,7 +569,7 @@ class ControlServer:
         if engine_id == self.engine.engine_id:
             raise MalformedMessage("an engine cannot be its own peer")
         timeout = self.handshake_timeout_s if timeout_s is None else timeout_s
-        if role == self.engine.role:
+        if not pairs_with(role, self.engine.role):
             raise MalformedMessage(f"a {role} engine pairs with the other role, not itself")
         local_tp = len(self.transports)
         if rank is not None and not 0 <= rank < local_tp:
@@ -712,7 +720,7 @@ class ControlServer:
         if meta.engine_id != engine_id:
             msg = f"{endpoint} serves engine {meta.engine_id}, not {engine_id}"
             return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 409)
-        if meta.role != role:
+        if not plays(meta.role, role):
             msg = f"{endpoint} is a {meta.role} engine, not {role}"
             return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 409)
         if meta.tp_size != local_tp:
@@ -920,7 +928,7 @@ class ControlServer:
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             msg = f"introducing ourselves to {endpoint}: {type(exc).__name__}: {exc}"
             return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 502)
-        if intro.engine_id != engine_id or intro.role != role:
+        if intro.engine_id != engine_id or not plays(intro.role, role):
             msg = f"{endpoint} is {intro.role} engine {intro.engine_id}, not {role} {engine_id}"
             return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 409)
         if incarnation and metas[0].incarnation != incarnation:
@@ -931,8 +939,15 @@ class ControlServer:
         )
 
     async def _post_introduction(self, request: web.Request) -> web.Response:
+        if not self.introductions:
+            self.metrics.reject("introduction")
+            return _error(
+                403,
+                "introductions_off",
+                "this engine pairs through the operator only (lazy handshakes are off)",
+            )
         intro, metas = self._decode_introduction(await request.read())
-        if intro.engine_id == self.engine.engine_id or intro.role == self.engine.role:
+        if intro.engine_id == self.engine.engine_id or not pairs_with(intro.role, self.engine.role):
             raise MalformedMessage("an engine introduces itself to an engine of the other role")
         if intro.engine_id in self.operator_evicted:
             return _error(403, "evicted", f"engine {intro.engine_id} was evicted by the operator")

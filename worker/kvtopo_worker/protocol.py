@@ -68,7 +68,23 @@ MAX_DEVICE_ID = 1 << 16
 
 _T = TypeVar("_T")
 
-Role = Literal["prefill", "decode"]
+# An engine's part in P/D: `prefill` sends KV, `decode` receives it; `both` (vLLM's
+# kv_both) does either per request, as its `kv_transfer_params` say. Under the operator a
+# `both` engine takes the part its pod's role label gives it.
+Role = Literal["prefill", "decode", "both"]
+
+
+def plays(actual: Role, wanted: Role) -> bool:
+    """Whether an engine that says it is `actual` can take the part `wanted`."""
+    return actual == wanted or "both" in (actual, wanted)
+
+
+def pairs_with(a: Role, b: Role) -> bool:
+    """Whether engines of roles `a` and `b` move KV between them: a prefill and a decode,
+    or a `both` engine and any other engine."""
+    return a != b or a == "both"
+
+
 # A held peer's health (PeerState.health): `ok`; `dropped`: NIXL reported the remote agent
 # disconnected (a transfer or notification to it failed with a remote disconnect) or no
 # longer holds its metadata; `failing`: its last `--failing-after` transfers all failed.
@@ -702,6 +718,9 @@ class DrainState(msgspec.Struct, frozen=True, kw_only=True):
     # KV blocks the engine found written while it held no request in them (a WRITE that
     # landed after its request ended; the emulated engine's guard, 0 where not kept).
     late_writes: int = 0
+    # Where the client's aborts found their requests, by stage (the vLLM engine's: e.g.
+    # "recv:waiting-for-kv", "recv:reported-unseen", "send:writing"); empty where not kept.
+    abort_stages: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 def decode_json_body(data: bytes, kind: type[_T]) -> _T:

@@ -81,6 +81,7 @@ class EngineTraffic:
         self.requests_done = 0
         self.requests_failed = 0
         self.late_writes = 0  # blocks found written while free (an engine's own guard)
+        self.abort_stages: dict[str, int] = {}  # where aborts found their requests
 
     # --- what the engine implements ------------------------------------------------------
 
@@ -193,6 +194,7 @@ class EngineTraffic:
             requests_in_flight=in_flight,
             drained=self.draining and held == 0 and in_flight == 0,
             late_writes=self.late_writes,
+            abort_stages=dict(self.abort_stages),
         )
 
     def wait_drained(self, timeout_s: float, stop: threading.Event | None = None) -> bool:

@@ -6,7 +6,8 @@ done receiving, failed; each request exactly once, a second outcome dropped and 
 one way a notification is sent (`_notify`: a failure is counted, never raised), what every
 NIXL call says of a peer's health (`_transport_failed`), and the progress loop that paces
 itself by the load. `PushConnector` is the base of the two halves, `decode.DecodePush` and
-`prefill.PrefillPush`; `new_connector` builds the one a role needs. The halves keep each
+`prefill.PrefillPush` (`both.BothPush` runs the two for a kv_both engine); `new_connector`
+builds the one a role needs. The halves keep each
 request's phase in records moved only through the tables of `lifecycle`.
 """
 
@@ -137,9 +138,12 @@ class PushConnector:
         tp_rank: int = 0,
         block_len: int = 0,
         outcome_ready: threading.Event | None = None,
+        part_of: PushConnector | None = None,
     ) -> None:
         """`outcome_ready` is set whenever an outcome is queued; ranks of one engine may
-        share one, so that one engine thread waits on all of them."""
+        share one, so that one engine thread waits on all of them. `part_of`: the
+        `both.BothPush` this half belongs to, which runs the threads and hears the registry
+        for both halves (they share its stop and wake events)."""
         self.engine_id = engine_id
         self.tp_rank = tp_rank
         self.block_len = block_len
@@ -155,8 +159,8 @@ class PushConnector:
         self._state_lock = threading.Lock()
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._ended_cap = 200_000
-        self._stop = threading.Event()
-        self._wake = threading.Event()
+        self._stop: threading.Event = part_of._stop if part_of else threading.Event()
+        self._wake: threading.Event = part_of._wake if part_of else threading.Event()
         self._outcome_ready = outcome_ready or threading.Event()
         self._threads: list[threading.Thread] = []
         self._stopped = False
@@ -169,7 +173,8 @@ class PushConnector:
             o: self.metrics.requests_total.labels(o) for o in ("done", "failed")
         }
         self._init_side()
-        registry.add_listener(self)
+        if part_of is None:
+            registry.add_listener(self)
 
     def _init_side(self) -> None:
         """The half's own state (called by `__init__`, before the registry tells it anything)."""
@@ -271,6 +276,10 @@ class PushConnector:
     def flush_registrations(self) -> int:
         """Decode side: sends the registrations queued so far on the calling thread."""
         return 0
+
+    def writing(self, request_id: str) -> bool:
+        """Prefill side: whether a WRITE of `request_id` is in flight now."""
+        return False
 
     def in_flight(self) -> int:
         """Requests taken that have not ended yet."""
@@ -491,11 +500,14 @@ def new_connector(
     block_len: int = 0,
     outcome_ready: threading.Event | None = None,
 ) -> PushConnector:
-    """The push half a `role` needs, for one engine rank."""
+    """The push half a `role` needs (both halves for `both`), for one engine rank."""
+    from kvtopo_worker.push.both import BothPush
     from kvtopo_worker.push.decode import DecodePush
     from kvtopo_worker.push.prefill import PrefillPush
 
-    cls: type[PushConnector] = DecodePush if role == "decode" else PrefillPush
+    cls: type[PushConnector] = {"decode": DecodePush, "prefill": PrefillPush, "both": BothPush}[
+        role
+    ]
     return cls(
         engine_id=engine_id,
         transport=transport,

@@ -26,6 +26,8 @@ registrations waiting for their KV, and tombstones of cancels that came first.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import time
 from collections import OrderedDict
@@ -114,6 +116,12 @@ class PrefillPush(PushConnector):
         self._held_blocks: dict[str, int] = {}  # agent -> blocks its HELD registrations name
         self._in_flight: dict[str, _InFlight] = {}  # by the first request id of the WRITE
         self._outcomes: OrderedDict[str, _Outcome] = OrderedDict()
+        # Every lease and tombstone deadline, soonest first: (deadline, seq, agent (""
+        # for a request's own KV lease), request id, record);
+        # an entry whose record has left (or moved on) since is skipped when it comes up,
+        # so a deadline check costs what expires, not what is kept.
+        self._deadlines: list[tuple[float, int, str, str, _Send | _Keep]] = []
+        self._seq = itertools.count()
 
     # --- what is kept per (agent, request) -------------------------------------------------
 
@@ -121,6 +129,7 @@ class PrefillPush(PushConnector):
         """Keeps `keep` (call under the state lock)."""
         self._drop(agent, rid)
         self._kept[(agent, rid)] = keep
+        heapq.heappush(self._deadlines, (keep.deadline, next(self._seq), agent, rid, keep))
         self._kept_by_rid.setdefault(rid, set()).add(agent)
         rids = self._kept_by_agent.setdefault(agent, {})
         rids[rid] = None
@@ -200,9 +209,12 @@ class PrefillPush(PushConnector):
                 if keep.phase is Held.TOMBSTONE and decode_engine_id in (None, keep.engine_id):
                     cancelled = True
             if not cancelled:
-                self._sends[request_id] = _Send(
+                send = _Send(
                     list(block_ids), self._clock() + self.config.kv_lease_s, decode_engine_id
                 )
+                self._sends[request_id] = send
+                entry = (send.deadline, next(self._seq), "", request_id, send)
+                heapq.heappush(self._deadlines, entry)
         if cancelled:
             self._fail_send(
                 request_id,
@@ -236,6 +248,11 @@ class PrefillPush(PushConnector):
     def in_flight(self) -> int:
         with self._state_lock:
             return len(self._sends)
+
+    def writing(self, request_id: str) -> bool:
+        with self._state_lock:
+            send = self._sends.get(request_id)
+            return send is not None and send.phase is Send.WRITING
 
     def _stop_pending(self, why: str) -> None:
         with self._state_lock:
@@ -740,21 +757,24 @@ class PrefillPush(PushConnector):
     # --- deadlines -----------------------------------------------------------------------
 
     def _expire(self, now: float) -> None:
+        sends: list[tuple[str, _Send]] = []
+        answers: list[tuple[str, str, str]] = []
         with self._state_lock:
-            sends = [
-                (rid, s)
-                for rid, s in self._sends.items()
-                if s.phase is Send.WAITING and s.deadline <= now
-            ]
-            for rid, send in sends:
-                self._advance(rid, send, SendEvent.LEASE_EXPIRED)
-            answers: list[tuple[str, str, str]] = []
-            for (agent, rid), keep in list(self._kept.items()):
-                if keep.deadline > now:
+            heap = self._deadlines
+            while heap and heap[0][0] <= now:
+                deadline, _, agent, rid, record = heapq.heappop(heap)
+                if record.deadline != deadline:
+                    continue  # moved on (a tombstone's new lease has an entry of its own)
+                if isinstance(record, _Send):
+                    if self._sends.get(rid) is record and record.phase is Send.WAITING:
+                        self._advance(rid, record, SendEvent.LEASE_EXPIRED)
+                        sends.append((rid, record))
                     continue
+                if self._kept.get((agent, rid)) is not record:
+                    continue  # dropped, or kept anew
                 _, action = self._held_step(agent, rid, HeldEvent.EXPIRED)
                 if action is HeldAction.ANSWER_FAIL:
-                    answers.append((agent, keep.engine_id, rid))
+                    answers.append((agent, record.engine_id, rid))
         for rid, send in sends:
             msg = f"no registration within the {self.config.kv_lease_s:g} s KV lease"
             self._fail_send(rid, FailureType.KV_EXPIRED, msg, send.decode_engine_id)

@@ -69,6 +69,7 @@ from kvtopo_worker.protocol import (
     Role,
 )
 from kvtopo_worker.push import FailedRequest, PushConfig, PushConnector, new_connector
+from kvtopo_worker.push.both import BothPush
 from kvtopo_worker.registry import EngineRegistry
 from kvtopo_worker.traffic import EngineTraffic
 from kvtopo_worker.transport import NixlTransport
@@ -121,7 +122,10 @@ class KVTopoConnectorMetadata(KVConnectorMetadata):
 
     recv: dict[str, RecvSpec] = field(default_factory=dict)  # by the decode's request id
     send: dict[str, list[int]] = field(default_factory=dict)  # by the prefill's request id
-    abandon: list[str] = field(default_factory=list)  # decode request ids given up by vLLM
+    abandon: list[str] = field(default_factory=list)  # receiving requests vLLM gave up
+    # Requests vLLM gave up before their registration reached the workers: each rank ends
+    # them at once (finished_recving), which lets vLLM free their blocks.
+    release: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -154,17 +158,21 @@ def _settings(vllm_config: VllmConfig) -> _Settings:
     extra: dict[str, Any] = dict(kvc.kv_connector_extra_config or {})
     said = extra.get("role")
     if said is None:
-        said = {"kv_producer": "prefill", "kv_consumer": "decode"}.get(str(kvc.kv_role))
+        said = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}.get(
+            str(kvc.kv_role)
+        )
     role: Role
     if said == "prefill":
         role = "prefill"
     elif said == "decode":
         role = "decode"
+    elif said == "both":
+        role = "both"
     else:
         raise ValueError(
-            "KVTopoConnector: say which side this engine is with "
-            'kv_connector_extra_config {"role": "prefill"} or {"role": "decode"} '
-            f"(kv_role {kvc.kv_role!r} does not say)"
+            f"KVTopoConnector: kv_role {kvc.kv_role!r} / role {said!r}: use kv_role "
+            'kv_producer, kv_consumer or kv_both, or kv_connector_extra_config {"role": '
+            '"prefill" | "decode" | "both"}'
         )
     defaults = PushConfig()
     push = PushConfig(
@@ -224,21 +232,31 @@ def _first_group(block_ids: Any) -> list[int]:
 
 class _SchedulerSide:
     """The connector's scheduler-role state: which requests the workers must send, receive
-    or give up next step, and which prefill requests hold blocks until their WRITE ends."""
+    or give up next step, and which requests still wait for a worker's report.
+
+    A request's part is its `kv_transfer_params`' (`do_remote_prefill`: receive,
+    `do_remote_decode`: send), taken where the engine's role allows it (a kv_both engine
+    takes either). A receiving request vLLM gives up (abort, a failed load) keeps its
+    blocks in vLLM's hands until the workers report it finished_recving: vLLM 0.33 holds a
+    request that waits for remote KV until then, so no WRITE lands in freed blocks."""
 
     def __init__(self, settings: _Settings) -> None:
         self.s = settings
+        self._receives = settings.role in ("decode", "both")
+        self._sends = settings.role in ("prefill", "both")
         self._recv_new: dict[str, RecvSpec] = {}
         self._send_new: dict[str, list[int]] = {}
-        self._abandon_new: list[str] = []
-        self._sending: set[str] = set()  # prefill: blocks held until finished_sending
-        self._receiving: set[str] = set()  # decode: registered, not finished yet
+        self._abandon_new: dict[str, None] = {}
+        self._release_new: dict[str, None] = {}
+        self._sending: set[str] = set()  # blocks held until finished_sending
+        self._receiving: set[str] = set()  # registered, not finished yet
+        self._letting_go: set[str] = set()  # given up, until their finished_recving
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
         params = request.kv_transfer_params
-        if self.s.role == "decode" and params and params.get("do_remote_prefill"):
+        if self._receives and params and params.get("do_remote_prefill"):
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
             if count > 0:
                 return count, True
@@ -248,7 +266,7 @@ class _SchedulerSide:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         params = request.kv_transfer_params
-        if self.s.role != "decode" or not params or not params.get("do_remote_prefill"):
+        if not self._receives or not params or not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False  # a second call (after the load) stages nothing
         if num_external_tokens <= 0:
@@ -272,16 +290,23 @@ class _SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTopoConnectorMetadata:
         meta = KVTopoConnectorMetadata(
-            recv=self._recv_new, send=self._send_new, abandon=self._abandon_new
+            recv=self._recv_new,
+            send=self._send_new,
+            abandon=list(self._abandon_new),
+            release=list(self._release_new),
         )
-        self._recv_new, self._send_new, self._abandon_new = {}, {}, []
+        self._recv_new, self._send_new, self._abandon_new, self._release_new = {}, {}, {}, {}
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         for rid in connector_output.finished_sending or ():
             self._sending.discard(rid)
         for rid in connector_output.finished_recving or ():
+            # Ended by the workers (done, or failed: vLLM frees a failed load's blocks this
+            # step); a give-up queued for it meanwhile has nothing left to cancel.
             self._receiving.discard(rid)
+            self._letting_go.discard(rid)
+            self._abandon_new.pop(rid, None)
 
     def request_finished(
         self, request: Request, block_ids: Any
@@ -290,18 +315,19 @@ class _SchedulerSide:
 
         params = request.kv_transfer_params
         rid = request.request_id
-        if self.s.role == "decode":
-            if rid in self._receiving:
-                # vLLM gave the request up while its KV may still land: the worker cancels
-                # the registration and the blocks are freed once no WRITE can land
-                # (reported as finished sending).
-                self._receiving.discard(rid)
-                if self._recv_new.pop(rid, None) is None:
-                    self._abandon_new.append(rid)
-                    self._sending.add(rid)
-                    return True, None
+        if rid in self._receiving:
+            # vLLM gave up a request whose KV may still land (an abort, a failed load). It
+            # keeps the blocks until the workers report the request finished_recving: they
+            # cancel its registration and report it once no WRITE of it can land (one never
+            # sent, at once).
+            self._receiving.discard(rid)
+            self._letting_go.add(rid)
+            if self._recv_new.pop(rid, None) is None:
+                self._abandon_new[rid] = None
+            else:
+                self._release_new[rid] = None
             return False, None
-        if not params or not params.get("do_remote_decode"):
+        if not self._sends or not params or not params.get("do_remote_decode"):
             return False, None
         if request.status not in (
             RequestStatus.FINISHED_LENGTH_CAPPED,
@@ -332,7 +358,14 @@ class _SchedulerSide:
         return bool(ids), answer
 
     def has_pending_push_work(self) -> bool:
-        return bool(self._sending or self._send_new or self._recv_new or self._abandon_new)
+        return bool(
+            self._sending
+            or self._send_new
+            or self._recv_new
+            or self._abandon_new
+            or self._release_new
+            or self._letting_go
+        )
 
     def _control_port(self) -> int:
         """The control port; for port 0, the one this engine's control server bound, where
@@ -419,6 +452,7 @@ class _EngineHost:
                 port=self.s.control_port,
                 handshake_timeout_s=self.s.handshake_timeout_s,
                 request_counts=traffic.request_counts if traffic is not None else None,
+                introductions=self.s.lazy_handshake,
             )
             if traffic is not None:
                 traffic.add_routes(server.app)
@@ -541,11 +575,14 @@ class _RankWorker:
         self.rank = rank
         self.host = _EngineHost.of(settings, local_ranks)
         self.push: PushConnector | None = None
+        self.sender: PushConnector | None = None  # the half that sends (prefill, both)
+        self.receiver: PushConnector | None = None  # the half that receives (decode, both)
         self.transport: NixlTransport | None = None
         self._lock = threading.Lock()
-        self._by_prefill_rid: dict[str, str] = {}  # decode: prefill request id -> ours
-        self._recv_blocks: dict[str, list[int]] = {}  # decode: our request id -> blocks
-        self._abandoned: set[str] = set()  # decode: given up by vLLM (end as sending)
+        self._by_prefill_rid: dict[str, str] = {}  # receiving: prefill request id -> ours
+        self._recv_blocks: dict[str, list[int]] = {}  # receiving: our request id -> blocks
+        self._abandoned: set[str] = set()  # receiving, given up by vLLM (no load error)
+        self._released: list[str] = []  # given up before registering: end at once
         self._local_failed: list[FailedRequest] = []  # by our request id
         self._load_errors: set[int] = set()
         # Told of every request this rank ends, as it ends it (None: done), for an engine
@@ -587,23 +624,46 @@ class _RankWorker:
             block_len=transport.block_len,
         )
         self.transport = transport
+        if isinstance(self.push, BothPush):
+            self.sender, self.receiver = self.push.sending, self.push.receiving
+        elif self.s.role == "prefill":
+            self.sender = self.push
+        else:
+            self.receiver = self.push
         self.push.start()
         self.host.add_rank(self.rank, transport, meta)
 
     def start(self, meta: KVTopoConnectorMetadata) -> None:
-        push = self.push
-        if push is None:
+        if self.push is None:
             raise RuntimeError("register_kv_caches was not called")
-        for rid, blocks in meta.send.items():
-            push.request_send(rid, blocks)
-        for rid, spec in meta.recv.items():
-            self._receive(push, rid, spec)
-        for rid in meta.abandon:
-            with self._lock:
-                prefill_rid = next((p for p, d in self._by_prefill_rid.items() if d == rid), None)
+        if meta.send:
+            if self.sender is None:
+                raise RuntimeError(f"a {self.s.role} engine sends no KV")
+            for rid, blocks in meta.send.items():
+                self.sender.request_send(rid, blocks)
+        if meta.recv or meta.abandon or meta.release:
+            if self.receiver is None:
+                raise RuntimeError(f"a {self.s.role} engine receives no KV")
+            for rid, spec in meta.recv.items():
+                self._receive(self.receiver, rid, spec)
+            self._give_up(self.receiver, meta.abandon, meta.release)
+
+    def _give_up(self, receiver: PushConnector, abandon: list[str], release: list[str]) -> None:
+        """Receiving requests vLLM gave up: a registration in flight is cancelled (its end,
+        once no WRITE can land, reaches vLLM as finished_recving); one that never reached
+        this worker ends at once; one that ended already is left alone."""
+        cancels: list[str] = []
+        with self._lock:
+            self._released.extend(release)
+            for rid in abandon:
+                if rid not in self._recv_blocks:
+                    continue  # ended already (its report is on its way to vLLM)
                 self._abandoned.add(rid)
-            if prefill_rid is not None:
-                push.abandon(prefill_rid, FailureType.SHUTDOWN, "vLLM gave the request up")
+                prefill_rid = next((p for p, d in self._by_prefill_rid.items() if d == rid), None)
+                if prefill_rid is not None:
+                    cancels.append(prefill_rid)
+        for prefill_rid in cancels:
+            receiver.abandon(prefill_rid, FailureType.ABORTED, "vLLM gave the request up")
 
     def _receive(self, push: PushConnector, rid: str, spec: RecvSpec) -> None:
         with self._lock:
@@ -638,42 +698,41 @@ class _RankWorker:
 
     def results(self) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults()
-        push = self.push
-        if push is None:
+        if self.push is None:
             return out
-        fin = push.get_finished()
         ended: list[tuple[str, FailedRequest | None]] = []
+        if self.sender is not None:
+            sent = self.sender.get_finished()
+            out.finished_sending.update(sent.done_sending)
+            ended += [(rid, None) for rid in sent.done_sending]
+            for failed in sent.failed:  # its blocks are free again all the same
+                out.finished_sending.add(failed.request_id)
+                ended.append((failed.request_id, failed))
+        got = self.receiver.get_finished() if self.receiver is not None else None
         with self._lock:
             failures, self._local_failed = self._local_failed, []
-            if self.s.role == "prefill":
-                out.finished_sending.update(fin.done_sending)
-                ended += [(rid, None) for rid in fin.done_sending]
-                for failed in fin.failed:  # its blocks are free again all the same
-                    out.finished_sending.add(failed.request_id)
-                    ended.append((failed.request_id, failed))
-            for prid in fin.done_receiving:
+            released, self._released = self._released, []
+            for rid in released:
+                out.finished_recving.add(rid)
+                ended.append((rid, FailedRequest(rid, FailureType.ABORTED, "vLLM gave it up")))
+            for prid in got.done_receiving if got is not None else ():
                 rid = self._by_prefill_rid.pop(prid, prid)
                 self._recv_blocks.pop(rid, None)
+                self._abandoned.discard(rid)
                 ended.append((rid, None))
-                if rid in self._abandoned:
-                    self._abandoned.discard(rid)
-                    out.finished_sending.add(rid)
-                else:
-                    out.finished_recving.add(rid)
-            if self.s.role == "decode":
-                for failed in fin.failed:
-                    rid = self._by_prefill_rid.pop(failed.request_id, failed.request_id)
-                    failures.append(FailedRequest(rid, failed.reason, failed.message))
+                out.finished_recving.add(rid)
+            for failed in got.failed if got is not None else ():
+                rid = self._by_prefill_rid.pop(failed.request_id, failed.request_id)
+                failures.append(FailedRequest(rid, failed.reason, failed.message))
             for failed in failures:
                 rid = failed.request_id
                 blocks = self._recv_blocks.pop(rid, [])
                 ended.append((rid, failed))
-                if rid in self._abandoned:
+                out.finished_recving.add(rid)
+                if rid in self._abandoned:  # vLLM finished it already: no load error
                     self._abandoned.discard(rid)
-                    out.finished_sending.add(rid)
                     continue
                 log.warning("KV of request %s not received: %s", rid, failed.message)
-                out.finished_recving.add(rid)
                 out.failed_recving.add(rid)
                 self._load_errors.update(blocks)
         if self.on_end is not None:
@@ -826,6 +885,11 @@ class KVTopoConnector(KVConnectorBase_V1):
     @property
     def push_connector(self) -> PushConnector | None:
         return self._worker.push if self._worker is not None else None
+
+    @property
+    def sending(self) -> PushConnector | None:
+        """The push half that sends this rank's KV (a prefill's or a kv_both engine's)."""
+        return self._worker.sender if self._worker is not None else None
 
     @property
     def incarnation(self) -> str:

@@ -32,6 +32,7 @@ import threading
 import time
 import uuid
 import zlib
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +40,8 @@ import torch
 from aiohttp import web
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 
 from kvtopo_worker.protocol import (
@@ -78,6 +80,19 @@ class _Held:
     peer_engine_id: str
     prompt_len: int
     content_id: str  # the prefill request whose bytes it holds (or will)
+    # Its part, from its kv_transfer_params: "send" (prefill for a remote decode), "recv"
+    # (decode from a remote prefill) or "plain" (neither).
+    part: str = "plain"
+    given_up: FailedRequest | None = None  # why the engine gave it up, once it did
+
+
+def request_part(params: dict[str, Any] | None) -> str:
+    """A request's part as a P/D proxy's `kv_transfer_params` say (vLLM's own reading)."""
+    if params and params.get("do_remote_prefill"):
+        return "recv"
+    if params and params.get("do_remote_decode"):
+        return "send"
+    return "plain"
 
 
 class VllmEngine(EngineTraffic):
@@ -106,19 +121,24 @@ class VllmEngine(EngineTraffic):
         model_id: str = "",
         connector: str = "kvtopo",
         block_size: int = BLOCK_SIZE,
+        async_scheduling: bool = True,
     ) -> None:
-        """`connector`: "kvtopo" (KVTopoConnector, its control API serving the traffic
-        routes) or "nixl" (vLLM's own NixlPushConnector, for side-by-side benchmarks: the
-        traffic routes on a server of their own at `host:port`; the process needs
-        VLLM_TARGET_DEVICE=cpu and VLLM_NIXL_SIDE_CHANNEL_PORT set before vLLM is imported)."""
+        """`role` "both" is vLLM's kv_both: each request's part comes from its
+        `kv_transfer_params` (`add_request`). `connector`: "kvtopo" (KVTopoConnector, its
+        control API serving the traffic routes) or "nixl" (vLLM's own NixlPushConnector, for
+        side-by-side benchmarks: the traffic routes on a server of their own at
+        `host:port`; the process needs VLLM_TARGET_DEVICE=cpu and
+        VLLM_NIXL_SIDE_CHANNEL_PORT set before vLLM is imported). `async_scheduling`
+        (vLLM 0.33's default): step N+1 is scheduled before step N's output reaches the
+        scheduler, as the engine core's batch queue of two does."""
         super().__init__()
         self.role: Role = role
         self.engine_id = engine_id
         self.tp_size = tp_size
         self.block_size = block_size
         self.connector = connector
+        # No "role" key: the kv_role says it (kv_both: each request's params do).
         extra: dict[str, Any] = {
-            "role": role,
             "control_host": host,
             "control_port": port,
             "token_file": token_file,
@@ -137,7 +157,7 @@ class VllmEngine(EngineTraffic):
         kv_transfer: dict[str, Any] = {
             "kv_connector": "KVTopoConnector",
             "kv_connector_module_path": "kvtopo_worker.vllm",
-            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+            "kv_role": {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}[role],
             "engine_id": engine_id,
             "kv_connector_extra_config": extra,
             "kv_load_failure_policy": failure_policy,
@@ -159,6 +179,7 @@ class VllmEngine(EngineTraffic):
             num_blocks=num_blocks,
             tp_size=tp_size,
             enable_prefix_caching=False,
+            async_scheduling=async_scheduling,
         )
         self.kv_cache_config = offline.make_kv_cache_config(self.config, num_blocks)
         self.traffic_server: TrafficServer | None = None
@@ -195,6 +216,15 @@ class VllmEngine(EngineTraffic):
         self.lock = threading.Lock()  # the scheduler and the request tables
         self._held: dict[str, _Held] = {}
         self._rank_ends: dict[str, dict[int, FailedRequest | None]] = {}
+        # Steps scheduled whose output the scheduler has not seen yet, newest first: up
+        # to two with async scheduling (the engine core's batch queue), else one.
+        self._batches: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
+        self._depth = 2 if async_scheduling else 1
+        # Requests the workers reported ended whose step output the scheduler has not
+        # seen yet (an abort then lands "after finished_recving, before the scheduler").
+        self._reported: set[str] = set()
+        self._reported_now: set[str] = set()  # ended while the step being executed ran
+        self._unseen: dict[int, set[str]] = {}  # by step (its output's id): ended in it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
         self.verified_bytes = 0
@@ -234,7 +264,7 @@ class VllmEngine(EngineTraffic):
         most = self.config.model_config.max_model_len // self.block_size - 1
         if req.num_blocks > most:
             raise ValueError(f"num_blocks must be at most {most}")
-        if self.role == "prefill":
+        if self.role != "decode":
             params: dict[str, Any] = {"do_remote_decode": True}
         else:
             params = {
@@ -275,7 +305,8 @@ class VllmEngine(EngineTraffic):
                 free = offline.free_block_count(self.scheduler)
                 if free < blocks + 1:
                     raise BlockingIOError(f"only {free} free KV blocks")
-                self._held[rid] = _Held(peer_engine_id, prompt_len, content_id or rid)
+                part = request_part(params)
+                self._held[rid] = _Held(peer_engine_id, prompt_len, content_id or rid, part)
                 self.scheduler.add_request(request)
         self.accepted()
 
@@ -337,7 +368,9 @@ class VllmEngine(EngineTraffic):
     def abort(self, request_id: str) -> bool:
         """The client aborts one request, as vLLM's API server does when its client leaves."""
         with self.lock:
-            if request_id not in self._held:
+            request = self.scheduler.requests.get(request_id)
+            running = request is not None and not request.is_finished()
+            if request_id not in self._held and not running:
                 return False
         outcome = self._give_up(request_id, FailureType.ABORTED, "aborted by the client")
         if outcome is not None:
@@ -345,29 +378,54 @@ class VllmEngine(EngineTraffic):
         return True
 
     def _give_up(self, rid: str, reason: FailureType, message: str) -> RequestOutcome | None:
-        """Gives one held request up: a request vLLM still runs is aborted (a decode waiting
-        for its KV gives its registration up, and ends once no WRITE can land); a prefill
-        whose blocks wait for their decode gives them up at once. The outcome when the
-        request ended here; None when it ends later (through its connector)."""
+        """Gives one request up. One vLLM still runs is aborted there (vLLM holds the blocks
+        of one waiting for remote KV until the workers report it ended, once no WRITE can
+        land); a prefill whose blocks wait for their decode gives them up. The outcome when
+        the request ended here; None when it ends later (through its connector) or ended
+        already."""
         with self.lock:
-            if rid not in self._held:
-                return None
+            held = self._held.get(rid)
+            failure = FailedRequest(rid, reason, message)
+            if held is not None:
+                held.given_up = failure
             request = self.scheduler.requests.get(rid)
+            self._count_abort_stage(rid, held, request)
             if request is not None and not request.is_finished():
-                started = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
                 self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
-                if not started:  # no transfer began: it ends here
-                    return self._end(rid, FailedRequest(rid, reason, message))
-            elif self.role == "prefill" and self.connector == "nixl":
+                if rid not in self.scheduler.requests:  # freed at once: no transfer to wait for
+                    return self._end(rid, failure)
+                return None
+            if held is None or held.part != "send":
+                return None
+            if self.connector == "nixl":
                 # vLLM's own connector frees the blocks when its lease ends; the
                 # request ends here, as it would when the engine stops.
-                return self._end(rid, FailedRequest(rid, reason, message))
-            elif self.role == "prefill":
-                for worker in self.workers:
-                    push = worker.push_connector
-                    if push is not None:
-                        push.abandon(rid, reason, message)
+                return self._end(rid, failure)
+            for worker in self.workers:
+                if worker.sending is not None:
+                    worker.sending.abandon(rid, reason, message)
         return None
+
+    def _count_abort_stage(self, rid: str, held: _Held | None, request: Any) -> None:
+        """Counts where an abort found request `rid` (call with the lock held)."""
+        if held is not None and held.part == "send":
+            senders = [getattr(w, "sending", None) for w in self.workers]
+            writing = any(p is not None and p.writing(rid) for p in senders)
+            if writing:
+                stage = "send:writing"
+            elif request is not None and not request.is_finished():
+                stage = "send:prefilling"
+            else:
+                stage = "send:waiting-for-decode"
+        elif request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            # The workers may have reported its KV already, in a step whose output the
+            # scheduler has not seen yet (async scheduling).
+            stage = "recv:reported-unseen" if rid in self._reported else "recv:waiting-for-kv"
+        elif held is not None and held.part == "recv":
+            stage = "recv:queued"
+        else:
+            stage = "other"
+        self.abort_stages[stage] = self.abort_stages.get(stage, 0) + 1
 
     def _rank_ender(self, rank: int) -> Any:
         def ended(rid: str, failure: FailedRequest | None) -> None:
@@ -376,6 +434,7 @@ class VllmEngine(EngineTraffic):
             if len(ends) < self.tp_size:
                 return
             del self._rank_ends[rid]
+            self._reported_now.add(rid)
             failures = [f for _, f in sorted(ends.items()) if f is not None]
             outcome = self._end(rid, failures[0] if failures else None)
             if outcome is not None:
@@ -385,12 +444,15 @@ class VllmEngine(EngineTraffic):
 
     def _end(self, rid: str, failure: FailedRequest | None) -> RequestOutcome | None:
         """The outcome of `rid` (call with the lock held); None when it ended already or
-        is not the engine's."""
+        is not the engine's. A request the engine gave up that failed fails with the
+        reason it was given up for."""
         held = self._held.pop(rid, None)
         if held is None:
             return None
         now = time.time()
-        if failure is None and self.role == "decode":
+        if failure is not None and held.given_up is not None:
+            failure = held.given_up
+        if failure is None and held.part == "recv":
             bad = self._mismatched_blocks(rid, held)
             if bad:
                 failure = FailedRequest(
@@ -406,7 +468,7 @@ class VllmEngine(EngineTraffic):
                 ended_at=now,
             )
         nbytes = 0
-        if self.role == "decode":
+        if held.part == "recv":
             nbytes = (
                 sum(t[0].numel() * t.element_size() for t in self.kvs[0].values())
                 * math.ceil(held.prompt_len / self.block_size)
@@ -448,14 +510,31 @@ class VllmEngine(EngineTraffic):
     # --- the engine loop -----------------------------------------------------------------
 
     def step(self) -> bool:
-        """One engine step (call with the lock held); False when there was nothing to do."""
+        """One engine step (call with the lock held), as the engine core's batch queue
+        takes one: schedule and execute a step while the queue has room, else hand the
+        scheduler the oldest step's output. False when there was nothing to do."""
         sched = self.scheduler
-        if not sched.has_requests() and not sched.connector.has_pending_push_work():
+        if sched.has_requests() or sched.connector.has_pending_push_work():
+            out = sched.schedule()
+            self._batches.appendleft((out, self._execute(out)))
+            if len(self._batches) < self._depth:
+                return True  # the next step is scheduled before this one's output is seen
+        elif not self._batches:
             return False
-        out = sched.schedule()
-        if self.role == "prefill":
-            for new in out.scheduled_new_reqs:
+        out, merged = self._batches.pop()
+        self._update(out, merged)
+        return True
+
+    def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """What the model runners do with one scheduled step: the stand-in forward pass
+        writes the prompt's KV of each request computed here, and every rank's connector
+        is driven as vLLM's model runner drives it; the ranks' outputs combined."""
+        sched = self.scheduler
+        for new in out.scheduled_new_reqs:
+            held = self._held.get(new.req_id)
+            if held is not None and held.part != "recv":
                 self._fill(new.req_id, list(new.block_ids[0]))
+        self._reported_now = set()
         outputs = []
         for worker in self.workers:
             worker.bind_connector_metadata(out.kv_connector_metadata)
@@ -471,9 +550,18 @@ class VllmEngine(EngineTraffic):
                 invalid_block_ids=errors,
             )
             outputs.append(offline.runner_output(out, kv_output, scheduler=sched))
+        self._reported |= self._reported_now
+        self._unseen[id(out)] = self._reported_now
         merged = self.aggregator.aggregate(outputs)
+        if merged is None:
+            raise RuntimeError("the ranks' outputs did not combine")
+        return merged
+
+    def _update(self, out: SchedulerOutput, merged: ModelRunnerOutput) -> None:
+        """Hands the scheduler one executed step's output, and ends what it ended."""
+        sched = self.scheduler
         ended: list[RequestOutcome] = []
-        kvo = merged.kv_connector_output if merged is not None else None
+        kvo = merged.kv_connector_output
         if self.connector == "nixl" and kvo is not None:
             # vLLM's own connector says nothing per rank: the combined output is the outcome.
             failed = set(kvo.failed_recving)
@@ -484,31 +572,33 @@ class VllmEngine(EngineTraffic):
                 if (outcome := self._end(rid, failure)) is not None:
                     ended.append(outcome)
         engine_outputs = sched.update_from_output(out, merged)
+        self._reported -= self._unseen.pop(id(out), set())
         for batch in engine_outputs.values():
             for o in batch.outputs:
-                # A prefill request vLLM ended without holding its blocks for a push (it
-                # was not computed to its end): no transfer will end it.
-                if o.finish_reason is not None:
-                    self._finished[o.request_id] = {
-                        "reason": str(o.finish_reason),
-                        "kv_transfer_params": o.kv_transfer_params,
-                    }
-                    while len(self._finished) > 10_000:
-                        del self._finished[next(iter(self._finished))]
-                if (
-                    o.finish_reason is not None
-                    and self.role == "prefill"
-                    and o.kv_transfer_params is None
-                    and o.request_id in self._held
-                ):
+                if o.finish_reason is None:
+                    continue
+                self._finished[o.request_id] = {
+                    "reason": str(o.finish_reason),
+                    "kv_transfer_params": o.kv_transfer_params,
+                }
+                while len(self._finished) > 10_000:
+                    del self._finished[next(iter(self._finished))]
+                held = self._held.get(o.request_id)
+                if held is None:
+                    continue
+                if held.part == "plain":  # no KV moves: vLLM's answer is its end
+                    if (outcome := self._end(o.request_id, None)) is not None:
+                        ended.append(outcome)
+                elif held.part == "send" and o.kv_transfer_params is None:
+                    # vLLM ended the request without holding its blocks for a push (it
+                    # was not computed to its end): no transfer will end it.
                     why = f"vLLM ended the request ({o.finish_reason}) before its KV was sent"
                     failure = FailedRequest(o.request_id, FailureType.SHUTDOWN, why)
                     if (outcome := self._end(o.request_id, failure)) is not None:
                         ended.append(outcome)
         if ended:
             self.queue_outcomes(ended)
-        self.observe(merged.kv_connector_output if merged is not None else None, engine_outputs)
-        return True
+        self.observe(kvo, engine_outputs)
 
     def observe(self, kv_output: KVConnectorOutput | None, engine_outputs: dict[int, Any]) -> None:
         """Called after every step with what the ranks told vLLM and what vLLM answered
@@ -553,6 +643,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "VLLM_TARGET_DEVICE=cpu and VLLM_NIXL_SIDE_CHANNEL_PORT in the environment)",
     )
     p.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="tokens per KV block")
+    p.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="schedule synchronously (vLLM 0.33 schedules the next step before it sees "
+        "the last one's output by default)",
+    )
     return p.parse_args(argv)
 
 
@@ -588,6 +684,7 @@ def main(argv: list[str] | None = None) -> int:
             model_id=args.model_id,
             connector=args.connector,
             block_size=args.block_size,
+            async_scheduling=not args.no_async_scheduling,
         )
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"kvtopo vllm engine: {exc}", file=sys.stderr)

@@ -161,6 +161,7 @@ def make_vllm_config(
     enable_prefix_caching: bool = True,
     kv_cache_layout: str = "LBHNC",
     dtype: str = "float32",
+    async_scheduling: bool = False,
 ) -> VllmConfig:
     """Build a ``VllmConfig`` for *model_dir* entirely offline.
 
@@ -170,9 +171,12 @@ def make_vllm_config(
 
     Notes on what vLLM needs here:
 
-    * ``async_scheduling=False``: vLLM 0.33 defaults it on, which makes
-      ``max_concurrent_batches`` 2, and a kv_consumer scheduler would then defer
-      block frees by one step. This harness drives the synchronous ``Scheduler``.
+    * ``async_scheduling``: vLLM 0.33 defaults it on, which makes
+      ``max_concurrent_batches`` 2 (the engine schedules step N+1 before it hands the
+      scheduler step N's output) and defers block frees and async KV loads by a step;
+      ``make_scheduler`` then builds vLLM's ``AsyncScheduler``, and the caller must drive
+      it as the engine core's batch queue does (``kvtopo_worker.vllm.engine`` does). Off
+      (the default here) it is the synchronous ``Scheduler``, stepped one output at a time.
     * ``tp_size > 1`` needs nothing special: ``ParallelConfig`` only records the
       world size and picks the "mp" executor backend by name; no process is
       spawned unless an executor is built, and the scheduler never builds one.
@@ -198,7 +202,7 @@ def make_vllm_config(
         max_model_len=max_model_len,
         enable_chunked_prefill=True,
         is_encoder_decoder=False,
-        async_scheduling=False,
+        async_scheduling=async_scheduling,
     )
     cache_config = CacheConfig(
         block_size=block_size,
@@ -269,7 +273,8 @@ def make_scheduler(
     num_blocks: int,
     kv_cache_config: KVCacheConfig | None = None,
 ) -> Scheduler:
-    """Construct the real v1 ``Scheduler`` over *num_blocks* KV blocks.
+    """Construct the real v1 ``Scheduler`` (``AsyncScheduler`` where the config schedules
+    asynchronously) over *num_blocks* KV blocks.
 
     The scheduler creates its own KV connector (role SCHEDULER) from
     ``vllm_config.kv_transfer_config``; reach it as ``scheduler.connector`` and
@@ -281,7 +286,12 @@ def make_scheduler(
     scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(
         kv_cache_config, vllm_config
     )
-    return Scheduler(
+    cls = Scheduler
+    if vllm_config.scheduler_config.async_scheduling:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+        cls = AsyncScheduler
+    return cls(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
