@@ -82,6 +82,7 @@ bench: $(UV) toolchain
 	$(VENV)/bin/kvtopo bench registry --json bench/results/registry.json
 	$(VENV)/bin/kvtopo bench operator --json bench/results/operator.json
 	$(VENV)/bin/kvtopo bench vllm --json bench/results/vllm.json
+	$(VENV)/bin/kvtopo bench isolation --json bench/results/isolation.json
 	@echo
 	-$(VENV)/bin/kvtopo bench summary --results bench/results
 

@@ -121,6 +121,17 @@ def add_bench_parser(
             "stream (throughput ratio), and a prefill replaced under the same address.",
             "fewer and smaller requests",
         ),
+        (
+            "isolation",
+            _bench_report("isolation"),
+            "how much a hostile peer delays another pair's requests (real workers and NIXL)",
+            "A prefill and a decode carry a steady stream of verified requests while, in "
+            "alternate quiet and hostile phases (A B B A per kind), the prefill is flooded: "
+            "registrations from an agent it never added, garbage, and registrations nobody "
+            "prefilled from a second decode it holds. Reports the pair's p50/p99 latency "
+            "per phase and the p99 delay (target <= 100 ms).",
+            "4 s phases instead of 10 s",
+        ),
     )
     for name, func, help_, description, quick_help in benchmarks:
         kind = bench_kinds.add_parser(name, help=help_, description=description)

@@ -146,3 +146,17 @@ def test_the_decision_benchmark_measures_rounds_over_a_full_mesh() -> None:
     assert res["size"] == "4x12" and res["pairs"] == 48
     for key in ("cold_round_s", "steady_round_s", "steady_no_memo_round_s", "one_replaced_round_s"):
         assert res[key] > 0, res
+
+
+def test_the_isolation_benchmark_measures_a_pair_beside_each_attack() -> None:
+    """Real workers and NIXL, tiny phases: each kind's quiet and hostile phases both carried
+    the pair's requests (all done), and the attack really sent while it was on."""
+    from kvtopo_bench import isolation
+
+    report = isolation.run(None, quick=True, log=lambda line: None, phase_s=0.6)
+    assert set(report["cases"]) == set(isolation.KINDS)
+    for kind, case in report["cases"].items():
+        assert case["quiet_requests"] > 0 and case["hostile_requests"] > 0, (kind, case)
+        assert case["failed"] == 0, (kind, case)
+        assert case["hostile_messages"] > 0, (kind, case)
+        assert abs(case["delay_p99_ms"] - (case["hostile_p99_ms"] - case["quiet_p99_ms"])) < 0.05
