@@ -43,6 +43,7 @@ from kvtopo_operator.api import (
     Summary,
 )
 from kvtopo_operator.model import (
+    MAX_COUNT,
     Event,
     Eviction,
     FailingHandshake,
@@ -686,7 +687,7 @@ def tally_failures(live: Mapping[str, Usable], previous: KVTopologyStatus, memor
             base = prev_seen.get(ftype, 0)
             delta = value - base if value >= base else value
             if delta > 0:
-                counts[ftype] = counts.get(ftype, 0) + delta
+                counts[ftype] = min(counts.get(ftype, 0) + delta, MAX_COUNT)
                 new[ftype] = new.get(ftype, 0) + delta
                 grew = True
         lf = e.worker.last_failure
@@ -699,7 +700,7 @@ def tally_failures(live: Mapping[str, Usable], previous: KVTopologyStatus, memor
                     engine_id=eid,
                     pod=e.pod.name,
                     request_id=lf.request_id,
-                    message=(f"peer {lf.engine_id}: " if lf.engine_id else "") + lf.message,
+                    message=((f"peer {lf.engine_id}: " if lf.engine_id else "") + lf.message)[:512],
                 ),
             )
     if newest is not None:
@@ -1181,5 +1182,5 @@ def record_operator_failures(
         return status
     counts = dict(status.failures.counts)
     for ftype, _ in items:
-        counts[ftype] = counts.get(ftype, 0) + 1
+        counts[ftype] = min(counts.get(ftype, 0) + 1, MAX_COUNT)
     return status.model_copy(update={"failures": Failures(counts=counts, last=items[-1][1])})

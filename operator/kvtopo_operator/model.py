@@ -17,6 +17,10 @@ from kvtopo_operator.api import KVTopologySpec, KVTopologyStatus, LastFailure, R
 
 Role = str  # "prefill" | "decode"
 
+# The largest failure count the status carries: counters saturate here (the API server
+# stores integers as int64; one past refuses the whole status with 422).
+MAX_COUNT = 2**63 - 1
+
 
 # --- observed state ----------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ retried once with the previous one). Called by `reconcile`.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import aiohttp
 import msgspec
 
 from kvtopo_operator.model import (
+    MAX_COUNT,
     FailureView,
     WorkerUnreachable,
     WorkerView,
@@ -29,6 +31,7 @@ from kvtopo_worker.credentials import TokenError, TokenSource
 from kvtopo_worker.endpoints import EndpointError, parse_endpoint
 from kvtopo_worker.http import read_bounded, request_as
 from kvtopo_worker.protocol import (
+    MAX_ID_LEN,
     PEER_BATCH_CONCURRENCY,
     UNHEALTHY,
     FailureType,
@@ -147,11 +150,53 @@ def failure_type(name: str) -> str:
 
 
 def _failure_counts(failures: dict[str, int]) -> dict[str, int]:
+    """The worker's counters by known type, each clamped to 0..MAX_COUNT (a counter the
+    status could not carry saturates; a negative one counts nothing)."""
     out: dict[str, int] = {}
     for name, count in failures.items():
         key = failure_type(name)
-        out[key] = out.get(key, 0) + count
+        out[key] = min(out.get(key, 0) + max(count, 0), MAX_COUNT)
     return out
+
+
+MAX_COMPAT_HASH = 64  # the status's compatHash bound
+# Failure times the operator takes (epoch seconds): 2000-01-01 .. 2200-01-01. Another
+# value is no time (the failure is dated when it was read).
+_EARLIEST, _LATEST = 946_684_800.0, 7_258_118_400.0
+
+
+def _refusal(st: _StateView) -> str | None:
+    """Why a worker's answer cannot stand for its engine (a field the status could not
+    carry or the pairing could not trust); None when it can. The engine is then Failed with
+    this reason; the round and the other engines go on."""
+    if not 1 <= len(st.engine_id) <= MAX_ID_LEN:
+        return f"its engine id has {len(st.engine_id)} characters (1..{MAX_ID_LEN})"
+    if len(st.compat_hash) > MAX_COMPAT_HASH:
+        return (
+            f"its compatibility hash has {len(st.compat_hash)} characters "
+            f"(at most {MAX_COMPAT_HASH})"
+        )
+    if len(st.incarnation) > MAX_ID_LEN or (st.pod is not None and len(st.pod.uid) > MAX_ID_LEN):
+        return f"its incarnation or pod uid is longer than {MAX_ID_LEN} characters"
+    for p in st.peers:
+        if not 1 <= len(p.engine_id) <= MAX_ID_LEN or len(p.incarnation) > MAX_ID_LEN:
+            return f"a peer's engine id or incarnation is not 1..{MAX_ID_LEN} characters"
+    return None
+
+
+def _last_failure(lf: _FailureView | None, now: float) -> FailureView | None:
+    """The worker's last failure, clamped to what the status carries."""
+    if lf is None:
+        return None
+    when = lf.time if _EARLIEST <= lf.time <= _LATEST else now  # NaN fails both bounds
+    message = lf.message if lf.type in KNOWN_FAILURES else f"({lf.type[:64]}) {lf.message}"
+    return FailureView(
+        when,
+        failure_type(lf.type),
+        lf.request_id[:MAX_ID_LEN],
+        lf.engine_id[:MAX_ID_LEN],
+        message[:512],
+    )
 
 
 MAX_STATE_BYTES = 64 << 20
@@ -271,7 +316,9 @@ class WorkerClient:
             return WorkerUnreachable(str(exc)[:300])
         except (aiohttp.ClientError, TimeoutError, OSError, msgspec.DecodeError) as exc:
             return WorkerUnreachable(f"{type(exc).__name__}: {exc}"[:300])
-        lf = st.last_failure
+        refused = _refusal(st)
+        if refused is not None:
+            return WorkerUnreachable(f"worker answer refused: {refused}")
         return WorkerView(
             engine_id=st.engine_id,
             role=st.role,
@@ -279,15 +326,7 @@ class WorkerClient:
             peers=frozenset(p.engine_id for p in st.peers),
             evicting=frozenset(p.engine_id for p in st.peers if p.eviction_pending),
             failures=_failure_counts(st.failures),
-            last_failure=None
-            if lf is None
-            else FailureView(
-                lf.time,
-                failure_type(lf.type),
-                lf.request_id,
-                lf.engine_id,
-                lf.message if lf.type in KNOWN_FAILURES else f"({lf.type[:64]}) {lf.message}",
-            ),
+            last_failure=_last_failure(st.last_failure, time.time()),
             incarnation=st.incarnation,
             pod_uid=st.pod.uid if st.pod is not None else "",
             peer_incarnations={p.engine_id: p.incarnation for p in st.peers},

@@ -1,0 +1,90 @@
+"""One worker's answer cannot wedge its topology: every field the worker protocol lets a
+worker send, at its limit or beyond, is read by the real `WorkerClient` from a real HTTP
+server and handed to `evaluate` beside healthy engines. The round completes: the gone engine
+is evicted, the new one connected, the hostile engine alone is Failed with the reason (or
+its value clamped), and the status validates as the API server will check it."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from kvtopo_operator.api import EngineState, KVTopologyStatus, dump
+from kvtopo_operator.logic import evaluate
+from kvtopo_operator.model import Eviction, WorkerView
+from tests.operator.test_logic import T0, full_mesh, observe, pod, worker
+from tests.operator.test_workers import read_state
+
+
+def answer(**fields: Any) -> dict[str, Any]:
+    """A decode worker's /v1/state (engine D3, paired with both prefills) with `fields`."""
+    state: dict[str, Any] = {
+        "engine_id": "D3",
+        "role": "decode",
+        "compat_hash": "hash",
+        "peers": [{"engine_id": "P0"}, {"engine_id": "P1"}],
+        "failures": {"transfer_failed": 1},
+        "last_failure": {"time": 1_700_000_000.0, "type": "transfer_failed", "message": "x"},
+    }
+    state.update(fields)
+    return state
+
+
+HOSTILE = {
+    # The protocol allows a 480-character message; the operator prefixed "peer <id>: ".
+    "long_message": answer(
+        last_failure={
+            "time": 1_700_000_000.0,
+            "type": "transfer_failed",
+            "engine_id": "P" * 256,
+            "message": "m" * 480,
+        }
+    ),
+    "time_1e20": answer(
+        last_failure={"time": 1e20, "type": "transfer_failed", "message": "from the future"}
+    ),
+    "negative_time": answer(
+        last_failure={"time": -1e12, "type": "transfer_failed", "message": "from the past"}
+    ),
+    "counter_past_uint64": answer(failures={"transfer_failed": 2**64 + 5}),
+    "negative_counter": answer(failures={"transfer_failed": -7}),
+    "engine_id_300": answer(engine_id="D" * 300),
+    "compat_hash_100": answer(compat_hash="h" * 100),
+    "unknown_role": answer(role="router"),
+}
+REFUSED = {
+    "engine_id_300": "engine id",
+    "compat_hash_100": "compatibility hash",
+    "unknown_role": "role",
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_one_workers_field_costs_its_engine_only(case: str) -> None:
+    pods, workers = full_mesh()
+    before = evaluate(observe(pods, workers), T0).status
+    # This round: D2's pod is gone (its eviction falls due), d3 is new and hostile, d4 new.
+    pods2 = [p for p in pods if p.name != "d2"] + [pod("d3", "decode"), pod("d4", "decode")]
+    workers2 = {k: v for k, v in workers.items() if k != "d2"}
+    workers2["d3"] = read_state(HOSTILE[case])
+    workers2["d4"] = worker("D4", "decode")
+    mid = evaluate(observe(pods2, workers2, before), T0 + timedelta(seconds=1)).status
+    plan = evaluate(observe(pods2, workers2, mid), T0 + timedelta(seconds=20))
+
+    assert Eviction("p0", pods[0].endpoint, "D2") in plan.evictions
+    assert {(h.pod, h.peer_engine_id) for h in plan.handshakes} >= {("p0", "D4"), ("d4", "P0")}
+    # What the API server would check: the status validates, its counters fit uint64.
+    KVTopologyStatus.model_validate(dump(plan.status))
+    assert all(0 <= n < 2**63 for n in plan.status.failures.counts.values()), plan.status
+    d3 = next(e for e in plan.status.engines if e.pod == "d3")
+    if case in REFUSED:
+        assert d3.state == EngineState.FAILED and REFUSED[case] in d3.message, d3
+    else:  # clamped, and paired like any other engine
+        assert isinstance(workers2["d3"], WorkerView)
+        assert d3.state == EngineState.HANDSHAKING, d3
+        assert ("p0", "D3") in {(h.pod, h.peer_engine_id) for h in plan.handshakes}
+    last = plan.status.failures.last
+    if last is not None:
+        assert len(last.message) <= 512 and last.time.startswith("20"), last
