@@ -118,8 +118,12 @@ def _unhealthy(peers: list[_PeerView]) -> dict[str, str]:
     for p in peers:
         if p.health in UNHEALTHY:
             out[p.engine_id] = f"{p.health}: {p.health_reason}" if p.health_reason else p.health
-        elif p.health != "ok" and p.health not in _unknown_health_seen:
-            _unknown_health_seen.add(p.health)
+        elif (
+            p.health != "ok"
+            and p.health[:64] not in _unknown_health_seen
+            and len(_unknown_health_seen) < 64  # what a worker says grows nothing unbounded
+        ):
+            _unknown_health_seen.add(p.health[:64])
             log.warning(
                 "a worker reports peer health %r, which this operator does not know: read as ok",
                 p.health[:64],
@@ -139,8 +143,8 @@ def failure_type(name: str) -> str:
     """`name` if the protocol knows it, else OTHER_FAILURE (logged once per name)."""
     if name in KNOWN_FAILURES:
         return name
-    if name not in _unknown_failures_seen and len(_unknown_failures_seen) < 256:
-        _unknown_failures_seen.add(name)
+    if name[:64] not in _unknown_failures_seen and len(_unknown_failures_seen) < 256:
+        _unknown_failures_seen.add(name[:64])
         log.warning(
             "a worker reports failure type %r, which this operator does not know: counted as %r",
             name[:64],

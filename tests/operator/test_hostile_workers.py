@@ -88,3 +88,18 @@ def test_one_workers_field_costs_its_engine_only(case: str) -> None:
     last = plan.status.failures.last
     if last is not None:
         assert len(last.message) <= 512 and last.time.startswith("20"), last
+
+
+def test_what_workers_make_up_grows_no_memory_of_the_operator() -> None:
+    """Peer health values and failure types the operator does not know are logged once
+    each, within a bound, whatever a worker invents: unknown health reads as ok."""
+    from kvtopo_operator import workers as client
+
+    peers = [{"engine_id": f"P{i}", "health": f"weird-{i}-" + "x" * 5000} for i in range(300)]
+    failures = {f"made-up-{i}-" + "y" * 5000: 1 for i in range(600)}
+    view = read_state(answer(peers=peers, failures=failures))
+    assert isinstance(view, WorkerView) and view.unhealthy_peers == {}
+    assert view.failures == {"other": 600}
+    assert len(client._unknown_health_seen) <= 64
+    assert len(client._unknown_failures_seen) <= 256
+    assert max(map(len, client._unknown_health_seen | client._unknown_failures_seen)) <= 64
