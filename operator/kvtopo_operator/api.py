@@ -351,6 +351,7 @@ class Reason(enum.StrEnum):
     WORKER_UNREACHABLE = "WorkerUnreachable"
     ENDPOINT_REFUSED = "EndpointRefused"
     IDENTITY_MISMATCH = "IdentityMismatch"
+    DUPLICATE_ENGINE_ID = "DuplicateEngineId"
     INVALID_SPEC = "InvalidSpec"
     ENGINES_UNPAIRED = "EnginesUnpaired"
     HEALTHY = "Healthy"

@@ -214,9 +214,12 @@ def usable_engines(
 ) -> Engines:
     """Policy: which engines can be acted on. A pod that is not up, is being deleted or has
     no endpoint yet has none; a refused endpoint, an unreachable worker, a worker of another
-    pod (its uid) or of another role makes the engine unusable, with the reason."""
+    pod (its uid) or of another role makes the engine unusable, with the reason. An engine
+    id that the workers of several pods report is an identity nobody can pair: every one of
+    those engines is unusable (DuplicateEngineId) until one of them goes."""
     live: dict[str, Usable] = {}
     unusable: dict[str, tuple[PodView, str, Reason]] = {}
+    claims: dict[str, list[Usable]] = {}
     for pod in pods:
         worker = workers.get(pod.name)
         if pod.endpoint_error and pod.ready and not pod.deleting:
@@ -238,7 +241,18 @@ def usable_engines(
             why = f"worker unreachable: worker reports role {worker.role}, pod says {pod.role}"
             unusable[pod.name] = (pod, why, Reason.WORKER_UNREACHABLE)
         else:
-            live[worker.engine_id] = Usable(pod, worker)
+            claims.setdefault(worker.engine_id, []).append(Usable(pod, worker))
+    for eid, usable in claims.items():
+        if len(usable) == 1:
+            live[eid] = usable[0]
+            continue
+        names = ", ".join(sorted(u.pod.name for u in usable))
+        why = (
+            f"engine id {eid} is reported by the workers of pods {names}: neither is paired "
+            "until one of them goes (give each engine an id of its own)"
+        )
+        for u in usable:
+            unusable[u.pod.name] = (u.pod, why[:480], Reason.DUPLICATE_ENGINE_ID)
     return Engines(live, unusable)
 
 
@@ -1026,12 +1040,18 @@ def conditions_of(
     if progress.incompatible:
         degraded = ("True", Reason.INCOMPATIBLE, f"{progress.incompatible} engine(s) incompatible")
     elif progress.unreachable:
-        order = [Reason.ENDPOINT_REFUSED, Reason.IDENTITY_MISMATCH, Reason.WORKER_UNREACHABLE]
+        order = [
+            Reason.DUPLICATE_ENGINE_ID,
+            Reason.ENDPOINT_REFUSED,
+            Reason.IDENTITY_MISMATCH,
+            Reason.WORKER_UNREACHABLE,
+        ]
         worst = min((why for _, why in progress.unreachable), key=order.index)
         names = ", ".join(name for name, _ in progress.unreachable)
         label = {
             Reason.ENDPOINT_REFUSED: "engines with a refused endpoint or unreachable workers",
             Reason.IDENTITY_MISMATCH: "engines whose worker is not their pod's, or unreachable",
+            Reason.DUPLICATE_ENGINE_ID: "engines whose id another pod's worker reports too",
         }.get(worst, "unreachable workers")
         degraded = ("True", worst, f"{label}: {names}")
     elif progress.failing:

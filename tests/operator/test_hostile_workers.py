@@ -103,3 +103,30 @@ def test_what_workers_make_up_grows_no_memory_of_the_operator() -> None:
     assert len(client._unknown_health_seen) <= 64
     assert len(client._unknown_failures_seen) <= 256
     assert max(map(len, client._unknown_health_seen | client._unknown_failures_seen)) <= 64
+
+
+def test_two_pods_whose_workers_report_one_engine_id_are_neither_paired() -> None:
+    """A pod whose worker reports another engine's id (a copy-paste, or an attacker taking
+    the victim's KV): both are Failed with DuplicateEngineId and an Event naming the two
+    pods, Degraded says so, nothing is handshaken under that id (no prefill re-adds it at
+    the newcomer's endpoint) and nothing drops out of the status."""
+    from tests.operator.test_logic import cond
+
+    pods, workers = full_mesh()
+    before = evaluate(observe(pods, workers), T0).status
+    pods2 = [*pods, pod("d9", "decode")]
+    workers2 = {**workers, "d9": worker("D1", "decode")}  # d1's engine id
+    plan = evaluate(observe(pods2, workers2, before), T0 + timedelta(seconds=1))
+    by_pod = {e.pod: e for e in plan.status.engines}
+    for name in ("d1", "d9"):
+        assert by_pod[name].state == EngineState.FAILED, by_pod[name]
+        assert "d1, d9" in by_pod[name].message
+    assert cond(plan.status, "Degraded") == ("True", "DuplicateEngineId")
+    assert {e.reason for e in plan.events} == {"DuplicateEngineId"}
+    assert all("d1, d9" in e.message for e in plan.events)
+    assert all(h.peer_engine_id != "D1" and h.pod not in ("d1", "d9") for h in plan.handshakes)
+    assert plan.evictions == ()
+    # Resolved (d9 goes): d1 is itself again, with no Event of its own.
+    again = evaluate(observe(pods, workers, plan.status), T0 + timedelta(seconds=2))
+    assert next(e for e in again.status.engines if e.pod == "d1").state == EngineState.CONNECTED
+    assert cond(again.status, "Degraded") == ("False", "Healthy")
