@@ -552,6 +552,13 @@ class KVTopologyStatus(_Model):
         "recently evicted ones last; at most 2048. The engines of pods managed by an older "
         "topology (see the Conflict condition) are not listed.",
     )
+    engines_omitted: int = Field(
+        default=0,
+        ge=0,
+        description="Engines left out of `engines` (beyond 2048 lines or the status's "
+        "byte budget; evicted ones go first). The summary, conditions and counters are "
+        "over every engine; each engine's worker reports its own detail (/v1/state).",
+    )
     failures: Failures = Field(
         default_factory=Failures,
         description="Transfer failure counters by type and the most recent failure.",

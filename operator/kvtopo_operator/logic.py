@@ -693,8 +693,14 @@ def tally_failures(live: Mapping[str, Usable], previous: KVTopologyStatus, memor
     for eid, e in live.items():
         if eid in memory.baselines:  # read before, also while it blipped NotReady
             prev_seen = dict(memory.baselines[eid])
+        elif eid in prev_engines:
+            prev_seen = prev_engines[eid].failures_seen
+        elif memory.counts is None and previous.engines_omitted:
+            # A fresh operator whose status could not list every engine: this one's
+            # counters were counted before (its line was left out); count their growth.
+            prev_seen = dict(e.worker.failures)
         else:
-            prev_seen = prev_engines[eid].failures_seen if eid in prev_engines else {}
+            prev_seen = {}
         seen_now[eid] = dict(e.worker.failures)
         grew = False
         for ftype, value in e.worker.failures.items():
@@ -733,7 +739,8 @@ def engine_statuses(
 ) -> tuple[list[EngineStatus], list[Event]]:
     """Policy: each engine's line in the status (usable ones by their pairs, unusable ones
     `Failed` with why, gone ones `Draining` then `Evicted`, recently evicted ones kept a
-    while), at most MAX_ENGINES_IN_STATUS, and the Events of their transitions."""
+    while), all of them (`bounded_lines` cuts what the status carries), and the Events of
+    their transitions."""
     grace_s = obs.spec.eviction.grace_seconds
     grace = timedelta(seconds=grace_s)
     prev_engines = {e.engine_id: e for e in obs.previous.engines if e.engine_id}
@@ -852,7 +859,30 @@ def engine_statuses(
         ):
             statuses.append(old.model_copy(update={"failures_seen": {}}))
     statuses.sort(key=lambda x: (x.state == EngineState.EVICTED, x.role, x.pod, x.engine_id))
-    return statuses[:MAX_ENGINES_IN_STATUS], events
+    return statuses, events
+
+
+# What the status's engine lines may take (bytes, estimated): with the rest of the status
+# well under etcd's 1.5 MiB request limit, whatever the messages say.
+STATUS_ENGINE_BYTES = 768 << 10
+
+
+def _line_bytes(e: EngineStatus) -> int:
+    """A generous estimate of an engine line's size in the status's JSON."""
+    strings = len(e.pod) + len(e.engine_id) + len(e.endpoint) + len(e.message) + len(e.since)
+    return 220 + strings + len(e.compat_hash) + sum(len(k) + 24 for k in e.failures_seen)
+
+
+def bounded_lines(statuses: list[EngineStatus]) -> tuple[list[EngineStatus], int]:
+    """The engine lines the status carries (in order, at most MAX_ENGINES_IN_STATUS and
+    STATUS_ENGINE_BYTES) and how many are left out."""
+    used = 0
+    for i, e in enumerate(statuses[:MAX_ENGINES_IN_STATUS]):
+        used += _line_bytes(e)
+        if used > STATUS_ENGINE_BYTES:
+            return statuses[:i], len(statuses) - i
+    kept = statuses[:MAX_ENGINES_IN_STATUS]
+    return kept, len(statuses) - len(kept)
 
 
 def topology_events(obs: Observed, pairing: Pairing, tally: Tally) -> list[Event]:
@@ -914,6 +944,7 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
     evicting = evictions_due(engines.live, gone, pairing, obs.memory, grace, now)
     tally = tally_failures(engines.live, obs.previous, obs.memory)
     statuses, events = engine_statuses(obs, engines, pairing, gone, evicting, tally, now)
+    lines, omitted = bounded_lines(statuses)
     events += topology_events(obs, pairing, tally)
     partnered = pairing.partner_ids
     unpaired = tuple(
@@ -938,12 +969,14 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
             sum(1 for p in pods if p.role == "decode"),
         ),
         live=tuple(sorted((e.pod.name, eid) for eid, e in engines.live.items())),
+        live_roles={eid: e.pod.role for eid, e in engines.live.items()},
     )
     status = KVTopologyStatus(
         observed_generation=obs.generation,
         conditions=conditions_of(progress, obs.previous.conditions, obs.generation, now),
         summary=summary_of(statuses, progress),
-        engines=statuses,
+        engines=lines,
+        engines_omitted=omitted,
         failures=Failures(counts=dict(tally.counts), last=tally.last),
     )
     memory = _remember(obs.memory, gone, tally, now)
@@ -1149,11 +1182,18 @@ def settle(
 
 def summary_of(engines: Iterable[EngineStatus], progress: Progress) -> Summary:
     """The printer columns: engines Connected (to every partner they must have) / pods
-    selected, per role, and connected / expected pairs."""
+    selected, per role, and connected / expected pairs. Counted over every usable engine
+    (`progress`), not over the status's engine lines, which stop at a bound."""
     done = {"prefill": 0, "decode": 0}
-    for e in engines:
-        if e.state == EngineState.CONNECTED and e.role in done:
-            done[e.role] += 1
+    if progress.live_roles is not None and progress.pair_counts is not None:
+        for eid, role in progress.live_roles.items():
+            ok, total = progress.pair_counts.get(eid, (0, 0))
+            if total and ok == total and role in done:
+                done[role] += 1
+    else:
+        for e in engines:
+            if e.state == EngineState.CONNECTED and e.role in done:
+                done[e.role] += 1
     n_prefill, n_decode = progress.selected
     return Summary(
         prefill=f"{done['prefill']}/{n_prefill}",

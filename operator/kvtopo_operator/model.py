@@ -174,6 +174,9 @@ class Progress:
     live: tuple[tuple[str, str], ...] = ()  # (pod, engine id) of each usable engine, sorted
     # engine id -> (its pairs connected, its pairs expected)
     pair_counts: Mapping[str, tuple[int, int]] | None = None
+    # engine id -> role of each usable engine (the summary counts from these and
+    # `pair_counts`, never from the status's engine lines, which are bounded)
+    live_roles: Mapping[str, str] | None = None
 
     @property
     def pairs_connected(self) -> int:

@@ -130,3 +130,57 @@ def test_two_pods_whose_workers_report_one_engine_id_are_neither_paired() -> Non
     again = evaluate(observe(pods, workers, plan.status), T0 + timedelta(seconds=2))
     assert next(e for e in again.status.engines if e.pod == "d1").state == EngineState.CONNECTED
     assert cond(again.status, "Degraded") == ("False", "Healthy")
+
+
+def test_counts_are_over_every_engine_and_a_restart_counts_no_failure_twice() -> None:
+    """4 prefills x 2,100 decodes, all connected, each worker having counted 5 failures:
+    the status lists what its bounds allow and says how many it left out, but the summary
+    and the counters are over every engine; an operator restarted on that status (no
+    memory) counts nobody's failures again."""
+    from kvtopo_operator.logic import evaluate as decide
+    from kvtopo_operator.model import Memory, Observed
+
+    n_p, n_d = 4, 2100
+    ps = {f"P{i}" for i in range(n_p)}
+    ds = {f"D{i}" for i in range(n_d)}
+    pods = [pod(f"p{i}", "prefill") for i in range(n_p)] + [
+        pod(f"d{i}", "decode") for i in range(n_d)
+    ]
+    bad = {"transfer_failed": 5}
+    workers: dict[str, object] = {
+        f"p{i}": worker(f"P{i}", "prefill", ds, failures=bad) for i in range(n_p)
+    }
+    workers |= {f"d{i}": worker(f"D{i}", "decode", ps, failures=bad) for i in range(n_d)}
+    first = decide(observe(pods, workers), T0)
+    status = first.status
+    assert (status.summary.prefill, status.summary.decode) == (f"{n_p}/{n_p}", f"{n_d}/{n_d}")
+    assert len(status.engines) + status.engines_omitted == n_p + n_d
+    assert status.engines_omitted > 0
+    assert status.failures.counts == {"transfer_failed": 5 * (n_p + n_d)}
+    written = KVTopologyStatus.model_validate(dump(status))  # what a restarted operator reads
+    restarted = Observed(
+        generation=3,
+        spec=observe(pods, workers).spec,
+        pods=tuple(pods),
+        workers=workers,  # type: ignore[arg-type]
+        previous=written,
+        memory=Memory(),
+    )
+    again = decide(restarted, T0 + timedelta(seconds=5))
+    assert again.status.failures.counts == {"transfer_failed": 5 * (n_p + n_d)}
+    assert not [e for e in again.events if e.reason == "TransferFailures"]
+
+
+def test_the_status_stays_within_its_byte_budget_whatever_the_messages() -> None:
+    """2,100 engines whose workers all fail with the longest message a line carries: the
+    status stays well under etcd's request limit (1.5 MiB) and says what it left out."""
+    import json
+
+    from kvtopo_operator.model import WorkerUnreachable
+
+    pods = [pod(f"d{i:04d}-" + "x" * 200, "decode") for i in range(2100)]
+    workers = {p.name: WorkerUnreachable("m" * 600) for p in pods}
+    status = evaluate(observe(pods, workers), T0).status  # type: ignore[arg-type]
+    size = len(json.dumps(dump(status)))
+    assert size < 1 << 20, size
+    assert status.engines_omitted == 2100 - len(status.engines) > 0
