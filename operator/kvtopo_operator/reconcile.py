@@ -94,6 +94,9 @@ class Settings:
     max_gap_s: float = 0.5  # the longest pause between rounds for their CPU (see `_run`)
     retry_s: float = 0.2  # re-reconcile this soon after acting
     max_backoff_s: float = 10.0
+    # A status write that failed is tried again after retry_s, doubling with each failure
+    # in a row up to this (a refusal that lasts costs the API server little).
+    max_write_backoff_s: float = 30.0
 
 
 BATCH_LIMIT = 512  # adds plus evictions per worker call (the worker takes up to 1,024)
@@ -122,6 +125,8 @@ class _Loop:
     unwritten: dict[str, Any] | None = None
     version: str = ""  # the resourceVersion the next status write is conditional on
     writer: asyncio.Task[None] | None = None
+    write_failures: int = 0  # status writes failed in a row
+    refusal_told: str = ""  # the last permanent refusal an Event said
 
 
 @dataclass
@@ -412,12 +417,25 @@ class Reconciler:
             try:
                 version = await self.kube.patch_status(namespace, name, status, loop.version)
             except Exception as exc:
-                log.warning("%s/%s: the status write failed: %s", *key, exc)
+                loop.write_failures += 1
+                pause = min(
+                    self.settings.max_write_backoff_s,
+                    self.settings.retry_s * 2 ** min(loop.write_failures - 1, 16),
+                )
+                log.warning(
+                    "%s/%s: the status write failed (%d in a row; next try in %.1f s): %s",
+                    *key,
+                    loop.write_failures,
+                    pause,
+                    exc,
+                )
                 self.metrics.status_write_failures.inc()
+                await self._tell_refusal(key, loop, exc)
                 if loop.unwritten is None:
                     loop.unwritten = status
-                await asyncio.sleep(self.settings.retry_s)  # pacing the retries
+                await asyncio.sleep(pause)  # backing off: a refusal may last
                 continue
+            loop.write_failures = 0
             if version is None:
                 # The object changed since the version written last (its spec, or a
                 # write of a replaced leader) or is gone: carry on from the latest the
@@ -435,6 +453,25 @@ class Reconciler:
                 continue
             loop.written, loop.version = status, version
             await asyncio.sleep(self.status_pause(status))  # pacing the writes
+
+    async def _tell_refusal(self, key: TopologyKey, loop: _Loop, exc: Exception) -> None:
+        """A write the API server refused for what it says (400, 413, 422: the next write
+        of the same kind will be refused too) is an Event (`StatusWriteRefused`), once per
+        refusal; a passing failure (a timeout, 429, 5xx) is only logged and counted."""
+        code = getattr(exc, "status", None)
+        if code not in (400, 413, 422):
+            return
+        text = str(getattr(exc, "body", "") or exc)[:600]
+        if text == loop.refusal_told:
+            return
+        loop.refusal_told = text
+        body = self.bodies(key)
+        if body is None:
+            with contextlib.suppress(Exception):  # an Event is a courtesy: never stop for it
+                body = await self.kube.get_topology(*key)
+        if body is not None:
+            message = f"the API server refused the status (HTTP {code}): {text}"
+            self.events.record(body, Event("Warning", "StatusWriteRefused", message[:1024]))
 
     def status_pause(self, status: Mapping[str, Any]) -> float:
         """How long the writer waits after writing `status` (see `Settings`)."""

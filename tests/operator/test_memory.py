@@ -151,6 +151,57 @@ async def test_with_every_status_write_refused_a_gone_engine_is_still_evicted() 
         reconciler.cancel_all()
 
 
+class Unprocessable(Exception):
+    """What the kubernetes client raises for a 422: the API server refused the content."""
+
+    status = 422
+    body = '{"message": "status.failures.counts: Invalid value"}'
+
+
+class RefusingContent(FakeKube):
+    """Every status write is refused for its content (422), as a write past a schema bound."""
+
+    refused = 0
+
+    async def patch_status(
+        self, namespace: str, name: str, status: dict[str, Any], resource_version: str
+    ) -> bool:
+        self.refused += 1
+        raise Unprocessable("(422) Unprocessable Entity")
+
+
+@pytest.mark.asyncio
+async def test_a_refused_status_write_backs_off_and_is_said_once() -> None:
+    """A refusal that will repeat is not retried every 0.2 s forever: the writer backs off
+    exponentially (retry_s doubling, capped), and one StatusWriteRefused Event says why,
+    while the rounds' decisions go on."""
+    pods = [pod("p0", "prefill"), pod("d0", "decode")]
+    kube = RefusingContent({"llama": body("llama", "2026-11-30T11:00:00Z")})
+    kube.bodies["llama"]["spec"] = dump(SPEC)
+    workers = RecordingWorkers.for_pods(pods)
+    reconciler = Reconciler(
+        kube=cast(KubeClient, kube),
+        workers=cast(WorkerClient, workers),
+        pods=lambda namespace, port: pods,
+        topologies=lambda namespace: [],
+        metrics=OperatorMetrics(),
+        settings=Settings(resync_s=0.02, retry_s=0.1, status_interval_s=0.0),
+    )
+    try:
+        reconciler.ensure(("ns", "llama"))
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        while loop.time() - start < 3.2:  # noqa: ASYNC110 - observing the writer's pace
+            await asyncio.sleep(0.05)
+        # 0.1 + 0.2 + 0.4 + 0.8 + 1.6 s: at most 6 tries in 3.2 s (every 0.1 s: 32).
+        assert 3 <= kube.refused <= 6, kube.refused
+        refusals = [e for e in kube.events if e[2] == "StatusWriteRefused"]
+        assert len(refusals) == 1 and "422" in refusals[0][3], kube.events
+        assert workers.calls, "the rounds stopped deciding"
+    finally:
+        reconciler.cancel_all()
+
+
 def _view(eid: str, role: str, held: dict[str, str], **kw: Any) -> WorkerView:
     return WorkerView(
         engine_id=eid,
