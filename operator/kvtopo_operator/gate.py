@@ -24,6 +24,7 @@ CONNECTED = "KVConnected"
 NOT_CONNECTED = "KVNotConnected"
 NO_PARTNER = "NoPartner"
 NOT_USABLE = "EngineNotUsable"
+NOT_SELECTED = "NotSelected"
 
 
 @dataclass(frozen=True, order=True)
@@ -56,6 +57,28 @@ def wanted(
         return GateChange(pod.name, "True", CONNECTED, f"{ok}/{total} partners connected")
     return GateChange(
         pod.name, "False", NOT_CONNECTED, f"{ok}/{total} partners connected, {need} needed"
+    )
+
+
+def stray_gates(
+    pods: Iterable[PodView], selected: Iterable[str], topologies: Iterable[str]
+) -> tuple[GateChange, ...]:
+    """Pods whose gate is True that no KVTopology of the namespace selects any more (a
+    relabel, a selector edit, their topology deleted): their condition turns False, so a
+    Service stops sending them traffic their engine may not be able to serve. `selected`:
+    the names of the pods some topology selects; `topologies`: the namespace's topologies
+    (named in the message)."""
+    chosen = set(selected)
+    names = ", ".join(sorted(topologies)) or "none"
+    return tuple(
+        GateChange(
+            p.name,
+            "False",
+            NOT_SELECTED,
+            f"no KVTopology selects the pod (the namespace has: {names})"[:256],
+        )
+        for p in sorted(pods, key=lambda p: p.name)
+        if p.gated and p.gate == "True" and p.name not in chosen
     )
 
 

@@ -34,13 +34,15 @@ from kvtopo_operator.api import (
     read_tolerant,
 )
 from kvtopo_operator.events import EventRecorder
-from kvtopo_operator.gate import GateChange, gate_changes
+from kvtopo_operator.gate import GateChange, gate_changes, stray_gates
 from kvtopo_operator.gather import WorkerViews
 from kvtopo_operator.kube import KubeClient
 from kvtopo_operator.logic import (
+    claim_order,
     evaluate,
     invalid_spec,
     owned_pods,
+    pods_of,
     record_operator_failures,
     settle,
 )
@@ -164,6 +166,7 @@ class Reconciler:
         self.settings = settings or Settings()
         self.clock = clock
         self._loops: dict[TopologyKey, _Loop] = {}
+        self._ungating: set[asyncio.Task[None]] = set()  # gates a forgotten topology left
         # Events leave the reconcile path: queued, de-duplicated and rate-limited per object.
         self.events = EventRecorder(self._post_event, metrics)
 
@@ -194,12 +197,44 @@ class Reconciler:
                 loop.poke.set()
 
     def forget(self, key: TopologyKey) -> None:
+        """The topology is gone: its loop stops. The gates of the pods only it selected
+        turn False: by the loop of the namespace's oldest topology left (`_strays`, poked
+        now), or here when none is left."""
         loop = self._loops.pop(key, None)
         if loop is not None:
             loop.task.cancel()
             loop.views.close()
             if loop.writer is not None:
                 loop.writer.cancel()
+        namespace, name = key
+        if any(t.name != name and t.spec is not None for t in self.topologies(namespace)):
+            self.poke_namespace(namespace)
+            return
+        with contextlib.suppress(RuntimeError):  # no running event loop: nothing to write
+            pods = tuple(self.pods(namespace, 0))
+            changes = stray_gates(pods, (), ())
+            if changes:
+                task = asyncio.get_running_loop().create_task(
+                    self._set_gates(namespace, pods, changes, asyncio.Semaphore(16), self.clock())
+                )
+                self._ungating.add(task)
+                task.add_done_callback(self._ungating.discard)
+
+    def _strays(
+        self, me: TopologyView, others: Iterable[TopologyView], pods: Iterable[PodView]
+    ) -> tuple[GateChange, ...]:
+        """The namespace's oldest topology's loop turns False the gates no topology selects
+        any more (`gate.stray_gates`); the other loops leave them to it."""
+        tops = {t.name: t for t in others if t.spec is not None}
+        if me.spec is not None:
+            tops[me.name] = me
+        if not tops or min(tops.values(), key=claim_order).name != me.name:
+            return ()
+        pods = tuple(pods)
+        selected = {
+            p.name for t in tops.values() if t.spec is not None for p in pods_of(t.spec, pods)
+        }
+        return stray_gates(pods, selected, tops)
 
     def cancel_all(self) -> None:
         """Cancels every loop at once (leadership lost); the clients stay open, so `ensure`
@@ -327,9 +362,9 @@ class Reconciler:
         # The claim: of the pods this spec selects, those an older topology of the namespace
         # selects too are that one's; they are left alone (`logic.owned_pods`).
         me = TopologyView(name, str(body["metadata"].get("creationTimestamp") or ""), spec)
-        pods, claimed = owned_pods(
-            me, self.topologies(namespace), self.pods(namespace, spec.control_port)
-        )
+        all_pods = tuple(self.pods(namespace, spec.control_port))
+        others = tuple(self.topologies(namespace))
+        pods, claimed = owned_pods(me, others, all_pods)
         sem = asyncio.Semaphore(spec.handshake.max_concurrent)
         timeout = float(spec.handshake.timeout_seconds)
         reads, unchanged = loop.views.reads, loop.views.unchanged
@@ -384,8 +419,9 @@ class Reconciler:
             self.events.record(body, event)
         # The readiness gate of the pods that list it, from the outcome of acting.
         changes = gate_changes(pods, settled, spec.readiness_gate.min_connected_partners)
+        changes += self._strays(me, others, all_pods)
         if changes:
-            await self._set_gates(namespace, pods, changes, sem, now)
+            await self._set_gates(namespace, all_pods, changes, sem, now)
         self._observe(key, loop, plan, pods, time.monotonic() - started)
         return acted, plan.wake_in_s
 

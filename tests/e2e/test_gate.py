@@ -54,3 +54,33 @@ def test_the_gate_follows_the_engines_connections(env: Env) -> None:
         lambda: (g := gate(env, "d0")).get("status") == "False" and g,
     )
     assert gone["reason"] == "NoPartner", gone
+
+
+def test_a_pod_that_leaves_every_topology_has_its_gate_turned_false(env: Env) -> None:
+    """The gate follows every pod the operator gated: a pod relabelled out of the selector
+    (its engine is then evicted from its peers) has the condition False within a round,
+    and when the topology itself is deleted, so do the pods only it selected: a Service
+    must not keep routing to engines that can no longer receive KV."""
+    env.pod("p0", "prefill", env.worker("prefill"), kv_gate=True)
+    env.pod("d0", "decode", env.worker("decode"), kv_gate=True)
+    env.pod("d1", "decode", env.worker("decode"), kv_gate=True)
+    env.topology(readinessGate={"minConnectedPartners": 1})
+    env.start_operator()
+    for pod in ("p0", "d0", "d1"):
+        env.wait(f"{pod}'s gate True", lambda pod=pod: gate(env, pod).get("status") == "True")
+
+    env.cluster.kubectl("label", "pod", "d1", "-n", env.namespace, "app=elsewhere", "--overwrite")
+    left = env.wait(
+        "d1's gate False once relabelled",
+        lambda: (g := gate(env, "d1")).get("status") == "False" and g,
+    )
+    assert left["reason"] == "NotSelected", left
+    assert gate(env, "d0")["status"] == "True"
+
+    env.cluster.kubectl("delete", "kvtopology", "llama", "-n", env.namespace, "--wait=true")
+    for pod in ("p0", "d0"):
+        got = env.wait(
+            f"{pod}'s gate False once the topology is deleted",
+            lambda pod=pod: (g := gate(env, pod)).get("status") == "False" and g,
+        )
+        assert got["reason"] == "NotSelected", got
