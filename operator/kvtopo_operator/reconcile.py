@@ -474,11 +474,13 @@ class Reconciler:
             loop.write_failures = 0
             if version is None:
                 # The object changed since the version written last (its spec, or a
-                # write of a replaced leader) or is gone: carry on from the latest the
-                # watch delivered, with the newest status.
-                body = self.bodies(key) or await self.kube.get_topology(namespace, name)
-                if body is None:  # deleted: the loop's next round forgets it
-                    loop.poke.set()
+                # write of a replaced leader) or is gone: asked of the API server itself
+                # (a watch that missed a deletion still holds the body), carry on from
+                # its latest version, with the newest status.
+                body = await self.kube.get_topology(namespace, name)
+                if body is None:  # deleted (maybe while the watch was away): forgotten
+                    log.info("%s/%s: gone from the API server; forgetting it", *key)
+                    self.forget(key)
                     return
                 latest = str(body["metadata"].get("resourceVersion") or "")
                 if loop.unwritten is None:

@@ -202,6 +202,38 @@ async def test_a_refused_status_write_backs_off_and_is_said_once() -> None:
         reconciler.cancel_all()
 
 
+@pytest.mark.asyncio
+async def test_a_topology_deleted_while_the_watch_was_away_is_forgotten() -> None:
+    """The watch missed the deletion (a relist after 410 sends no DELETED) and still hands
+    the reconciler the old body: the first status write answered 404 makes the loop ask the
+    API server itself, and a topology gone there is forgotten; writes stop."""
+    pods = [pod("p0", "prefill"), pod("d0", "decode")]
+    stale = body("llama", "2026-11-30T11:00:00Z")
+    stale["spec"] = dump(SPEC)
+    kube = FakeKube({})  # the API server no longer has it
+    reconciler = Reconciler(
+        kube=cast(KubeClient, kube),
+        workers=cast(WorkerClient, RecordingWorkers.for_pods(pods)),
+        pods=lambda namespace, port: pods,
+        topologies=lambda namespace: [],
+        metrics=OperatorMetrics(),
+        settings=Settings(resync_s=0.02, retry_s=0.02, status_interval_s=0.0),
+        bodies=lambda key: stale,  # what the watch still holds
+    )
+    try:
+        reconciler.ensure(("ns", "llama"))
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        while reconciler.running and loop.time() - start < 5:  # noqa: ASYNC110 - polls state
+            await asyncio.sleep(0.02)
+        assert reconciler.running == 0, "the deleted topology's loop still runs"
+        writes = kube.status_writes
+        await asyncio.sleep(0.5)
+        assert kube.status_writes == writes <= 2, kube.status_writes
+    finally:
+        reconciler.cancel_all()
+
+
 def _view(eid: str, role: str, held: dict[str, str], **kw: Any) -> WorkerView:
     return WorkerView(
         engine_id=eid,
