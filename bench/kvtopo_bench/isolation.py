@@ -10,6 +10,9 @@ quiet for each kind), P is attacked:
 - `garbage_flood`: the same agent sends garbage notifications.
 - `paired_flood`: a second decode H that P holds registers requests nobody prefilled, as
   fast as its control API takes them; P keeps them (bounded per peer) until their lease.
+- `huge_handshake`: D is told to add a "prefill" whose metadata (served by a process of
+  its own, holding the peer credential) claims 2^24 blocks, again and again; D must refuse
+  it at once, off the data path's lock.
 
 For each kind: D's request latency p50/p99 in the quiet and the hostile phases, and the
 delay (hostile p99 - quiet p99), with the target (<= 100 ms). Owns nothing else; imports
@@ -33,7 +36,7 @@ from typing import Any
 from kvtopo import launch
 
 DELAY_TARGET_S = 0.100
-KINDS = ("stranger_flood", "garbage_flood", "paired_flood")
+KINDS = ("stranger_flood", "garbage_flood", "paired_flood", "huge_handshake")
 
 
 class _Worker:
@@ -128,17 +131,21 @@ class _Victim:
 class _Attack:
     """One kind of hostile load on P, run on a thread of its own while `on` is set."""
 
-    def __init__(self, kind: str, p: _Worker, h: _Worker | None) -> None:
-        self.kind, self.p, self.h = kind, p, h
+    def __init__(self, kind: str, p: _Worker, h: _Worker | None, d: _Worker) -> None:
+        self.kind, self.p, self.h, self.d = kind, p, h, d
         self.on = threading.Event()
         self._stop = threading.Event()
         self.sent = 0
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._rogue: Any = None
         self._agent = ""
+        self._server: Any = None
+        self.refused = 0  # huge_handshake: adds answered as refused
 
     def start(self) -> None:
-        if self.kind != "paired_flood":
+        if self.kind == "huge_handshake":
+            self._rogue, self._server = _huge_peer(self.p)
+        elif self.kind != "paired_flood":
             self._rogue, self._agent = _rogue_agent(self.p)
         self._thread.start()
 
@@ -148,6 +155,9 @@ class _Attack:
         self._thread.join(60)
         if self._rogue is not None:
             self._rogue.close()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
 
     def _run(self) -> None:
         from kvtopo_worker.protocol import PushRegistration, encode_notification
@@ -161,6 +171,11 @@ class _Attack:
             if self.kind == "paired_flood":
                 assert self.h is not None
                 self.h.submit(f"flood-{i}", self.p, 1)
+            elif self.kind == "huge_handshake":
+                host, port = self._server.server_address[:2]
+                body = {"endpoint": f"{host}:{port}", "role": "prefill"}
+                status, _ = self.d.call("PUT", "/v1/peers/huge", body)
+                self.refused += status != 200
             elif self.kind == "garbage_flood":
                 self._rogue.send_notif(self._agent, secrets.token_bytes(512))
             else:
@@ -176,6 +191,49 @@ class _Attack:
                 if i % 64 == 0:
                     self._rogue.get_notifs()  # keep the rogue's own side drained
             self.sent += 1
+
+
+def _huge_peer(p: _Worker) -> tuple[Any, Any]:
+    """A NIXL agent of its own and a control endpoint serving its metadata as a prefill
+    of 2^24 blocks (P's metadata, its identity and size changed), answered to any GET."""
+    import http.server
+
+    import msgspec
+    import torch
+
+    from kvtopo_worker.protocol import decode_metadata
+    from kvtopo_worker.transport import NixlTransport
+
+    _, state = p.call("GET", "/v1/state")
+    _, raw = p.call("GET", "/v1/metadata?rank=0")
+    meta = decode_metadata(bytes(raw), state["compat_hash"])
+    rogue = NixlTransport("kvtopo-bench-huge", progress_thread=False)
+    rogue.register_kv_cache(torch.zeros((4, meta.block_len), dtype=torch.uint8))
+    own = rogue.describe(engine_id="huge", role="prefill", compat=meta.compat)
+    envelope = msgspec.msgpack.decode(bytes(raw))
+    envelope["payload"].update(
+        engine_id="huge",
+        agent_name=own.agent_name,
+        agent_metadata=own.agent_metadata,
+        kv_addr=own.kv_addr,
+        num_blocks=1 << 24,
+        notif_key=own.notif_key,
+    )
+    payload = msgspec.msgpack.encode(envelope)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return rogue, server
 
 
 def _rogue_agent(p: _Worker) -> tuple[Any, str]:
@@ -239,7 +297,7 @@ def run(
         time.sleep(1.0)  # warm-up requests, not measured (the stream is already running)
         cases: dict[str, Any] = {}
         for kind in KINDS:
-            attack = _Attack(kind, p, h)
+            attack = _Attack(kind, p, h, d)
             attack.start()
             try:
                 for step, hostile in enumerate((False, True, True, False)):
@@ -267,6 +325,7 @@ def run(
                 "failed": victim.failed.get(f"{kind}:quiet", 0)
                 + victim.failed.get(f"{kind}:hostile", 0),
                 "hostile_messages": attack.sent,
+                "refused_adds": attack.refused,
                 "within_target": delay <= DELAY_TARGET_S,
             }
             c = cases[kind]
