@@ -42,7 +42,7 @@ def test_a_split_kv_layout_is_two_segments_per_layer_and_a_scattered_block_is_re
         kv_segments({"a": torch.zeros(5, 3)}, 8)
 
 
-def test_the_side_must_be_said_for_kv_both_and_tp_ranks_must_share_a_process(
+def test_kv_both_needs_no_other_key_and_tp_ranks_must_share_a_process(
     model_dir: str, tmp_path: Path
 ) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -56,7 +56,11 @@ def test_the_side_must_be_said_for_kv_both_and_tp_ranks_must_share_a_process(
         "kv_connector_extra_config": {"token_file": str(token)},
     }
     config = offline.make_vllm_config(model_dir, kvt, num_blocks=16)
-    with pytest.raises(ValueError, match='"role": "prefill"'):
+    # vLLM's own P/D configurations: kv_both alone, each request's part from its params.
+    assert KVTopoConnector(config, KVConnectorRole.SCHEDULER, None)._s.role == "both"
+    kvt["kv_connector_extra_config"] = {"token_file": str(token), "role": "router"}
+    config = offline.make_vllm_config(model_dir, kvt, num_blocks=16)
+    with pytest.raises(ValueError, match="kv_producer, kv_consumer or kv_both"):
         KVTopoConnector(config, KVConnectorRole.SCHEDULER, None)
     kvt["kv_connector_extra_config"] = {"token_file": str(token), "role": "decode"}
     config = offline.make_vllm_config(model_dir, kvt, num_blocks=16, tp_size=2)

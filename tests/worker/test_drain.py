@@ -75,6 +75,7 @@ def test_an_engine_that_drains_between_the_two_submits_refuses_the_second(
         "requests_in_flight": 0,
         "drained": True,
         "late_writes": 0,  # the decode's guard found no block written after its request ended
+        "abort_stages": {},  # the emulated engine keeps no abort stages
     }
     (r1,) = outcomes_of(d, "r1")
     assert r1["status"] == "done" and r1["verified_bytes"] == 2 * 4096
