@@ -23,6 +23,12 @@ readiness probe is on the engine's own port) is tried again in the background at
 `NEW_WORKER_RETRY_S`, and a view found pokes the loop: the engine is connected a fraction of
 a second later, not a round or a resync later; while those tries run, rounds neither read
 it nor wait for it.
+A round never waits long for one worker (`gather`'s `wait_s`): a read still out when the
+wait ends goes on in the background, bounded by its own deadline, and pokes the loop when it
+brings a view; meanwhile the round decides with what it holds (a worker never read is left
+out, as not read yet). A worker that is unreachable is read again in the background only, at
+most one read at a time: a hung worker (SIGSTOPped, partitioned) costs its own engine and one
+request in flight, never every round its timeout.
 Called by `reconcile`; the reader, clock and poke are injected.
 """
 
@@ -84,13 +90,15 @@ class WorkerViews:
         self._on_change = on_change
         self._entries: dict[str, _Entry] = {}  # by pod name
         self._refreshing: set[str] = set()  # pods whose background re-read is under way
+        self._reading: dict[str, asyncio.Future[None]] = {}  # pods whose round read is out
         self._refreshers: set[asyncio.Task[None]] = set()
         self.reads = 0  # state reads made so far (for metrics and tests)
         self.unchanged = 0  # of which the worker confirmed the view kept (304)
         self.refreshed_changed = 0  # background re-reads that brought a different view
 
     def _due(self, pod: PodView) -> bool:
-        """Whether the round must read `pod`'s worker before it decides."""
+        """Whether the round must read `pod`'s worker before it decides (unless a read of
+        it is already out)."""
         entry = self._entries.get(pod.name)
         return (
             entry is None
@@ -98,6 +106,17 @@ class WorkerViews:
             or entry.endpoint != pod.endpoint
             # An unreachable worker, unless its background tries (a new one's) are running.
             or (isinstance(entry.view, WorkerUnreachable) and pod.name not in self._refreshing)
+        )
+
+    def _waited_for(self, pod: PodView) -> bool:
+        """Whether the round waits (up to its `wait_s`) for its read of `pod`'s worker: not
+        when the worker was unreachable at its last read at this endpoint (a hung or dead
+        worker is read in the background; its answer pokes the loop)."""
+        entry = self._entries.get(pod.name)
+        return not (
+            entry is not None
+            and entry.endpoint == pod.endpoint
+            and isinstance(entry.view, WorkerUnreachable)
         )
 
     def _known(self, pod: PodView) -> WorkerView | None:
@@ -108,39 +127,71 @@ class WorkerViews:
         return None
 
     async def gather(
-        self, pods: Iterable[PodView], *, concurrency: int, timeout_s: float
+        self,
+        pods: Iterable[PodView],
+        *,
+        concurrency: int,
+        timeout_s: float,
+        wait_s: float | None = None,
     ) -> Mapping[str, Seen]:
         """The view of every usable pod's worker (Ready, not deleting, with an endpoint),
-        reading again those that are due; forgets pods that are no longer usable."""
+        reading again those that are due; forgets pods that are no longer usable.
+
+        `wait_s`: how long the round waits for its reads (None: until each has answered or
+        reached `timeout_s`, an unreachable worker's too). A read still out then goes on in
+        the background; when it ends, its view is kept and the loop poked. The read of a
+        worker unreachable at its last read is not waited for at all. A worker whose read
+        is out and that has no view yet is left out of the answer (not read yet)."""
         usable = {p.name: p for p in pods if p.ready and not p.deleting and p.endpoint}
         for name in [n for n in self._entries if n not in usable]:
             del self._entries[name]
-        due = [p for p in usable.values() if self._due(p)]
+        due = [p for p in usable.values() if p.name not in self._reading and self._due(p)]
         sem = asyncio.Semaphore(max(1, concurrency))
 
         async def read(pod: PodView) -> None:
-            async with sem:
-                held = self._entries.get(pod.name)
-                fresh = await self._read_entry(pod, timeout_s)
+            try:
+                async with sem:
+                    held = self._entries.get(pod.name)
+                    fresh = await self._read_entry(pod, timeout_s)
+                if self._entries.get(pod.name) is not held:
+                    return  # replaced while out (the operator's own call, a re-read)
                 self._entries[pod.name] = fresh
-            new = held is None or held.endpoint != pod.endpoint
-            failed = isinstance(fresh.view, WorkerUnreachable)
-            if new and failed and pod.name not in self._refreshing:
-                self._refreshing.add(pod.name)
-                self._background(self._retry(pod, timeout_s))
+                if late[0]:  # the round is over: what it found is the next round's
+                    self._on_change()
+                new = held is None or held.endpoint != pod.endpoint
+                failed = isinstance(fresh.view, WorkerUnreachable)
+                if new and failed and pod.name not in self._refreshing:
+                    self._refreshing.add(pod.name)
+                    self._background(self._retry(pod, timeout_s))
+            finally:
+                self._reading.pop(pod.name, None)
 
-        await asyncio.gather(*(read(p) for p in due))
+        late = [False]
+        waited: list[asyncio.Future[None]] = []
+        for p in due:
+            task = asyncio.ensure_future(read(p))
+            self._reading[p.name] = task
+            self._refreshers.add(task)
+            task.add_done_callback(self._refreshers.discard)
+            if wait_s is None or self._waited_for(p):
+                waited.append(task)
+        if waited:
+            await asyncio.wait(waited, timeout=wait_s)
+        late[0] = True
         now = self._clock()
         old = now - self.refresh_age(len(usable))
         stale = [
             p
             for p in usable.values()
-            if p.name not in self._refreshing and self._entries[p.name].read_at <= old
+            if p.name not in self._refreshing
+            and p.name not in self._reading
+            and p.name in self._entries
+            and self._entries[p.name].read_at <= old
         ]
         if stale:
             self._refreshing.update(p.name for p in stale)
             self._background(self._refresh(stale, concurrency, timeout_s))
-        return {name: self._entries[name].view for name in usable}
+        return {name: self._entries[name].view for name in usable if name in self._entries}
 
     def _background(self, work: Awaitable[None]) -> None:
         task = asyncio.ensure_future(work)

@@ -94,6 +94,10 @@ class Settings:
     status_interval_s: float = 1.0
     status_engines_per_interval: int = 500
     max_gap_s: float = 0.5  # the longest pause between rounds for their CPU (see `_run`)
+    # How long a round waits for a worker's read or calls: one still out then goes on in
+    # the background, bounded by its own deadline (the handshake timeout), and pokes the
+    # loop when it ends. A hung worker costs its own engine, not every decision.
+    round_wait_s: float = 0.5
     retry_s: float = 0.2  # re-reconcile this soon after acting
     max_backoff_s: float = 10.0
     # A status write that failed is tried again after retry_s, doubling with each failure
@@ -105,16 +109,53 @@ BATCH_LIMIT = 512  # adds plus evictions per worker call (the worker takes up to
 
 
 @dataclass
+class _Outcome:
+    """What acting on a plan did (and the calls of earlier rounds that ended since)."""
+
+    acted: bool  # something changed (run again soon)
+    events: list[Event]
+    failures: list[tuple[str, LastFailure]]  # seen by the operator itself (unreachable)
+    made: list[Handshake]
+    failed: dict[Handshake, str]  # handshake -> why it failed
+    # The plan's handshakes left to a later round: their worker's calls were still out.
+    deferred: list[Handshake] = field(default_factory=list)
+
+
+@dataclass
+class _WorkerPart:
+    """One worker's part of a plan."""
+
+    adds: list[Handshake] = field(default_factory=list)
+    evicts: list[Eviction] = field(default_factory=list)
+    ttl: SetIdleTTL | None = None
+
+
+@dataclass
+class _Calls:
+    """A loop's worker calls still out (pod name -> the task making them), and what calls
+    ended with since a round last took it."""
+
+    out: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    outcome: _Outcome = field(default_factory=lambda: _Outcome(False, [], [], [], {}))
+
+    def cancel(self) -> None:
+        for task in self.out.values():
+            task.cancel()
+
+
+@dataclass
 class _Loop:
     task: asyncio.Task[None]
     views: WorkerViews
     poke: asyncio.Event = field(default_factory=asyncio.Event)
     generation: int = -1
+    uid: str = ""  # the object's metadata.uid, as its first round read it
     failed_rounds: int = 0
     connected_at: dict[str, float] = field(default_factory=dict)
     ignored: list[str] = field(default_factory=list)  # unknown fields last reported
     failing: dict[Handshake, FailingHandshake] = field(default_factory=dict)
     memory: Memory = field(default_factory=Memory)  # see logic.Memory
+    calls: _Calls = field(default_factory=_Calls)  # worker calls still out (see `_act`)
     # When a round last ended, well or not (from the loop's start until its first), and
     # when one last succeeded (None: never); monotonic. See `Reconciler.stuck`.
     round_ended: float = field(default_factory=time.monotonic)
@@ -129,17 +170,6 @@ class _Loop:
     writer: asyncio.Task[None] | None = None
     write_failures: int = 0  # status writes failed in a row
     refusal_told: str = ""  # the last permanent refusal an Event said
-
-
-@dataclass
-class _Outcome:
-    """What acting on a plan did."""
-
-    acted: bool  # something changed (run again soon)
-    events: list[Event]
-    failures: list[tuple[str, LastFailure]]  # seen by the operator itself (unreachable)
-    made: list[Handshake]
-    failed: dict[Handshake, str]  # handshake -> why it failed
 
 
 class Reconciler:
@@ -200,12 +230,7 @@ class Reconciler:
         """The topology is gone: its loop stops. The gates of the pods only it selected
         turn False: by the loop of the namespace's oldest topology left (`_strays`, poked
         now), or here when none is left."""
-        loop = self._loops.pop(key, None)
-        if loop is not None:
-            loop.task.cancel()
-            loop.views.close()
-            if loop.writer is not None:
-                loop.writer.cancel()
+        self._stop_loop(key)
         namespace, name = key
         if any(t.name != name and t.spec is not None for t in self.topologies(namespace)):
             self.poke_namespace(namespace)
@@ -219,6 +244,26 @@ class Reconciler:
                 )
                 self._ungating.add(task)
                 task.add_done_callback(self._ungating.discard)
+
+    def _stop_loop(self, key: TopologyKey) -> None:
+        """Stops the topology's loop, its background reads, calls and status writer, and
+        removes its gauges."""
+        loop = self._loops.pop(key, None)
+        if loop is not None:
+            loop.task.cancel()
+            loop.views.close()
+            loop.calls.cancel()
+            if loop.writer is not None:
+                loop.writer.cancel()
+        self.metrics.forget_topology(*key)
+
+    def replaced(self, key: TopologyKey) -> None:
+        """Another object now has the topology's name (deleted and created again, maybe
+        while the watch was away): the loop of the old one stops with all it remembered
+        (status, timers, failure baselines, views), and a fresh loop starts on the new one.
+        Its pods' gates are left to the new loop."""
+        self._stop_loop(key)
+        self.ensure(key)
 
     def _strays(
         self, me: TopologyView, others: Iterable[TopologyView], pods: Iterable[PodView]
@@ -325,6 +370,14 @@ class Reconciler:
         if body is None:
             self.forget(key)
             return False, None
+        uid = str(body["metadata"].get("uid") or "")
+        if loop.uid and uid and uid != loop.uid:
+            log.info(
+                "%s/%s: another object now (uid %s -> %s); starting afresh", *key, loop.uid, uid
+            )
+            self.replaced(key)
+            return False, None
+        loop.uid = loop.uid or uid
         generation = int(body["metadata"].get("generation", 0))
         loop.generation = generation
         # Read tolerantly: what a newer CRD or operator wrote and this one does not know is
@@ -369,7 +422,10 @@ class Reconciler:
         timeout = float(spec.handshake.timeout_seconds)
         reads, unchanged = loop.views.reads, loop.views.unchanged
         workers = await loop.views.gather(
-            pods, concurrency=spec.handshake.max_concurrent, timeout_s=timeout
+            pods,
+            concurrency=spec.handshake.max_concurrent,
+            timeout_s=timeout,
+            wait_s=self.settings.round_wait_s,
         )
         self.metrics.state_reads.inc(loop.views.reads - reads)
         self.metrics.state_unchanged.inc(loop.views.unchanged - unchanged)
@@ -386,13 +442,26 @@ class Reconciler:
             ),
             now,
         )
-        out = await self._act(plan, loop.views, sem, timeout, now, set(loop.failing))
+        out = await self._act(
+            plan,
+            loop.views,
+            sem,
+            timeout,
+            now,
+            set(loop.failing),
+            calls=loop.calls,
+            wait_s=self.settings.round_wait_s,
+            on_late=loop.poke.set,
+        )
         # Handshakes failing round after round: since when (the progress deadline counts
-        # from there); one that succeeded or is no longer wanted is forgotten.
-        loop.failing = {
-            h: FailingHandshake(loop.failing[h].since if h in loop.failing else now, message)
+        # from there); one that succeeded or is no longer wanted is forgotten, one left to a
+        # later round (its worker's calls still out) is kept as it was.
+        failing = {h: loop.failing[h] for h in out.deferred if h in loop.failing}
+        failing.update(
+            (h, FailingHandshake(loop.failing[h].since if h in loop.failing else now, message))
             for h, message in out.failed.items()
-        }
+        )
+        loop.failing = failing
         # The conditions are those of the outcome of acting, not of the plan.
         status, settle_events, settled = settle(
             plan,
@@ -580,36 +649,89 @@ class Reconciler:
         call_timeout: float,
         now: datetime,
         failing_before: set[Handshake] | None = None,
+        *,
+        calls: _Calls | None = None,
+        wait_s: float | None = None,
+        on_late: Callable[[], None] = lambda: None,
     ) -> _Outcome:
         """Makes the plan's handshakes and evictions: one call per worker (a batch of its
         adds and evictions, the adds bounded by `call_timeout`, the handshake deadline), and
         sets the idle TTL of the workers the plan names, at most `sem` calls at once; records
-        each outcome in `views`."""
-        events: list[Event] = []
-        failures: list[tuple[str, LastFailure]] = []
-        made: list[Handshake] = []
-        failed: dict[Handshake, str] = {}
-        outcomes: dict[tuple[str, str], int] = {}  # (counter, outcome) -> calls, counted once
-        by_worker: dict[tuple[str, str], tuple[list[Handshake], list[Eviction]]] = {}
+        each outcome in `views`.
+
+        Each worker's calls are a task of their own (`calls`, the loop's: at most one per
+        worker; a worker whose calls of an earlier round are still out gets nothing new
+        now, its part of the plan waits for the next round). The round waits for them up to
+        `wait_s` (None: until each has answered or reached its deadline); those still out go
+        on, and what they end with is the next round's (`calls.outcome`), which `on_late`
+        (the loop's poke) starts. So a hung or slow worker costs its own engine only."""
+        calls = calls if calls is not None else _Calls()
+        by_worker: dict[tuple[str, str], _WorkerPart] = {}
         for h in plan.handshakes:
-            by_worker.setdefault((h.pod, h.endpoint), ([], []))[0].append(h)
+            by_worker.setdefault((h.pod, h.endpoint), _WorkerPart()).adds.append(h)
         for e in plan.evictions:
-            by_worker.setdefault((e.pod, e.endpoint), ([], []))[1].append(e)
+            by_worker.setdefault((e.pod, e.endpoint), _WorkerPart()).evicts.append(e)
+        for change in plan.idle_ttls:
+            by_worker.setdefault((change.pod, change.endpoint), _WorkerPart()).ttl = change
+        failing_before = failing_before or set()
+        round_over = [False]
+
+        async def work(pod: str, endpoint: str, part: _WorkerPart) -> None:
+            try:
+                await self._worker_calls(
+                    pod, endpoint, part, views, sem, call_timeout, now, failing_before, calls
+                )
+            finally:
+                calls.out.pop(pod, None)
+                if round_over[0]:
+                    on_late()
+
+        started: list[asyncio.Task[None]] = []
+        deferred: list[Handshake] = []
+        for (pod, endpoint), part in by_worker.items():
+            if pod in calls.out:  # its calls of an earlier round are still out
+                deferred.extend(part.adds)
+                continue
+            task = asyncio.create_task(work(pod, endpoint, part), name=f"kvtopo-calls-{pod}")
+            calls.out[pod] = task
+            started.append(task)
+        if started:
+            await asyncio.wait(started, timeout=wait_s)
+        round_over[0] = True
+        out, calls.outcome = calls.outcome, _Outcome(False, [], [], [], {})
+        out.deferred = deferred
+        return out
+
+    async def _worker_calls(
+        self,
+        pod: str,
+        endpoint: str,
+        part: _WorkerPart,
+        views: WorkerViews,
+        sem: asyncio.Semaphore,
+        call_timeout: float,
+        now: datetime,
+        failing_before: set[Handshake],
+        calls: _Calls,
+    ) -> None:
+        """One worker's part of a plan: its batches of adds and evictions, then its idle
+        TTL; each outcome is recorded in `views` and in `calls.outcome` as it comes."""
 
         def handshake_done(h: Handshake, res: CallResult, added: dict[str, str]) -> bool:
+            out = calls.outcome
             outcome = "ok" if res.ok else ("unreachable" if res.status == 0 else "failed")
-            outcomes[("handshakes", outcome)] = outcomes.get(("handshakes", outcome), 0) + 1
+            self.metrics.handshakes.labels(outcome).inc()
             if res.ok:
                 added[h.peer_engine_id] = h.peer_incarnation
-                made.append(h)
+                out.made.append(h)
                 return True
             views.mark_dirty(h.pod)
-            failed[h] = res.message[:300]
+            out.failed[h] = res.message[:300]
             msg = f"{h.pod}: adding {h.peer_role} engine {h.peer_engine_id}: {res.message}"
-            if h not in (failing_before or set()):  # an Event when it starts failing only
-                events.append(Event("Warning", "HandshakeFailed", msg))
+            if h not in failing_before:  # an Event when it starts failing only
+                out.events.append(Event("Warning", "HandshakeFailed", msg))
             if res.status == 0:  # the worker never saw it, so it could not count it
-                failures.append(
+                out.failures.append(
                     (
                         "handshake_failed",
                         LastFailure(
@@ -625,7 +747,7 @@ class Reconciler:
 
         def eviction_done(e: Eviction, res: CallResult, evicted: dict[str, str]) -> bool:
             outcome = res.result or ("unreachable" if res.status == 0 else "failed")
-            outcomes[("evictions", outcome)] = outcomes.get(("evictions", outcome), 0) + 1
+            self.metrics.evictions.labels(outcome).inc()
             if res.ok:
                 evicted[e.engine_id] = res.result
                 return True
@@ -633,48 +755,41 @@ class Reconciler:
             log.warning("evicting %s from %s: %s", e.engine_id, e.pod, res.message)
             return False
 
-        async def one_worker(
-            pod: str, endpoint: str, adds: list[Handshake], evicts: list[Eviction]
-        ) -> list[bool]:
-            # The batch's handshake deadline goes only to a worker that reports one (an
-            # older worker refuses the field, and keeps its own default).
-            view = views.view(pod)
-            takes_deadline = isinstance(view, WorkerView) and view.handshake_timeout_s is not None
-            done: list[bool] = []
-            items: list[Handshake | Eviction] = [*adds, *evicts]
-            for start in range(0, len(items), BATCH_LIMIT):
-                part = items[start : start + BATCH_LIMIT]
-                add_part = [x for x in part if isinstance(x, Handshake)]
-                ev_part = [x for x in part if isinstance(x, Eviction)]
-                async with sem:
-                    results = await self.workers.change_peers(
-                        endpoint,
-                        [
-                            PeerAdd(
-                                h.peer_engine_id,
-                                h.peer_endpoint,
-                                h.peer_role,
-                                h.peer_pod_uid,
-                                h.peer_incarnation,
-                            )
-                            for h in add_part
-                        ],
-                        [e.engine_id for e in ev_part],
-                        call_timeout,
-                        handshake_timeout_s=call_timeout if takes_deadline else None,
-                    )
-                added: dict[str, str] = {}
-                evicted: dict[str, str] = {}
-                done.extend(
-                    handshake_done(h, results[("add", h.peer_engine_id)], added) for h in add_part
+        # The batch's handshake deadline goes only to a worker that reports one (an older
+        # worker refuses the field, and keeps its own default).
+        view = views.view(pod)
+        takes_deadline = isinstance(view, WorkerView) and view.handshake_timeout_s is not None
+        items: list[Handshake | Eviction] = [*part.adds, *part.evicts]
+        for start in range(0, len(items), BATCH_LIMIT):
+            batch = items[start : start + BATCH_LIMIT]
+            add_part = [x for x in batch if isinstance(x, Handshake)]
+            ev_part = [x for x in batch if isinstance(x, Eviction)]
+            async with sem:
+                results = await self.workers.change_peers(
+                    endpoint,
+                    [
+                        PeerAdd(
+                            h.peer_engine_id,
+                            h.peer_endpoint,
+                            h.peer_role,
+                            h.peer_pod_uid,
+                            h.peer_incarnation,
+                        )
+                        for h in add_part
+                    ],
+                    [e.engine_id for e in ev_part],
+                    call_timeout,
+                    handshake_timeout_s=call_timeout if takes_deadline else None,
                 )
-                done.extend(
-                    eviction_done(e, results[("evict", e.engine_id)], evicted) for e in ev_part
-                )
-                views.peers_changed(pod, added, evicted)
-            return done
-
-        async def set_idle_ttl(change: SetIdleTTL) -> None:
+            added: dict[str, str] = {}
+            evicted: dict[str, str] = {}
+            done = [handshake_done(h, results[("add", h.peer_engine_id)], added) for h in add_part]
+            done += [eviction_done(e, results[("evict", e.engine_id)], evicted) for e in ev_part]
+            views.peers_changed(pod, added, evicted)
+            if any(done):
+                calls.outcome.acted = True
+        change = part.ttl
+        if change is not None:
             async with sem:
                 res = await self.workers.set_idle_ttl(
                     change.endpoint, change.idle_ttl_s, call_timeout
@@ -685,19 +800,6 @@ class Reconciler:
             else:
                 views.mark_dirty(change.pod)
                 log.warning("%s: setting the idle TTL: %s", change.pod, res.message)
-
-        results, _ = await asyncio.gather(
-            asyncio.gather(
-                *(one_worker(*key, adds, evicts) for key, (adds, evicts) in by_worker.items())
-            ),
-            asyncio.gather(*map(set_idle_ttl, plan.idle_ttls)),
-        )
-        for (counter, outcome), n in outcomes.items():
-            (self.metrics.handshakes if counter == "handshakes" else self.metrics.evictions).labels(
-                outcome
-            ).inc(n)
-        acted = any(ok for worker in results for ok in worker)
-        return _Outcome(acted, events, failures, made, failed)
 
     def _observe(
         self, key: TopologyKey, loop: _Loop, plan: Plan, pods: tuple[PodView, ...], seconds: float

@@ -6,13 +6,15 @@ written. Tier a has no kubelet: the pods' containers are marked ready by the tes
 
 from __future__ import annotations
 
+import signal
+import time
 from typing import Any
 
 import pytest
 
 from kvtopo_operator.api import KV_CONNECTED_GATE
 from tests.cluster.kube import get_json
-from tests.e2e.env import Env
+from tests.e2e.env import Env, peers
 
 pytestmark = pytest.mark.nixl
 
@@ -84,3 +86,44 @@ def test_a_pod_that_leaves_every_topology_has_its_gate_turned_false(env: Env) ->
             lambda pod=pod: (g := gate(env, pod)).get("status") == "False" and g,
         )
         assert got["reason"] == "NotSelected", got
+
+
+def test_a_hung_worker_costs_its_own_engine_only(env: Env) -> None:
+    """One decode's worker SIGSTOPped (hung, not dead: its socket accepts, nothing answers)
+    must not slow the decisions about the others: a new gated decode is connected and its
+    gate True in about a round, not after the hung worker's read deadline each round. On
+    9cfedae every round waited for the hung worker's read (5 s): the new decode's gate took
+    5-10 s. The hung engine itself is reported Failed (worker unreachable), not evicted."""
+    env.pod("p0", "prefill", env.worker("prefill"), kv_gate=True)
+    env.pod("d0", "decode", env.worker("decode"), kv_gate=True)
+    hung = env.pod("d1", "decode", env.worker("decode"), kv_gate=True)
+    env.topology(readinessGate={"minConnectedPartners": 1})
+    env.start_operator()
+    for pod in ("p0", "d0", "d1"):
+        env.wait(f"{pod}'s gate True", lambda pod=pod: gate(env, pod).get("status") == "True")
+
+    hung.proc.send_signal(signal.SIGSTOP)
+    try:
+        # The operator finds it out (its re-read passes the 5 s handshake deadline).
+        env.wait(
+            "d1 reported unreachable",
+            lambda: any(
+                e.get("pod") == "d1"
+                and e.get("state") == "Failed"
+                and "unreachable" in e["message"]
+                for e in env.status().get("engines", [])
+            ),
+        )
+        took = []
+        for name in ("d2", "d3"):
+            env.pod(name, "decode", env.worker("decode"), kv_gate=True)
+            ready = time.monotonic()
+            env.wait(f"{name}'s gate True", lambda n=name: gate(env, n).get("status") == "True")
+            took.append(time.monotonic() - ready)
+        # A round or two (resync 1 s; the hung worker's read deadline is 5 s).
+        assert max(took) < 2.5, took
+        engines = {e["pod"]: e for e in env.status()["engines"]}
+        assert engines["d1"]["state"] == "Failed", engines["d1"]
+        assert hung.engine_id in peers(env.workers["p0"])  # kept: nobody can tell yet
+    finally:
+        hung.proc.send_signal(signal.SIGCONT)

@@ -368,3 +368,79 @@ def test_a_new_worker_that_refused_its_first_read_is_read_again_shortly_and_poke
         assert 2 <= workers.reads.count(dead.endpoint) <= 8 and len(pokes) == 1
 
     asyncio.run(scenario())
+
+
+class Hung(Workers):
+    """Workers whose reads at `hung` endpoints wait until released (a SIGSTOPped process:
+    the connection is accepted, nothing answers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hung: set[str] = set()
+        self.release = asyncio.Event()
+        self.out = 0  # reads waiting now
+
+    async def read(
+        self, endpoint: str, timeout_s: float, known: WorkerView | None = None
+    ) -> WorkerView | WorkerUnreachable:
+        self.reads.append(endpoint)
+        if endpoint in self.hung:
+            self.out += 1
+            try:
+                await self.release.wait()
+            finally:
+                self.out -= 1
+        return self.answers[endpoint]
+
+
+def test_a_round_waits_for_a_hung_worker_only_its_wait_and_its_answer_pokes_later() -> None:
+    """A round waits for its reads at most `wait_s`: a worker that does not answer is left
+    out (not read yet) while the others are decided on; its read goes on, is never made
+    twice while out, and what it brings is kept and pokes the loop. Once a worker was found
+    unreachable, a round does not wait for it at all."""
+    workers, clock = Hung(), Clock()
+    pokes: list[int] = []
+    views = WorkerViews(workers.read, max_age_s=2.0, clock=clock, on_change=lambda: pokes.append(1))
+    a, h = pod("a"), pod("h")
+    workers.answers = {a.endpoint: view("ea"), h.endpoint: view("eh")}
+    workers.hung = {h.endpoint}
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        got = await views.gather([a, h], concurrency=4, timeout_s=30.0, wait_s=0.05)
+        assert loop.time() - began < 1.0  # its wait, not the read's deadline
+        assert got == {"a": view("ea")} and workers.out == 1
+        got = await views.gather([a, h], concurrency=4, timeout_s=30.0, wait_s=0.05)
+        assert got == {"a": view("ea")} and workers.reads.count(h.endpoint) == 1, workers.reads
+        assert pokes == []
+        workers.release.set()
+        for _ in range(100):  # the read's own steps, not time
+            if pokes:
+                break
+            await asyncio.sleep(0)
+        assert pokes == [1] and views.view("h") == view("eh")
+        got = await views.gather([a, h], concurrency=4, timeout_s=30.0, wait_s=0.05)
+        assert got == {"a": view("ea"), "h": view("eh")}
+
+        # Found unreachable: read again in the background, never waited for.
+        workers.release.clear()
+        workers.answers[h.endpoint] = WorkerUnreachable("timed out")
+        views.mark_dirty("h")
+        workers.hung = set()
+        await views.gather([a, h], concurrency=4, timeout_s=30.0, wait_s=0.05)
+        assert views.view("h") == WorkerUnreachable("timed out")
+        workers.hung = {h.endpoint}
+        began = loop.time()
+        got = await views.gather([a, h], concurrency=4, timeout_s=30.0, wait_s=5.0)
+        assert loop.time() - began < 1.0, "waited for a worker known unreachable"
+        assert got["h"] == WorkerUnreachable("timed out")
+        for _ in range(100):  # its background read's own steps
+            if workers.out:
+                break
+            await asyncio.sleep(0)
+        assert workers.out == 1
+        workers.release.set()
+        await views.refreshed()
+
+    asyncio.run(scenario())

@@ -208,3 +208,56 @@ async def test_loops_stop_with_their_topology_and_are_cancelled_together() -> No
         assert reconciler.running == 1
     finally:
         await reconciler.stop()
+
+
+async def test_a_worker_whose_calls_hang_costs_its_own_engine_only() -> None:
+    """A worker that accepts a call and never answers (SIGSTOPped after its last read)
+    holds no round past its wait: a decode that comes meanwhile is connected while the hung
+    call is out; the hung worker is not called again while its call is out, and when it
+    answers, what it did is counted and the loop runs on it at once."""
+    release = asyncio.Event()
+
+    class HungCalls(RecordingWorkers):
+        hung: set[str] = set()
+
+        async def change_peers(self, endpoint: str, *args: Any, **kw: Any) -> Any:
+            if endpoint in self.hung:
+                self.calls.append(("change_peers (hung)", endpoint))
+                await release.wait()
+            return await super().change_peers(endpoint, *args, **kw)
+
+    pods = [pod("p0", "prefill"), pod("d0", "decode")]
+    kube = FakeKube({"llama": topology_body()})
+    workers = HungCalls.for_pods([*pods, pod("d1", "decode")])
+    workers.hung = {pods[1].endpoint}
+    reconciler = Reconciler(
+        kube=cast(KubeClient, kube),
+        workers=cast(WorkerClient, workers),
+        pods=lambda namespace, port: list(pods),
+        metrics=OperatorMetrics(),
+        settings=Settings(resync_s=30.0, retry_s=0.01, round_wait_s=0.05, status_interval_s=0),
+    )
+    try:
+        reconciler.ensure(KEY)
+        await until("p0 holds D0", lambda: workers.peers_of(pods[0].endpoint) == {"D0"})
+        await until(
+            "d0's call out", lambda: ("change_peers (hung)", pods[1].endpoint) in workers.calls
+        )
+        pods.append(pod("d1", "decode"))
+        reconciler.poke_namespace("ns")
+        await until("d1 connected", lambda: workers.peers_of(pods[2].endpoint) == {"P0"})
+        await until("p0 holds D1", lambda: workers.peers_of(pods[0].endpoint) == {"D0", "D1"})
+        assert workers.calls.count(("change_peers (hung)", pods[1].endpoint)) == 1
+        assert workers.peers_of(pods[1].endpoint) == frozenset()
+        release.set()
+        await until("d0 holds P0", lambda: workers.peers_of(pods[1].endpoint) == {"P0"})
+        await until(
+            "every pair connected in the status",
+            lambda: (
+                (kube.bodies["llama"].get("status") or {}).get("summary", {}).get("pairs") == "2/2"
+            ),
+        )
+        assert workers.calls.count(("change_peers (hung)", pods[1].endpoint)) == 1
+    finally:
+        release.set()
+        await reconciler.stop()
