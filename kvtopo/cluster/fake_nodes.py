@@ -17,6 +17,7 @@ from importlib import resources
 from typing import Any
 
 FAKE_NODE_ANNOTATION = "kwok.x-k8s.io/node"
+FAKE_NODE_VALUE = "fake"  # the annotation's value kwok manages (a node without it is not)
 FAKE_NODE_LABEL = ("type", "kwok")
 FAKE_NODE_TAINT: dict[str, str] = {
     "key": "kwok.x-k8s.io/node",
@@ -45,7 +46,10 @@ def fake_node_manifest(name: str, capacity: dict[str, str] | None = None) -> dic
         "kind": "Node",
         "metadata": {
             "name": name,
-            "annotations": {FAKE_NODE_ANNOTATION: "fake", "node.alpha.kubernetes.io/ttl": "0"},
+            "annotations": {
+                FAKE_NODE_ANNOTATION: FAKE_NODE_VALUE,
+                "node.alpha.kubernetes.io/ttl": "0",
+            },
             "labels": {
                 FAKE_NODE_LABEL[0]: FAKE_NODE_LABEL[1],
                 "kubernetes.io/hostname": name,

@@ -54,6 +54,8 @@ def add_drill_parser(verbs: Any) -> None:
             "kill-prefill",
             "restart-engine",
             "abort-storm",
+            "node-failure",
+            "hang-decode",
         ],
         help="a fault during the run: operator-kill, apiserver-restart, rotate-credentials "
         "(both credentials replaced, pod by pod, under traffic) and leader-kill (two operator "
@@ -67,7 +69,12 @@ def add_drill_parser(verbs: Any) -> None:
         "abort-storm aborts about a fifth of the requests (DELETE /v1/requests/{id}, as vLLM "
         "aborts a request) at random stages, on either engine, through every rollout: at "
         "least 10%% must be aborted, and both sides must still agree on each, with no KV "
-        "landing after its request ended (late_writes)",
+        "landing after its request ended (late_writes); node-failure kills the engines of one "
+        "fake node and stops its kubelet (kwok): once the node lifecycle controller flips "
+        "the node's Ready, those engines must be evicted from every peer within the grace "
+        "+ 2 s (node_failure_evicted_s); hang-decode SIGSTOPs one decode engine for 60 s as "
+        "the second decode rollout begins: the other engines' gate p99 must stay within "
+        "1 s and their convergence p99 within 5 s",
     )
     p.add_argument(
         "--tp",

@@ -73,6 +73,12 @@ class Ledger:
     abort_share: float = 0.0
     late_writes: int = 0  # blocks written after their request ended, by drained engines
     abort_stages: dict[str, int] = field(default_factory=dict)  # drained engines' counts
+    # --chaos node-failure: from the node's Ready flip to its engines evicted from every
+    # peer, and the most that may take (the grace + 2 s).
+    node_failure_evicted_s: list[float] = field(default_factory=list)
+    node_failure_limit_s: float | None = None
+    # --chaos hang-decode: the most the other engines' convergence p99 may be (seconds).
+    convergence_p99_limit_s: float | None = None
 
     # --- recording -------------------------------------------------------------------------
 
@@ -198,6 +204,9 @@ class Ledger:
             else 0.0,
             "abort_share_wanted": self.abort_share,
             "late_writes": self.late_writes,
+            "node_failure_evicted_s": [round(s, 3) for s in self.node_failure_evicted_s],
+            "node_failure_limit_s": self.node_failure_limit_s,
+            "convergence_p99_limit_s": self.convergence_p99_limit_s,
             "abort_stages": dict(sorted(self.abort_stages.items())),
             "chaos_recovery_s": [round(s, 3) for s in self.chaos_recovery_s],
             "leader_takeover_s": [round(s, 3) for s in self.leader_takeover_s],
@@ -261,8 +270,18 @@ def invariants_hold(report: dict[str, Any]) -> bool:
     # --chaos abort-storm: at least 10% of the requests were aborted (at random stages).
     wanted = float(report.get("abort_share_wanted") or 0)
     aborts_ok = not wanted or float(report.get("aborted_share") or 0) >= ABORTED_SHARE_MIN
+    # --chaos node-failure: the lost node's engines evicted within the grace + 2 s of its
+    # Ready flip (a node-failure run that measured nothing broke it too).
+    node_limit = report.get("node_failure_limit_s")
+    evicted = report.get("node_failure_evicted_s") or []
+    node_ok = node_limit is None or (bool(evicted) and max(evicted) <= float(node_limit))
+    # --chaos hang-decode: the other engines converge within the limit (p99).
+    conv_limit = report.get("convergence_p99_limit_s")
+    conv_ok = conv_limit is None or (report.get("convergence_p99_s") or 0) <= float(conv_limit)
     return (
         aborts_ok
+        and node_ok
+        and conv_ok
         and all(int(report.get(k) or 0) == 0 for k in keys)
         and all(t <= takeover_limit for t in takeovers)
         and gate_ok

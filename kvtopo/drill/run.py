@@ -10,6 +10,7 @@ runs a drill from the command line.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import signal
@@ -24,6 +25,7 @@ from typing import Any
 import aiohttp
 
 from kvtopo import launch
+from kvtopo.cluster.fake_nodes import FAKE_NODE_ANNOTATION, FAKE_NODE_VALUE
 from kvtopo.drill import manifests
 from kvtopo.drill.fleet import Fleet
 from kvtopo.drill.ledger import Ledger
@@ -35,7 +37,11 @@ from kvtopo_operator.kube import ClusterApi
 
 log = logging.getLogger(__name__)
 
-ENGINE_FAULTS = ("freeze-decode", "kill-prefill", "restart-engine")
+ENGINE_FAULTS = ("freeze-decode", "kill-prefill", "restart-engine", "node-failure")
+HANG_S = 60.0  # --chaos hang-decode: how long the decode engine stays SIGSTOPped
+HANG_CONVERGENCE_P99_S = 5.0  # ... and the other engines' convergence p99 limit then
+NODE_EVICTION_SLACK_S = 2.0  # --chaos node-failure: evicted within the grace + this
+NODE_FLIP_TIMEOUT_S = 120.0  # the controller's node-monitor grace (50 s by default) + slack
 # --chaos abort-storm: the share of requests aborted, at random stages on either side
 # (more than the 10% the drill requires, as some aborts come after the request ended).
 ABORT_STORM_SHARE = 0.3
@@ -115,6 +121,11 @@ class Drill:
         self._aborts: set[asyncio.Task[None]] = set()  # --chaos abort-storm's pending aborts
         if opts.chaos == "abort-storm":
             self.ledger.abort_share = ABORT_STORM_SHARE
+        if opts.chaos == "node-failure":
+            self.ledger.node_failure_limit_s = opts.grace + NODE_EVICTION_SLACK_S
+        if opts.chaos == "hang-decode":
+            self.ledger.convergence_p99_limit_s = HANG_CONVERGENCE_P99_S
+        self._thaw: asyncio.Task[None] | None = None  # --chaos hang-decode's SIGCONT
 
     # --- set-up ----------------------------------------------------------------------------
 
@@ -516,6 +527,8 @@ class Drill:
             await self.secrets.rotate(ROTATION_SPREAD_S, self.rng, mark)
             fallbacks = self.fleet.auth_fallbacks
             mark(f"rotation done; the router retried {fallbacks} calls with the previous token")
+        elif self.opts.chaos == "hang-decode":
+            self._hang_decode(t)
         elif self.opts.chaos == "apiserver-restart" and self.cluster is not None:
             self.ledger.mark(t, "chaos", "kube-apiserver restart")
             took = await asyncio.to_thread(self.cluster.restart_apiserver)
@@ -589,9 +602,126 @@ class Drill:
         flag = next(a for a in args if a.startswith("--leader-elect-identity="))
         return flag.split("=", 1)[1]
 
+    def _hang_decode(self, t: float) -> None:
+        """hang-decode: one serving decode engine is SIGSTOPped for `HANG_S` while the
+        rollout goes on (hung, not dead: its sockets accept and nothing answers); the
+        operator must decide about every other engine as fast as without it."""
+        assert self.fleet is not None
+        decodes = [e for e in self.fleet.serving() if e.role == "decode" and not e.frozen]
+        if not decodes:
+            raise RuntimeError("no serving decode engine to hang")
+        victim = self.rng.choice(decodes)
+        victim.frozen = True
+        victim.process.send_signal(signal.SIGSTOP)
+        self.ledger.mark(t, "chaos", f"SIGSTOP decode {victim.pod} for {HANG_S:g} s")
+        self.ledger.impair(victim.engine_id, t, t + HANG_S + GIVE_UP_S)
+
+        async def thaw() -> None:
+            try:
+                await asyncio.sleep(HANG_S)  # the fault's length
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    victim.process.send_signal(signal.SIGCONT)
+                victim.frozen = False
+                self.ledger.mark(time.monotonic(), "chaos", f"SIGCONT decode {victim.pod}")
+
+        self._thaw = asyncio.create_task(thaw(), name="hang-decode-thaw")
+
+    async def _node_failure(self) -> None:
+        """node-failure: a fake node fails while traffic flows. Its engines' processes are
+        SIGKILLed and kwok stops managing the node (its kubelet falls silent); the node
+        lifecycle controller flips the node's Ready to Unknown once its heartbeats are
+        overdue and marks its pods not Ready (their ContainersReady, last reported by the
+        silent kubelet, stays True; the pods are only deleted by the taint eviction, minutes
+        later). From that flip, the operator must evict those engines from every peer
+        within the grace + 2 s. Then the pods are deleted (as an administrator does for a
+        node that is gone) and the node comes back."""
+        assert self.fleet is not None and self.kube is not None
+        fleet, kube = self.fleet, self.kube
+        self.phase = "chaos: node-failure"
+        pods = await asyncio.to_thread(kube.core.list_namespaced_pod, self.namespace)
+        node_of = {p.metadata.name: p.spec.node_name for p in pods.items if p.spec.node_name}
+        serving = [e for e in fleet.serving() if not e.frozen and e.pod in node_of]
+        prefills = sum(e.role == "prefill" for e in serving)
+        by_node: dict[str, list[Any]] = {}
+        for e in serving:
+            by_node.setdefault(node_of[e.pod], []).append(e)
+        # A node with a decode engine that does not hold every prefill (traffic goes on).
+        candidates = sorted(
+            (sum(e.role == "prefill" for e in es), node)
+            for node, es in by_node.items()
+            if any(e.role == "decode" for e in es)
+            and sum(e.role == "prefill" for e in es) < prefills
+        )
+        if not candidates:
+            raise RuntimeError(f"no node to fail: engines by node {sorted(by_node)}")
+        node = candidates[0][1]
+        victims = by_node[node]
+        t = time.monotonic()
+        names = ", ".join(f"{e.role} {e.pod}" for e in victims)
+        self.ledger.mark(t, "chaos", f"node {node} fails: SIGKILL {names}; its kubelet stops")
+        for e in victims:
+            e.frozen = True  # no more traffic to it
+            self.ledger.going_away(e.engine_id, t)
+            self.ledger.impair(e.engine_id, t, t + NODE_FLIP_TIMEOUT_S + GIVE_UP_S)
+            with contextlib.suppress(ProcessLookupError):
+                e.process.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(
+            kube.core.patch_node, node, {"metadata": {"annotations": {FAKE_NODE_ANNOTATION: None}}}
+        )
+
+        def flipped() -> bool:
+            obj = kube.core.read_node_status(node)
+            conds = {c.type: c.status for c in obj.status.conditions or []}
+            return conds.get("Ready") != "True"
+
+        await self._until("the node's Ready to flip", flipped, NODE_FLIP_TIMEOUT_S)
+        flip = time.monotonic()
+        self.ledger.mark(flip, "chaos", f"node {node} Ready flipped ({flip - t:.1f} s)")
+        lost = {e.engine_id for e in victims}
+        deadline = flip + 60
+        while True:  # polling the peers' own registries (their /v1/state)
+            holders = []
+            for o in [o for o in fleet.serving() if not o.frozen]:
+                try:
+                    status, state = await fleet.call("GET", f"http://{o.endpoint}/v1/state")
+                except (aiohttp.ClientError, TimeoutError, OSError):
+                    status, state = 0, None
+                held = {p.get("engine_id") for p in (state or {}).get("peers", [])}
+                if status != 200 or lost & held:
+                    holders.append(o.pod)
+            if not holders:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the lost node's engines are still held 60 s after the flip by {holders}"
+                )
+            await asyncio.sleep(0.05)
+        took = time.monotonic() - flip
+        self.ledger.node_failure_evicted_s.append(took)
+        self.ledger.mark(
+            time.monotonic(), "chaos", f"its engines evicted {took:.1f} s after the flip"
+        )
+        for e in victims:
+            await asyncio.to_thread(
+                kube.core.delete_namespaced_pod, e.pod, self.namespace, grace_period_seconds=0
+            )
+        await asyncio.to_thread(
+            kube.core.patch_node,
+            node,
+            {"metadata": {"annotations": {FAKE_NODE_ANNOTATION: FAKE_NODE_VALUE}}},
+        )
+        self.ledger.mark(time.monotonic(), "chaos", f"pods deleted; node {node} managed again")
+
     async def _engine_fault(self) -> None:
         """freeze-decode, kill-prefill or restart-engine, struck while traffic flows."""
         assert self.fleet is not None and self.kube is not None
+        if self.opts.chaos == "node-failure":
+            fault = time.monotonic()
+            await self._node_failure()
+            await self.converged()
+            self.ledger.chaos_recovery_s.append(time.monotonic() - fault)
+            return
         fleet = self.fleet
         role = "decode" if self.opts.chaos == "freeze-decode" else "prefill"
         self.phase = f"chaos: {self.opts.chaos}"
@@ -913,6 +1043,9 @@ class Drill:
                 t.cancel()
             for t in list(self._aborts):
                 t.cancel()
+            if self._thaw is not None:
+                self._thaw.cancel()  # SIGCONTs the hung engine
+                await asyncio.gather(self._thaw, return_exceptions=True)
             if self.fleet is not None:
                 await self.fleet.stop_all()
             for replica in (self.operator, self.standby):

@@ -27,8 +27,9 @@ fails while a loop has not ended a round for `memo.stuck_after_s`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import kopf
@@ -92,6 +93,7 @@ def _pod_source(namespace: str, control_port: int) -> Iterable[PodView]:
             endpoint_error=refused,
             gated=pod.gated,
             gate=pod.gate,
+            lost_since=pod.lost_since,
         )
         fresh[pod.uid] = (pod, control_port, view)
         out.append(view)
@@ -175,7 +177,67 @@ def _topology_source(namespace: str) -> Iterable[TopologyView]:
     index = _state.get("kv_topologies")
     if index is None:  # never so once a loop runs: kopf fills its indexes before handlers
         raise RuntimeError("the KVTopology index is not filled yet")
-    return list(index[namespace]) if namespace in index else []
+    if namespace not in index:
+        return []
+    # kopf's index keeps a topology whose deletion its watch missed: one the relist found
+    # gone (`_topologies_listed`) claims nothing.
+    gone: set[tuple[str, str]] = _state.get("gone", set())
+    return [t for t in index[namespace] if (namespace, t.name) not in gone]
+
+
+def _topologies_listed(listed: Mapping[tuple[str, str], str], scopes: Sequence[str | None]) -> None:
+    """A fresh list of the KVTopologies of `scopes` (namespaces; None: all): (namespace,
+    name) -> uid. A topology known here that the list lacks was deleted while the watch was
+    away (a relist after "410 Gone" sends no DELETED): it is forgotten as on a deletion (its
+    loop stops, its gauges go, the pods only it selected are ungated). One the list has
+    under another uid was deleted and created again: its loop starts afresh."""
+    known: dict[tuple[str, str], int] = _state.setdefault("known", {})
+    uids: dict[tuple[str, str], str] = _state.setdefault("uids", {})
+    bodies: dict[tuple[str, str], Any] = _state.setdefault("bodies", {})
+    reconciler: Reconciler | None = _state.get("reconciler")
+    leading = bool(_state.get("leading"))
+    metrics = _state.get("metrics")
+    for key in list(known):
+        if None not in scopes and key[0] not in scopes:
+            continue
+        uid = listed.get(key)
+        if uid is not None and (not uids.get(key) or uid == uids[key]):
+            continue
+        if metrics is not None:
+            metrics.stale_topologies_dropped.inc()
+        bodies.pop(key, None)
+        if uid is None:
+            log.warning("%s/%s: gone from the API server (the watch missed it); forgotten", *key)
+            known.pop(key, None)
+            uids.pop(key, None)
+            _state.setdefault("gone", set()).add(key)
+            if reconciler is not None and leading:
+                reconciler.forget(key)
+        else:
+            log.warning(
+                "%s/%s: another object now (uid %s -> %s); starting afresh", *key, uids[key], uid
+            )
+            uids[key] = uid
+            if reconciler is not None and leading:
+                reconciler.replaced(key)
+
+
+async def relist_topologies(api: ClusterApi, scopes: Sequence[str | None], period_s: float) -> None:
+    """Lists the KVTopologies of `scopes` afresh every `period_s` (`_topologies_listed`);
+    a list that fails is counted and tried again next period."""
+    while True:
+        await asyncio.sleep(period_s)
+        listed: dict[tuple[str, str], str] = {}
+        try:
+            for scope in scopes:
+                listed.update(await asyncio.to_thread(api.list_topology_uids, scope))
+        except Exception as exc:
+            log.warning("listing the KVTopologies failed (next try in %gs): %s", period_s, exc)
+            metrics = _state.get("metrics")
+            if metrics is not None:
+                metrics.relist_failures.inc()
+            continue
+        _topologies_listed(listed, scopes)
 
 
 class _NoDiffBase(kopf.DiffBaseStorage):
@@ -235,6 +297,14 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
         memo.get("watch_namespaces"),
         float(memo.get("relist_s") or 0),
     )
+    relist_s = float(memo.get("relist_s") or 0)
+    if relist_s > 0:
+        namespaces = memo.get("watch_namespaces")
+        scopes: list[str | None] = [None] if namespaces is None else list(namespaces)
+        _state["topology_relist"] = asyncio.create_task(
+            relist_topologies(ClusterApi(memo.get("kubeconfig")), scopes, relist_s),
+            name="kvtopo-topology-relist",
+        )
     # Like kopf's indexes: no loop starts before it knows the pods (a loop asking earlier
     # gets NotListedYet, and its round fails and is retried).
     if not await watch.wait_listed(LIST_WAIT_S):
@@ -318,6 +388,9 @@ async def stop(**_: Any) -> None:
     watch: PodWatch | None = _state.pop("pod_watch", None)
     if watch is not None:
         watch.stop()
+    relist: asyncio.Task[None] | None = _state.pop("topology_relist", None)
+    if relist is not None:
+        relist.cancel()
     elector: LeaderElector | None = _state.pop("elector", None)
     if elector is not None:  # stops the loops first, then releases the Lease
         await elector.stop()
@@ -337,14 +410,18 @@ async def topology_changed(**kwargs: Any) -> None:
     elif kwargs.get("body") is not None:
         bodies[key] = kwargs["body"]
     known: dict[tuple[str, str], int] = _state.setdefault("known", {})
+    uids: dict[tuple[str, str], str] = _state.setdefault("uids", {})
     generation = int(kwargs["meta"].get("generation", 0))
     # A topology that comes, goes or changes its spec may change which pods the others of
     # its namespace own (a status write changes nothing of it).
     claim_changed = kwargs["type"] == "DELETED" or known.get(key) != generation
     if kwargs["type"] == "DELETED":
         known.pop(key, None)
+        uids.pop(key, None)
     else:  # remembered as a standby too: a new leader starts its loop at once
         known[key] = generation
+        uids[key] = str(kwargs["meta"].get("uid") or "")
+    _state.get("gone", set()).discard(key)  # the watch speaks of it again
     reconciler: Reconciler | None = _state.get("reconciler")
     if reconciler is None or not _state.get("leading"):
         return

@@ -176,6 +176,24 @@ class ClusterApi:
         """Creates a KVTopology object."""
         self.request("POST", _topologies(namespace), body=body)
 
+    def list_topology_uids(self, namespace: str | None) -> dict[tuple[str, str], str]:
+        """The KVTopologies of `namespace` (None: of every namespace): (namespace, name) ->
+        uid. Their metadata only (a status can be hundreds of KiB)."""
+        path = _topologies(namespace) if namespace else f"/apis/{GROUP}/{VERSION}/{PLURAL}"
+        obj = self.request_json(
+            "GET",
+            path,
+            accept="application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1,"
+            "application/json",
+        )
+        listed: dict[tuple[str, str], str] = {}
+        for item in obj.get("items") or []:
+            meta = item.get("metadata") or {}
+            listed[(str(meta.get("namespace") or ""), str(meta.get("name") or ""))] = str(
+                meta.get("uid") or ""
+            )
+        return listed
+
     def read_topology(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The KVTopology `name` as the server has it, or None when there is none."""
         try:

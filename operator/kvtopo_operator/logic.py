@@ -569,6 +569,13 @@ def gone_engines(
     grace = timedelta(seconds=obs.spec.eviction.grace_seconds)
     prev_engines = {e.engine_id: e for e in obs.previous.engines if e.engine_id}
     live, cannot_tell = engines.live, set(engines.unusable)
+    # Pods their node's lifecycle marked not Ready (node NotReady or unreachable): their
+    # engines are gone since that flip, not since the operator first saw it.
+    lost = {
+        p.name: datetime.fromtimestamp(p.lost_since, UTC)
+        for p in obs.pods
+        if p.lost_since is not None and not p.deleting
+    }
     if extra_held is None:
         extra_held = {eid: _extra_held(e.worker, _NO_PARTNERS) for eid, e in live.items()}
     held = frozenset().union(*extra_held.values())  # not usable ones, among others
@@ -581,7 +588,7 @@ def gone_engines(
         if prev.pod in cannot_tell and prev.state != EngineState.DRAINING:
             continue  # cannot tell: keep it as it was until its worker answers again
         since = parse_time(prev.since) if prev.state == EngineState.DRAINING else now
-        since = min(since, obs.memory.gone_since.get(eid, since))
+        since = min(since, obs.memory.gone_since.get(eid, since), lost.get(prev.pod, since))
         gone[eid] = Gone(prev.pod, prev.role, prev.endpoint, since)
     # Peers held by a usable engine that is not usable and not gone yet (found by set
     # operations; the first holder, in order, tells the role).

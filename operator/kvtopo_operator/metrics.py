@@ -9,6 +9,8 @@ updates these).
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
@@ -108,9 +110,23 @@ class OperatorMetrics:
             "as they are until a list succeeds).",
             registry=self.registry,
         )
+        self.stale_topologies_dropped = Counter(
+            "kvtopo_operator_stale_topologies_dropped",
+            "KVTopologies forgotten because a fresh list (every --relist-seconds) no longer "
+            "had them, or had another object (uid) under their name: deletions the watch "
+            "missed.",
+            registry=self.registry,
+        )
         self.pod_watch_malformed = Counter(
             "kvtopo_operator_pod_watch_malformed",
             "Pods or watch lines from the API server that the engine-pod watch could not "
             "decode (skipped).",
             registry=self.registry,
         )
+
+    def forget_topology(self, namespace: str, name: str) -> None:
+        """Removes the per-topology gauges of a topology this replica no longer runs (it is
+        gone, or this replica lost the lead): they would otherwise report its last values."""
+        for gauge in (self.pairs_expected, self.pairs_connected, self.peers_unhealthy):
+            with contextlib.suppress(KeyError):  # never set
+                gauge.remove(namespace, name)

@@ -42,6 +42,9 @@ class PodView:
     endpoint_error: str = ""  # why the pod's endpoint is refused (it is then never dialled)
     gated: bool = False  # the pod lists the readiness gate kvtopo.dev/kv-connected
     gate: str = ""  # that condition's status now ("True", "False"; "" when not set)
+    # The pod was marked not Ready by its node's lifecycle (node NotReady or unreachable):
+    # since when (epoch seconds). Such a pod is not `ready`; its engine is gone from then.
+    lost_since: float | None = None
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,8 @@ class EnginePod:
     gated: bool  # lists the readiness gate kvtopo.dev/kv-connected
     gate: str  # that condition's status ("True", "False"; "" when not set)
     resource_version: str = field(default="", compare=False)
+    # The pod was marked not Ready from outside (see `lost_since`): since when (epoch s).
+    lost_since: float | None = None
 
 
 def _condition(conditions: Sequence[_Condition], kind: str) -> _Condition | None:
@@ -147,12 +149,36 @@ def _since(cond: _Condition) -> float | None:
         return None
 
 
+def lost_since(pod: _Pod) -> float | None:
+    """When the pod was marked not Ready from outside: its Ready is False although its
+    containers and every readiness gate it lists are ready. The kubelet computes Ready from
+    exactly those, so only the node lifecycle controller writes that: the pod's node is
+    NotReady or unreachable (its kubelet silent), and the pod has left its Services'
+    endpoints. None when the pod is not in that state. The time is Ready's last transition
+    (epoch seconds; now when the condition has none)."""
+    conditions = pod.status.conditions or []
+    ready = _condition(conditions, "Ready")
+    containers = _condition(conditions, "ContainersReady")
+    if ready is None or ready.status != "False" or containers is None:
+        return None
+    if containers.status != "True":
+        return None
+    for gate in pod.spec.readinessGates or []:
+        cond = _condition(conditions, gate.conditionType)
+        if cond is None or cond.status != "True":
+            return None
+    return _since(ready) or time.time()
+
+
 def engine_pod(pod: _Pod) -> EnginePod:
     """The record of a decoded pod."""
     meta, status = pod.metadata, pod.status
     conditions = status.conditions or []
     up = _condition(conditions, "ContainersReady") or _condition(conditions, "Ready")
-    ready = up is not None and up.status == "True"
+    lost = lost_since(pod)
+    # A pod its node's lifecycle marked not Ready is not up, whatever its containers say
+    # (they were last reported by a kubelet that no longer reports).
+    ready = up is not None and up.status == "True" and lost is None
     ips = tuple(x.ip for x in status.podIPs or [] if x.ip)
     if not ips and status.podIP:
         ips = (status.podIP,)
@@ -172,6 +198,7 @@ def engine_pod(pod: _Pod) -> EnginePod:
         gated=any(g.conditionType == KV_CONNECTED_GATE for g in pod.spec.readinessGates or []),
         gate=gate.status if gate is not None else "",
         resource_version=meta.resourceVersion,
+        lost_since=lost,
     )
 
 

@@ -263,6 +263,29 @@ def test_unreachable_worker_is_failed_not_evicted() -> None:
     assert cond(plan.status, "Degraded") == ("True", "WorkerUnreachable")
 
 
+def test_an_engine_on_a_lost_node_drains_from_the_flip_and_is_evicted_after_the_grace() -> None:
+    """A pod whose node went NotReady (marked not Ready by the node lifecycle, `lost_since`)
+    is not up: its engine is gone from that flip, whether or not its worker still answers
+    (it may be reachable from the operator and not from its Services), and is evicted from
+    every peer once the grace has passed since the flip, not since the operator noticed."""
+    pods, workers = full_mesh()
+    before = evaluate(observe(pods, workers), T0).status
+    flip = T0 + timedelta(seconds=2)
+    lost = dataclasses.replace(pods[4], ready=False, lost_since=flip.timestamp())
+    pods2 = [*pods[:4], lost]
+    workers2 = {k: v for k, v in workers.items() if k != "d2"}  # not read: not up
+    seen = flip + timedelta(seconds=3)  # the operator learns of it 3 s after the flip
+    plan = evaluate(observe(pods2, workers2, before), seen)
+    d2 = next(e for e in plan.status.engines if e.engine_id == "D2")
+    assert d2.state == EngineState.DRAINING and d2.since == precise(flip)
+    assert plan.evictions == () and plan.wake_in_s == pytest.approx(7.0)
+    late = evaluate(observe(pods2, workers2, plan.status), flip + timedelta(seconds=10))
+    assert late.evictions == (
+        Eviction("p0", pods[0].endpoint, "D2"),
+        Eviction("p1", pods[1].endpoint, "D2"),
+    )
+
+
 def test_unreachable_worker_is_kept_round_after_round_with_the_memory() -> None:
     """As the reconciler runs it: each round gets the previous status and memory. A worker
     that cannot be read while its pod is up is kept as it was (Failed), never gone: it is

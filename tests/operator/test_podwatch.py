@@ -113,6 +113,31 @@ def test_a_pod_is_decoded_with_what_the_operator_reads_and_nothing_else() -> Non
     assert len(decode_pod(json.dumps(huge).encode()).endpoint) == 256
 
 
+def test_a_pod_its_nodes_lifecycle_marked_not_ready_is_lost_not_up() -> None:
+    """The node lifecycle controller sets a pod's Ready False when its node goes NotReady
+    or unreachable; ContainersReady (the kubelet's, now silent) stays True. Ready False
+    while the containers and every readiness gate are ready is that mark: the engine is
+    not up, and lost since Ready's flip. Ready False for the gate or a container is not."""
+    body = pod_json("d0", ready=True)
+    body["spec"]["readinessGates"] = [{"conditionType": "kvtopo.dev/kv-connected"}]
+    conds = body["status"]["conditions"]
+    conds.append({"type": "kvtopo.dev/kv-connected", "status": "True"})
+    conds.append({"type": "Ready", "status": "True", "lastTransitionTime": "2026-01-01T00:00:05Z"})
+    pod = decode_pod(json.dumps(body).encode())
+    assert (pod.ready, pod.lost_since) == (True, None)
+    conds[-1] = {"type": "Ready", "status": "False", "lastTransitionTime": "2026-01-01T00:01:00Z"}
+    pod = decode_pod(json.dumps(body).encode())
+    assert (pod.ready, pod.lost_since) == (False, 1767225660.0)
+    conds[1] = {"type": "kvtopo.dev/kv-connected", "status": "False"}  # waiting for the gate
+    pod = decode_pod(json.dumps(body).encode())
+    assert (pod.ready, pod.lost_since) == (True, None)
+    # Another readiness gate not True: not the node's mark either.
+    conds[1] = {"type": "kvtopo.dev/kv-connected", "status": "True"}
+    body["spec"]["readinessGates"].append({"conditionType": "example.com/warm"})
+    pod = decode_pod(json.dumps(body).encode())
+    assert (pod.ready, pod.lost_since) == (True, None)
+
+
 def test_the_store_reports_only_changes_the_operator_reads() -> None:
     store = PodStore()
     with pytest.raises(NotListedYet):

@@ -14,15 +14,19 @@ a list after a gap drops the pods whose deletion the watch missed.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import pytest
 
 from kvtopo.cluster.local_cluster import LocalCluster
+from kvtopo.drill import manifests
 from kvtopo.drill.manifests import Role
 from kvtopo_operator import handlers
+from kvtopo_operator.crd import crd_manifest
 from kvtopo_operator.kube import ClusterApi
 from kvtopo_operator.metrics import OperatorMetrics
+from kvtopo_operator.model import TopologyView
 from tests.cluster.kube import create_engine_pod, create_namespace, mark_pod_ready
 from tests.operator.polling import until
 
@@ -113,3 +117,70 @@ async def test_a_list_after_a_gap_drops_the_pods_deleted_while_the_watch_was_awa
         assert metrics.registry.get_sample_value(total) == 2.0
     finally:
         second.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_topology_deleted_or_replaced_while_the_watch_was_away_is_found_by_the_relist(
+    cluster_a: LocalCluster, ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kopf's relist after "410 Gone" sends no DELETED: the operator kept running the loop
+    of a topology deleted in the gap (its pods connected, its status PATCHed at ~4.7/s
+    answered 404, a new topology reporting Conflict with it). The periodic list of the
+    KVTopologies (metadata only) finds it: one missing is forgotten as on a deletion, one
+    under another uid (deleted and created again) restarts afresh; each is counted, and a
+    topology forgotten so no longer claims pods (`_topology_source`), though kopf's index
+    still has it."""
+    metrics = OperatorMetrics()
+
+    class Loops:
+        def __init__(self) -> None:
+            self.forgotten: list[tuple[str, str]] = []
+            self.again: list[tuple[str, str]] = []
+
+        def forget(self, key: tuple[str, str]) -> None:
+            self.forgotten.append(key)
+
+        def replaced(self, key: tuple[str, str]) -> None:
+            self.again.append(key)
+
+    loops = Loops()
+    api = ClusterApi(cluster_a.kubeconfig)
+    api.apply_crd(crd_manifest())
+    await until("the CRD", lambda: api.crd_established("kvtopologies.kvtopo.dev"), UNTIL_S)
+    for name in ("kept", "deleted", "again"):
+        api.create_topology(ns, manifests.topology(name, app=name, namespace=ns))
+    listed = api.list_topology_uids(ns)
+    assert sorted(listed) == [(ns, "again"), (ns, "deleted"), (ns, "kept")]
+    # What the watch delivered before its gap.
+    index = {ns: [TopologyView(n, "", None) for n in ("kept", "deleted", "again")]}
+    monkeypatch.setattr(
+        handlers,
+        "_state",
+        {
+            "metrics": metrics,
+            "reconciler": loops,
+            "leading": True,
+            "kv_topologies": index,
+            "known": {(ns, n): 1 for n in ("kept", "deleted", "again")},
+            "uids": dict(listed),
+            "bodies": {(ns, "deleted"): {"stale": True}},
+        },
+    )
+    # The gap: one deleted, one deleted and created again.
+    cluster_a.kubectl("delete", "kvtopology", "deleted", "again", "-n", ns, "--wait=true")
+    api.create_topology(ns, manifests.topology("again", app="again", namespace=ns))
+
+    task = asyncio.create_task(handlers.relist_topologies(api, [ns], 0.05))
+    try:
+        total = "kvtopo_operator_stale_topologies_dropped_total"
+        await until("the relist", lambda: metrics.registry.get_sample_value(total), UNTIL_S)
+    finally:
+        task.cancel()
+    assert loops.forgotten == [(ns, "deleted")]
+    assert loops.again == [(ns, "again")]
+    assert metrics.registry.get_sample_value(total) == 2.0
+    state = handlers._state
+    assert sorted(state["known"]) == [(ns, "again"), (ns, "kept")]
+    assert state["uids"][(ns, "again")] == api.list_topology_uids(ns)[(ns, "again")]
+    assert (ns, "deleted") not in state["bodies"]
+    assert [t.name for t in handlers._topology_source(ns)] == ["kept", "again"]
