@@ -55,9 +55,11 @@ def _bench_report(module: str) -> Callable[[argparse.Namespace], int]:
 
     def run(args: argparse.Namespace) -> int:
         bench = importlib.import_module(f"kvtopo_bench.{module}")
-        extra = {}
+        extra: dict[str, object] = {}
         if getattr(args, "baseline_tree", None) is not None:
             extra["baseline_tree"] = args.baseline_tree
+        if getattr(args, "hostile", False):
+            extra["hostile"] = True
         try:
             bench.run(
                 args.json, quick=args.quick, log=lambda line: print(line, flush=True), **extra
@@ -147,6 +149,14 @@ def add_bench_parser(
                 "commit, e.g. `git worktree add DIR COMMIT`): each size four times on one "
                 "cluster, that operator and this one alternating (A B B A); every run in the "
                 "report's side_by_side",
+            )
+            kind.add_argument(
+                "--hostile",
+                action="store_true",
+                help="instead: 32 x 1000 (16 x 64 with --quick) four times on one cluster, "
+                "clean, hostile, hostile, clean; in the hostile runs one decode worker "
+                "answers garbage and one hangs, all along. The report's hostile section "
+                "compares the healthy engines' ready -> connected p99 (target: within 1.2x)",
             )
         if name == "push":
             kind.add_argument(

@@ -84,6 +84,10 @@ class FakeWorker:
     gone_at: float | None = None
     connected_at: float | None = None
     evicted_at: float | None = None
+    # A hostile worker (the `hostile` run): "garbage" answers every call with bytes that are
+    # no JSON; "hung" accepts every call and never answers (a SIGSTOPped process). Neither
+    # is measured: the run measures what they cost the healthy engines.
+    hostile: str = ""
     # Its `/v1/state` answer as last encoded, and that answer's ETag; None once the peers
     # changed (as a real worker, it answers 304 to its tag while nothing changed).
     answer: tuple[bytes, str] | None = None
@@ -110,6 +114,8 @@ class FakeFleet:
         self.requests = 0
         self.state_reads = 0
         self.not_modified = 0  # state reads answered 304
+        self.never = asyncio.Event()  # what a hung worker's calls wait for (set at cleanup)
+        self.hostile_calls = 0
 
     async def start(self) -> None:
         await self.runner.setup()
@@ -143,9 +149,24 @@ class FakeFleet:
             raise web.HTTPServiceUnavailable(text="no worker listens here any more")
         return w
 
+    async def _hostile(self, w: FakeWorker) -> web.Response | None:
+        """What a hostile worker answers (None: it is not hostile)."""
+        if not w.hostile:
+            return None
+        self.hostile_calls += 1
+        if w.hostile == "hung":
+            await self.never.wait()
+        return web.Response(body=b"\x00\xffnot json {{{", content_type="application/json")
+
+    def stop_hostile(self) -> None:
+        """Lets the hung workers' calls end (the run is over)."""
+        self.never.set()
+
     async def _state(self, request: web.Request) -> web.Response:
         self.requests += 1
         w = self._worker(request)
+        if (answer := await self._hostile(w)) is not None:
+            return answer
         if w.answer is None:
             w.answer = (self._encode_state(w), f'"{w.engine_id}-{w.generation}"')
         body, tag = w.answer
@@ -185,6 +206,8 @@ class FakeFleet:
     async def _put(self, request: web.Request) -> web.Response:
         self.requests += 1
         w = self._worker(request)
+        if (answer := await self._hostile(w)) is not None:
+            return answer
         body = msgspec.json.decode(await request.read(), type=PeerAddRequest)
         eid = request.match_info["engine_id"]
         result = "present" if eid in w.peers else "added"
@@ -196,6 +219,8 @@ class FakeFleet:
     async def _delete(self, request: web.Request) -> web.Response:
         self.requests += 1
         w = self._worker(request)
+        if (answer := await self._hostile(w)) is not None:
+            return answer
         eid = request.match_info["engine_id"]
         result = "evicted" if eid in w.peers else "absent"
         w.peers.discard(eid)
@@ -205,6 +230,8 @@ class FakeFleet:
     async def _patch(self, request: web.Request) -> web.Response:
         self.requests += 1
         w = self._worker(request)
+        if (answer := await self._hostile(w)) is not None:
+            return answer
         changes = msgspec.json.decode(await request.read(), type=PeerChanges)
         results = []
         for item in changes.add:
@@ -286,10 +313,14 @@ class SizeRun:
         *,
         operator_tree: Path | None = None,
         run_name: str = "",
+        hostile: bool = False,
     ) -> None:
         """One size's run; `operator_tree`: run the operator of that source tree (its
         `operator/` and `worker/` first on PYTHONPATH) instead of the installed one;
-        `run_name` tells this run's namespace from others of the same size."""
+        `run_name` tells this run's namespace from others of the same size; `hostile`: one
+        decode worker answers garbage and one is hung, all along (a hostile worker's pod
+        replaced gets a hostile worker again); they are not measured."""
+        self.hostile = hostile
         self.api = api = ClusterApi(cluster.kubeconfig)
         self.core: Any = api.core
         self.apps: Any = api.apps
@@ -309,6 +340,9 @@ class SizeRun:
 
         async def serve(name: str, role: str, uid: str, ip: str) -> None:
             w = await self.fleet.add(name, role, uid, ip)
+            if self.hostile and role == "decode":
+                kinds = {o.hostile for o in self.live()}
+                w.hostile = next((k for k in ("garbage", "hung") if k not in kinds), "")
             self.by_uid[uid] = w
             w.serving_at = time.monotonic()
 
@@ -377,9 +411,13 @@ class SizeRun:
     def live(self) -> list[FakeWorker]:
         return [w for w in self.by_uid.values() if w.gone_at is None]
 
+    def healthy(self) -> list[FakeWorker]:
+        """The live workers that are not hostile (what is measured)."""
+        return [w for w in self.live() if not w.hostile]
+
     def _measure(self) -> None:
         now = time.monotonic()
-        live = self.live()
+        live = self.healthy()
         ps = [w for w in live if w.role == "prefill"]
         ds = [w for w in live if w.role == "decode"]
         for w in live:
@@ -401,21 +439,27 @@ class SizeRun:
         # every 100 ms beside the operator: a gone decode is checked against the prefills,
         # not against every live engine.
         for w in self.by_uid.values():
-            if w.gone_at is not None and w.evicted_at is None:
+            if w.gone_at is not None and w.evicted_at is None and not w.hostile:
                 holders = ds if w.role == "prefill" else ps
                 if not any(w.engine_id in o.peers for o in holders):
                     w.evicted_at = now
 
     def all_connected(self) -> bool:
-        live = self.live()
+        live = self.healthy()
+        hostile = sum(1 for w in self.live() if w.hostile)
         return (
             sum(w.role == "prefill" for w in live) == self.prefill
-            and sum(w.role == "decode" for w in live) == self.decode
-            and all(w.evicted_at is not None for w in self.by_uid.values() if w.gone_at)
+            and sum(w.role == "decode" for w in live) + hostile == self.decode
+            and all(
+                w.evicted_at is not None
+                for w in self.by_uid.values()
+                if w.gone_at and not w.hostile
+            )
             # Cheap first: an engine holding fewer peers than there are live engines of
             # the other role is not meshed; the set inclusions only when none does.
             and all(
-                len(w.peers) >= (self.decode if w.role == "prefill" else self.prefill) for w in live
+                len(w.peers) >= (self.decode - hostile if w.role == "prefill" else self.prefill)
+                for w in live
             )
             and self._meshed(live)
         )
@@ -605,9 +649,9 @@ class SizeRun:
                 await asyncio.to_thread(self.apps.create_namespaced_deployment, self.ns, deployment)
             limit = 120 + (self.prefill + self.decode) * 0.6
             await self.until("initial convergence", self.all_connected, limit)
-            initial = [w.connected_at - w.serving_at for w in self.live() if w.connected_at]
+            initial = [w.connected_at - w.serving_at for w in self.healthy() if w.connected_at]
             # Delete a tenth of the decode pods; the Deployment replaces them.
-            victims = [w for w in self.live() if w.role == "decode"][: max(1, self.decode // 10)]
+            victims = [w for w in self.healthy() if w.role == "decode"][: max(1, self.decode // 10)]
             t_del = time.monotonic()
             for w in victims:
                 w.gone_at = time.monotonic()  # the deletion is ours: its time is exact
@@ -618,7 +662,7 @@ class SizeRun:
             gone = [w.evicted_at - w.gone_at for w in victims]  # type: ignore[operator]
             replaced = [
                 w.connected_at - w.serving_at
-                for w in self.live()
+                for w in self.healthy()
                 if w.serving_at >= t_del and w.connected_at
             ]
             # A full decode rollout.
@@ -639,15 +683,19 @@ class SizeRun:
             rollout_s = time.monotonic() - t_roll
             later = [
                 w.connected_at - w.serving_at
-                for w in self.live()
+                for w in self.healthy()
                 if w.serving_at >= t_roll and w.connected_at
             ]
             cpu1, rss = _proc_cpu_rss(pid)
             own = time.process_time() - own0
             # Where the rollout's time went: the Deployment replacing its pods (the last new
             # engine serving, the last old pod gone) vs the operator's tail after that.
-            new = [w for w in self.by_uid.values() if w.serving_at >= t_roll]
-            old = [w for w in self.by_uid.values() if w.gone_at and w.gone_at >= t_roll]
+            new = [w for w in self.by_uid.values() if w.serving_at >= t_roll and not w.hostile]
+            old = [
+                w
+                for w in self.by_uid.values()
+                if w.gone_at and w.gone_at >= t_roll and not w.hostile
+            ]
             timeline = {
                 "last_new_serving_s": max((w.serving_at for w in new), default=t_roll) - t_roll,
                 "last_old_gone_s": max((w.gone_at or t_roll for w in old), default=t_roll) - t_roll,
@@ -660,6 +708,8 @@ class SizeRun:
             ready = initial + replaced + later
             return {
                 "size": f"{self.prefill}x{self.decode}",
+                "hostile": self.hostile,
+                "hostile_calls": self.fleet.hostile_calls,
                 "pods": self.prefill + self.decode,
                 "ready_to_connected_p50_s": round(_pct(ready, 0.5), 3),
                 "ready_to_connected_p99_s": round(_pct(ready, 0.99), 3),
@@ -696,6 +746,7 @@ class SizeRun:
                 "window_s": round(time.monotonic() - window0, 1),
             }
         finally:
+            self.fleet.stop_hostile()
             agent.cancel()
             measure.cancel()
             if self.operator is not None:
@@ -734,17 +785,27 @@ SIDE_BY_SIDE_KEYS = (
 )
 
 
+HOSTILE_SIZE = (32, 1000)  # the size the hostile run is measured at (16 x 64 when quick)
+
+
 def run(
     json_path: Path | None,
     quick: bool,
     log: Callable[[str], None] = print,
     baseline_tree: Path | None = None,
+    hostile: bool = False,
 ) -> dict[str, Any]:
     """Runs each size (16 x 64 only when `quick`) and writes the report to `json_path`.
     With `baseline_tree` (a source tree of another commit) each size runs four times on the
     same cluster, the operator of that tree and this one alternating (A B B A, so a drift of
     the machine's speed cancels out); the report's `sizes` are this operator's first runs
-    and `side_by_side` lists every run."""
+    and `side_by_side` lists every run. With `hostile`, only `HOSTILE_SIZE` runs, four times
+    on one cluster: clean, hostile, hostile, clean (one decode worker answering garbage and
+    one hung, all along); the report's `hostile` compares the healthy engines' ready ->
+    connected p99 of the two kinds (`p99_ratio`: hostile over clean, each the mean of its
+    two runs)."""
+    if hostile:
+        return _run_hostile(json_path, quick, log)
     from kvtopo.cluster.local_cluster import LocalCluster
 
     if baseline_tree is not None and not (baseline_tree / "operator" / "kvtopo_operator").is_dir():
@@ -805,6 +866,63 @@ def run(
     if baseline_tree is not None:
         report["side_by_side"] = side_by_side
         report["baseline_tree"] = str(baseline_tree)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _run_hostile(json_path: Path | None, quick: bool, log: Callable[[str], None]) -> dict[str, Any]:
+    from kvtopo.cluster.local_cluster import LocalCluster
+
+    p, d = (16, 64) if quick else HOSTILE_SIZE
+    nodes = max(3, ((p + d) * 2) // 100 + 1)
+    workdir = Path("out") / "bench-operator"
+    workdir.mkdir(parents=True, exist_ok=True)
+    token = workdir / "token"
+    token.write_text("bench\n")
+    runs: list[dict[str, Any]] = []
+    with LocalCluster(workdir / "cluster", "b", fake_nodes=nodes, progress=log) as cluster:
+        api = ClusterApi(cluster.kubeconfig)
+        api.apply_crd(crd_manifest())
+        crd = f"crd/{PLURAL}.{GROUP}"
+        cluster.kubectl("wait", "--for=condition=Established", crd, "--timeout=60s")
+        for i, kind in enumerate(("clean", "hostile", "hostile", "clean")):
+            log(f"kvtopo bench operator: {p} x {d}, {kind} run {i + 1}/4")
+            size_run = SizeRun(cluster, p, d, log, run_name=f"{kind}{i}", hostile=kind == "hostile")
+
+            async def one(sr: SizeRun = size_run) -> dict[str, Any]:
+                try:
+                    return await sr.run(token, workdir)
+                finally:
+                    await sr.remove()
+
+            res = asyncio.run(one())
+            log(f"  {kind}: " + json.dumps(res))
+            runs.append(res)
+
+    def mean(kind: bool, key: str) -> float:
+        values = [float(r[key]) for r in runs if r["hostile"] == kind]
+        return sum(values) / len(values)
+
+    clean_p99 = mean(False, "ready_to_connected_p99_s")
+    hostile_p99 = mean(True, "ready_to_connected_p99_s")
+    report: dict[str, Any] = {
+        "benchmark": "operator",
+        "quick": quick,
+        "hostile": {
+            "size": f"{p}x{d}",
+            "workers": "one decode answering garbage, one hung (SIGSTOP-like), all along",
+            "clean_ready_to_connected_p99_s": round(clean_p99, 3),
+            "hostile_ready_to_connected_p99_s": round(hostile_p99, 3),
+            "p99_ratio": round(hostile_p99 / clean_p99, 3) if clean_p99 else None,
+            "target_ratio": 1.2,
+            "runs": [
+                {k: r.get(k) for k in ("hostile", *SIDE_BY_SIDE_KEYS, "hostile_calls")}
+                for r in runs
+            ],
+        },
+    }
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report, indent=2) + "\n")
