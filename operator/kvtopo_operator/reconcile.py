@@ -806,6 +806,10 @@ class Reconciler:
     ) -> None:
         self.metrics.reconcile_seconds.observe(seconds)
         ready_since = {p.name: p.ready_since for p in pods if p.ready_since is not None}
+        # Remembered while the engine is live: a thousand rollouts leave no trace.
+        live = plan.progress.pair_counts or {}
+        if len(loop.connected_at) > len(live):
+            loop.connected_at = {k: v for k, v in loop.connected_at.items() if k in live}
         for engine in plan.status.engines:
             first = engine.state == "Connected" and engine.engine_id not in loop.connected_at
             if first and engine.pod in ready_since:

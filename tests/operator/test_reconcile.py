@@ -9,6 +9,8 @@ deadline far below the resync period, so a pass shows the poke, not the timer.""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -260,4 +262,39 @@ async def test_a_worker_whose_calls_hang_costs_its_own_engine_only() -> None:
         assert workers.calls.count(("change_peers (hung)", pods[1].endpoint)) == 1
     finally:
         release.set()
+        await reconciler.stop()
+
+
+async def test_a_forgotten_topology_leaves_no_gauges_and_gone_engines_are_not_remembered() -> None:
+    """The per-topology gauges go with the loop (a deleted topology, a lost lead): they
+    would otherwise report its last pair counts forever. And the memory of when each engine
+    first connected keeps only engines still there."""
+    pods = [
+        dataclasses.replace(pod(name, role), ready_since=time.time())
+        for name, role in (("p0", "prefill"), ("d0", "decode"), ("d1", "decode"))
+    ]
+    kube = FakeKube({"llama": topology_body()})
+    workers = RecordingWorkers.for_pods(pods)
+    reconciler = build(lambda: list(pods), kube, workers)
+    sample = reconciler.metrics.registry.get_sample_value
+    labels = {"namespace": "ns", "name": "llama"}
+    try:
+        reconciler.ensure(KEY)
+        await until("the gauges", lambda: sample("kvtopo_operator_pairs_connected", labels) == 2)
+        loop = reconciler._loops[KEY]
+        await until("both decodes remembered", lambda: {"D0", "D1"} <= set(loop.connected_at))
+        pods.pop()  # d1 goes (and, after the grace, is evicted and unlisted)
+        reconciler.poke_namespace("ns")
+        await until(
+            "d1 forgotten",
+            lambda: (
+                "D1" not in loop.connected_at
+                and sample("kvtopo_operator_pairs_connected", labels) == 1
+            ),
+            timeout_s=10.0,
+        )
+        reconciler.forget(KEY)
+        assert sample("kvtopo_operator_pairs_connected", labels) is None
+        assert sample("kvtopo_operator_pairs_expected", labels) is None
+    finally:
         await reconciler.stop()
