@@ -110,6 +110,21 @@ def measure(prefill: int = 500, decode: int = 1500, rounds: int = 5) -> dict[str
     )
     one_replaced, plan = _round(obs, T0 + timedelta(seconds=rounds + 1))
     assert plan.pairs_connected == plan.pairs_expected
+    # A compatibility rollout under way: a tenth more of each role, new engines of a new
+    # hash, holding nothing yet (pairs across hashes are no pairs: one round once formatted
+    # a message per such pair, 150,000 here).
+    mixed = dict(replaced)
+    mixed_pods = list(new_pods)
+    for role, n, first in (("prefill", prefill // 10, prefill), ("decode", decode // 10, decode)):
+        for i in range(first + 1, first + 1 + n):
+            pod, worker = _engine(role, i, {})
+            mixed_pods.append(pod)
+            mixed[pod.name] = dataclasses.replace(worker, compat_hash="h2")
+    obs = dataclasses.replace(
+        obs, pods=tuple(mixed_pods), workers=mixed, previous=plan.status, memory=plan.memory
+    )
+    compat_rollout, plan = _round(obs, T0 + timedelta(seconds=rounds + 2))
+    assert not any(e.state == "Incompatible" for e in plan.status.engines), "none is lonely"
     return {
         "size": f"{prefill}x{decode}",
         "pairs": prefill * decode,
@@ -117,5 +132,6 @@ def measure(prefill: int = 500, decode: int = 1500, rounds: int = 5) -> dict[str
         "steady_round_s": round(statistics.median(steady), 4),
         "steady_no_memo_round_s": round(statistics.median(no_memo), 4),
         "one_replaced_round_s": round(one_replaced, 4),
+        "compat_rollout_round_s": round(compat_rollout, 4),
         "rounds": rounds,
     }

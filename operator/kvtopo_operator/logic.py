@@ -437,18 +437,29 @@ def pair_engines(
     for gkey, (prefills, decodes) in groups.items():
         if not prefills or not decodes:
             continue
-        # Incompatible pairs (different hashes) are reported per pair, in pair order.
+        # Incompatible: an engine with no engine of the other role and its compatibility
+        # hash in its group, though it has some of another hash (a compatibility rollout
+        # runs both hashes side by side: an engine with partners of its own hash is paired
+        # with those, and not reported). One message per engine, not per pair.
         hashes = {e.worker.compat_hash for e in (*prefills, *decodes)}
         if len(hashes) > 1:
-            for p in prefills:
-                for d in decodes:
-                    if p.worker.compat_hash != d.worker.compat_hash:
-                        msg = (
-                            f"{p.pod.name} ({p.worker.compat_hash}) and {d.pod.name} "
-                            f"({d.worker.compat_hash}) have different compatibility hashes"
-                        )
-                        incompatible.setdefault(p.worker.engine_id, []).append(msg)
-                        incompatible.setdefault(d.worker.engine_id, []).append(msg)
+            by_hash: dict[str, tuple[list[Usable], list[Usable]]] = {}
+            for e in (*prefills, *decodes):
+                by_hash.setdefault(e.worker.compat_hash, ([], []))[
+                    0 if e.pod.role == "prefill" else 1
+                ].append(e)
+            for mine, (hp, hd) in by_hash.items():
+                for side, others_role, engines_ in ((1, "decode", hp), (0, "prefill", hd)):
+                    if not engines_ or by_hash[mine][side]:
+                        continue  # it has partners of its own hash (or none to report)
+                    other = next((h, es[side]) for h, es in sorted(by_hash.items()) if es[side])
+                    n = sum(len(es[side]) for es in by_hash.values())
+                    for e in engines_:
+                        incompatible[e.worker.engine_id] = [
+                            f"{e.pod.name} ({mine}) has no {others_role} of its compatibility "
+                            f"hash: the {n} of its pairing group have another, e.g. "
+                            f"{other[1][0].pod.name} ({other[0]})"
+                        ]
         for compat in sorted(hashes):
             ps = [p for p in prefills if p.worker.compat_hash == compat]
             ds = [d for d in decodes if d.worker.compat_hash == compat]

@@ -153,6 +153,36 @@ def test_incompatible_engines_are_never_connected() -> None:
     assert again.events == (), "an Incompatible event is recorded once, on the change"
 
 
+def test_a_compatibility_rollout_pairs_each_hash_with_its_own_and_reports_only_the_lonely() -> None:
+    """During a compatibility-hash rollout both hashes run side by side: an engine with
+    partners of its own hash is paired with those and keeps its state (Connected), not
+    Incompatible; only an engine with no partner of its hash is, with one message (not one
+    per pair: 500 x 1500 engines made 750,000 messages a round)."""
+    pods = [
+        pod("p0", "prefill"),
+        pod("p1", "prefill"),
+        pod("d0", "decode"),
+        pod("d1", "decode"),
+        pod("d2", "decode"),
+    ]
+    workers = {
+        "p0": worker("P0", "prefill", {"D0"}, h="old"),
+        "p1": worker("P1", "prefill", {"D1"}, h="new"),
+        "d0": worker("D0", "decode", {"P0"}, h="old"),
+        "d1": worker("D1", "decode", {"P1"}, h="new"),
+        "d2": worker("D2", "decode", h="odd"),
+    }
+    plan = evaluate(observe(pods, workers), T0)  # type: ignore[arg-type]
+    states = {e.engine_id: e for e in plan.status.engines}
+    assert {eid: states[eid].state for eid in ("P0", "P1", "D0", "D1")} == dict.fromkeys(
+        ("P0", "P1", "D0", "D1"), EngineState.CONNECTED
+    )
+    assert states["D2"].state == EngineState.INCOMPATIBLE
+    assert states["D2"].message.startswith("d2 (odd) has no prefill of its compatibility hash")
+    assert plan.handshakes == () and plan.status.summary.pairs == "2/2"
+    assert [e.reason for e in plan.events] == ["Incompatible"]
+
+
 def test_deleted_decode_drains_then_is_evicted_from_every_prefill() -> None:
     pods, workers = full_mesh()
     before = evaluate(observe(pods, workers), T0).status
