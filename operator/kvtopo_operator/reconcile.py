@@ -430,7 +430,11 @@ class Reconciler:
         self.metrics.state_reads.inc(loop.views.reads - reads)
         self.metrics.state_unchanged.inc(loop.views.unchanged - unchanged)
         now = self.clock()
-        plan = evaluate(
+        # The decision runs off the event loop (a large topology's round takes a share of a
+        # second of pure Python): the Lease renewals, the pod watch and the other loops go
+        # on meanwhile. Only this loop touches its memory, and it waits for the plan.
+        plan = await asyncio.to_thread(
+            evaluate,
             Observed(
                 generation=generation,
                 spec=spec,

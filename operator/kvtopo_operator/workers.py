@@ -182,6 +182,11 @@ def _refusal(st: _StateView) -> str | None:
         )
     if len(st.incarnation) > MAX_ID_LEN or (st.pod is not None and len(st.pod.uid) > MAX_ID_LEN):
         return f"its incarnation or pod uid is longer than {MAX_ID_LEN} characters"
+    if len(st.peers) > MAX_STATE_PEERS:
+        return (
+            f"it reports {len(st.peers)} peers (at most {MAX_STATE_PEERS}: more engines of "
+            "the other role than a topology has)"
+        )
     for p in st.peers:
         if not 1 <= len(p.engine_id) <= MAX_ID_LEN or len(p.incarnation) > MAX_ID_LEN:
             return f"a peer's engine id or incarnation is not 1..{MAX_ID_LEN} characters"
@@ -203,9 +208,13 @@ def _last_failure(lf: _FailureView | None, now: float) -> FailureView | None:
     )
 
 
-MAX_STATE_BYTES = 64 << 20
+MAX_STATE_BYTES = 16 << 20
 """The most of a worker's answer the operator reads (a worker holding a thousand peers
-answers well under a megabyte)."""
+answers well under a megabyte; MAX_STATE_PEERS of them about 4 MiB)."""
+MAX_STATE_PEERS = 16_384
+"""The most peers a worker may report: its engine's partners, at most the engines of the
+other role in its topology. A worker that reports more is Failed with the reason; the
+pairing never works on it (600,000 peers once cost 45 s of a round and 1.2 GiB)."""
 MAX_ETAG = 128
 """The longest ETag kept; a longer one is cut, so it never matches and the next read is whole."""
 

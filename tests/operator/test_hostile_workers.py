@@ -53,8 +53,11 @@ HOSTILE = {
     "engine_id_300": answer(engine_id="D" * 300),
     "compat_hash_100": answer(compat_hash="h" * 100),
     "unknown_role": answer(role="router"),
+    # More peers than any topology gives an engine (600,000 cost a 45 s round).
+    "peers_16385": answer(peers=[{"engine_id": f"X{i}"} for i in range(16_385)]),
 }
 REFUSED = {
+    "peers_16385": "16385 peers",
     "engine_id_300": "engine id",
     "compat_hash_100": "compatibility hash",
     "unknown_role": "role",
