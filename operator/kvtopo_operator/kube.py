@@ -195,13 +195,14 @@ class ClusterApi:
         return listed
 
     def read_topology(self, namespace: str, name: str) -> dict[str, Any] | None:
-        """The KVTopology `name` as the server has it, or None when there is none."""
-        try:
-            return self.request_json("GET", f"{_topologies(namespace)}/{name}")
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
+        """The KVTopology `name` as the server has it, or None when there is none. Read by
+        a list of that one name (a field selector), not a get: the operator's grants on
+        KVTopologies are list and watch only."""
+        obj = self.request_json(
+            "GET", _topologies(namespace), query=[("fieldSelector", f"metadata.name={name}")]
+        )
+        items = [i for i in obj.get("items") or [] if i.get("metadata", {}).get("name") == name]
+        return items[0] if items else None
 
     def list_pods(
         self, namespace: str | None, label_selector: str, *, metadata_only: bool = False

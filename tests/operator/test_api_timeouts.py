@@ -95,6 +95,7 @@ KUBE_CALLS: list[tuple[str, int, Callable[[KubeClient], Any]]] = [
 ]
 API_CALLS: list[tuple[str, int, Callable[[ClusterApi], Any]]] = [
     ("read_topology", 4, lambda a: a.read_topology("ns", "llama")),
+    ("list_topology_uids", 4, lambda a: a.list_topology_uids("ns")),
     ("list_pods", 4, lambda a: a.list_pods("ns", "kvtopo.dev/role")),
     ("list_pods all namespaces", 4, lambda a: a.list_pods(None, "kvtopo.dev/role")),
     ("list_pods metadata", 4, lambda a: a.list_pods("ns", "x", metadata_only=True)),

@@ -184,3 +184,6 @@ async def test_a_topology_deleted_or_replaced_while_the_watch_was_away_is_found_
     assert state["uids"][(ns, "again")] == api.list_topology_uids(ns)[(ns, "again")]
     assert (ns, "deleted") not in state["bodies"]
     assert [t.name for t in handlers._topology_source(ns)] == ["kept", "again"]
+    # One topology read by a list of its name (the operator may list, not get).
+    assert api.read_topology(ns, "kept")["metadata"]["uid"] == listed[(ns, "kept")]  # type: ignore[index]
+    assert api.read_topology(ns, "deleted") is None
