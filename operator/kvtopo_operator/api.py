@@ -451,8 +451,10 @@ class EngineStatus(_Model):
         "connected yet. Connected: all of its pairs are. Draining: the engine is gone and "
         "is kept for eviction.graceSeconds before it is evicted from its peers. Evicted: no "
         "peer holds it any more (listed for a few minutes). Failed: its worker is "
-        "unreachable or reports another role. Incompatible: its compatibility hash differs "
-        "from that of an engine it would be paired with."
+        "unreachable or reports another role. Incompatible: no engine of the other role in "
+        "its pairing group has its compatibility hash, though some have another (during a "
+        "compatibility rollout, an engine with partners of its own hash is paired with "
+        "those)."
     )
     peers: int = Field(
         default=0, description="Remote engines the worker holds (those being evicted excluded)."
