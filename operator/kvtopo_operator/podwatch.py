@@ -46,6 +46,7 @@ class _Condition(msgspec.Struct):
     type: str = ""
     status: str = ""
     lastTransitionTime: str | None = None  # noqa: N815 (the API's spelling)
+    reason: str = ""
 
 
 class _PodIP(msgspec.Struct):
@@ -149,24 +150,35 @@ def _since(cond: _Condition) -> float | None:
         return None
 
 
+# The reasons the kubelet gives a pod's Ready condition when it sets it False: it always
+# says why. The node lifecycle controller, marking the pods of a NotReady or unreachable node
+# not Ready, only flips the status (the reason stays that of the Ready True it was).
+KUBELET_NOT_READY_REASONS = frozenset(
+    {
+        "ContainersNotReady",
+        "ReadinessGatesNotReady",
+        "PodCompleted",
+        "PodFailed",
+        "UnknownContainerStatuses",
+    }
+)
+
+
 def lost_since(pod: _Pod) -> float | None:
-    """When the pod was marked not Ready from outside: its Ready is False although its
-    containers and every readiness gate it lists are ready. The kubelet computes Ready from
-    exactly those, so only the node lifecycle controller writes that: the pod's node is
-    NotReady or unreachable (its kubelet silent), and the pod has left its Services'
-    endpoints. None when the pod is not in that state. The time is Ready's last transition
-    (epoch seconds; now when the condition has none)."""
+    """When the pod was marked not Ready from outside: its Ready turned False, with none of
+    the kubelet's reasons, while its containers are ready. Only the node lifecycle controller
+    does that: the pod's node is NotReady or unreachable (its kubelet silent; the containers'
+    readiness is the kubelet's last word), and the pod has left its Services' endpoints. None
+    when the pod is not in that state (a pod waiting for its readiness gate has Ready False
+    for ReadinessGatesNotReady). The time is Ready's last transition (epoch seconds; now when
+    the condition has none)."""
     conditions = pod.status.conditions or []
     ready = _condition(conditions, "Ready")
     containers = _condition(conditions, "ContainersReady")
-    if ready is None or ready.status != "False" or containers is None:
+    if ready is None or ready.status != "False" or ready.reason in KUBELET_NOT_READY_REASONS:
         return None
-    if containers.status != "True":
+    if containers is None or containers.status != "True":
         return None
-    for gate in pod.spec.readinessGates or []:
-        cond = _condition(conditions, gate.conditionType)
-        if cond is None or cond.status != "True":
-            return None
     return _since(ready) or time.time()
 
 

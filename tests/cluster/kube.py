@@ -146,7 +146,13 @@ def mark_pod_ready(
             "podIPs": [{"ip": ip} for ip in ips],
             "conditions": [
                 {"type": "ContainersReady", "status": "True", "lastTransitionTime": now},
-                {"type": "Ready", "status": ready, "lastTransitionTime": now},
+                {
+                    "type": "Ready",
+                    "status": ready,
+                    "lastTransitionTime": now,
+                    # The kubelet always says why a pod is not Ready.
+                    **({"reason": "ReadinessGatesNotReady"} if kv_gate else {}),
+                },
             ],
         }
     }

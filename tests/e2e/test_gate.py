@@ -121,6 +121,7 @@ def test_a_hung_worker_costs_its_own_engine_only(env: Env) -> None:
             env.wait(f"{name}'s gate True", lambda n=name: gate(env, n).get("status") == "True")
             took.append(time.monotonic() - ready)
         # A round or two (resync 1 s; the hung worker's read deadline is 5 s).
+        print(f"gate True after {[round(t, 2) for t in took]} s with a hung worker")
         assert max(took) < 2.5, took
         engines = {e["pod"]: e for e in env.status()["engines"]}
         assert engines["d1"]["state"] == "Failed", engines["d1"]

@@ -79,7 +79,9 @@ def line(kind: str, obj: dict[str, Any]) -> bytes:
 
 def test_a_pod_is_decoded_with_what_the_operator_reads_and_nothing_else() -> None:
     body = pod_json("d0", ready=True, annotations={"kvtopo.dev/control-endpoint": ":8976"})
-    body["status"]["conditions"].append({"type": "Ready", "status": "False"})
+    body["status"]["conditions"].append(
+        {"type": "Ready", "status": "False", "reason": "ReadinessGatesNotReady"}
+    )
     body["status"]["conditions"].append({"type": "kvtopo.dev/kv-connected", "status": "False"})
     body["status"]["podIPs"] = [{"ip": "10.0.0.9"}, {"ip": "fd00::9"}]
     body["spec"]["readinessGates"] = [{"conditionType": "kvtopo.dev/kv-connected"}]
@@ -115,9 +117,11 @@ def test_a_pod_is_decoded_with_what_the_operator_reads_and_nothing_else() -> Non
 
 def test_a_pod_its_nodes_lifecycle_marked_not_ready_is_lost_not_up() -> None:
     """The node lifecycle controller sets a pod's Ready False when its node goes NotReady
-    or unreachable; ContainersReady (the kubelet's, now silent) stays True. Ready False
-    while the containers and every readiness gate are ready is that mark: the engine is
-    not up, and lost since Ready's flip. Ready False for the gate or a container is not."""
+    or unreachable, keeping the reason of the Ready True it was; ContainersReady (the
+    kubelet's, now silent) stays True. The kubelet itself always gives Ready False a reason
+    (ReadinessGatesNotReady while the gate waits, ContainersNotReady). So Ready False with
+    ready containers and none of the kubelet's reasons is that mark: the engine is not up,
+    and lost since Ready's flip, whatever the gate says (the operator turns it False)."""
     body = pod_json("d0", ready=True)
     body["spec"]["readinessGates"] = [{"conditionType": "kvtopo.dev/kv-connected"}]
     conds = body["status"]["conditions"]
@@ -128,14 +132,17 @@ def test_a_pod_its_nodes_lifecycle_marked_not_ready_is_lost_not_up() -> None:
     conds[-1] = {"type": "Ready", "status": "False", "lastTransitionTime": "2026-01-01T00:01:00Z"}
     pod = decode_pod(json.dumps(body).encode())
     assert (pod.ready, pod.lost_since) == (False, 1767225660.0)
-    conds[1] = {"type": "kvtopo.dev/kv-connected", "status": "False"}  # waiting for the gate
+    conds[1] = {"type": "kvtopo.dev/kv-connected", "status": "False"}  # the operator's doing
+    pod = decode_pod(json.dumps(body).encode())
+    assert (pod.ready, pod.lost_since) == (False, 1767225660.0), "it stays lost"
+    # The kubelet's own not-Ready: waiting for the gate, or a container not ready.
+    conds[-1] = {"type": "Ready", "status": "False", "reason": "ReadinessGatesNotReady"}
     pod = decode_pod(json.dumps(body).encode())
     assert (pod.ready, pod.lost_since) == (True, None)
-    # Another readiness gate not True: not the node's mark either.
-    conds[1] = {"type": "kvtopo.dev/kv-connected", "status": "True"}
-    body["spec"]["readinessGates"].append({"conditionType": "example.com/warm"})
+    conds[0] = {"type": "ContainersReady", "status": "False", "reason": "ContainersNotReady"}
+    conds[-1] = {"type": "Ready", "status": "False", "reason": "ContainersNotReady"}
     pod = decode_pod(json.dumps(body).encode())
-    assert (pod.ready, pod.lost_since) == (True, None)
+    assert (pod.ready, pod.lost_since) == (False, None)
 
 
 def test_the_store_reports_only_changes_the_operator_reads() -> None:
