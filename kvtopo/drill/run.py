@@ -308,7 +308,9 @@ class Drill:
         assert fleet is not None
         while True:
             known = fleet.all_known()
-            await asyncio.gather(*(fleet.collect(e) for e in known))
+            # A frozen engine answers nothing until it thaws (its outcomes are collected
+            # then): waiting for it would stall every sample by the call's timeout.
+            await asyncio.gather(*(fleet.collect(e) for e in known if not e.frozen))
             now = time.monotonic()
             serving = fleet.serving()
             pairs = frozenset(
@@ -637,6 +639,11 @@ class Drill:
         within the grace + 2 s. Then the pods are deleted (as an administrator does for a
         node that is gone) and the node comes back."""
         assert self.fleet is not None and self.kube is not None
+        if self.cluster is None:
+            raise RuntimeError(
+                "--chaos node-failure needs the drill's own control plane (kwok's fake nodes): "
+                "run it without --kubeconfig"
+            )
         fleet, kube = self.fleet, self.kube
         self.phase = "chaos: node-failure"
         pods = await asyncio.to_thread(kube.core.list_namespaced_pod, self.namespace)
@@ -669,6 +676,9 @@ class Drill:
         await asyncio.to_thread(
             kube.core.patch_node, node, {"metadata": {"annotations": {FAKE_NODE_ANNOTATION: None}}}
         )
+        # kwok (every fake node's kubelet) forgets the node once restarted: its heartbeats
+        # stop, and the node lifecycle controller flips its Ready after its grace period.
+        await asyncio.to_thread(self.cluster.restart_kwok)
 
         def flipped() -> bool:
             obj = kube.core.read_node_status(node)
