@@ -599,21 +599,6 @@ class LocalCluster:
         )
         return round(time.monotonic() - t0, 2)
 
-    def restart_kwok(self) -> float:
-        """Stops kwok and starts it again (tier b): it then manages only the nodes that carry
-        its annotation now. (kwok goes on renewing the Lease of a node whose annotation was
-        removed while it ran: a restart is what silences one node's "kubelet".) Returns the
-        seconds it took."""
-        binaries = self._binaries
-        assert binaries is not None and binaries.kwok, "the cluster is not up with kwok"
-        old = next(p for p in self._processes if p.name == "kwok")
-        t0 = time.monotonic()
-        stop_processes([old.record])
-        old.reap()
-        self._processes.remove(old)
-        self._launch("kwok", components.kwok_argv(binaries.kwok, self.layout))
-        return round(time.monotonic() - t0, 2)
-
     def _launch(self, name: str, argv: list[str]) -> None:
         process = ComponentProcess(
             name, argv, self.layout.log(name), die_with_parent=self.die_with_parent

@@ -25,7 +25,6 @@ from typing import Any
 import aiohttp
 
 from kvtopo import launch
-from kvtopo.cluster.fake_nodes import FAKE_NODE_ANNOTATION, FAKE_NODE_VALUE
 from kvtopo.drill import manifests
 from kvtopo.drill.fleet import Fleet
 from kvtopo.drill.ledger import Ledger
@@ -629,21 +628,69 @@ class Drill:
 
         self._thaw = asyncio.create_task(thaw(), name="hang-decode-thaw")
 
+    def _cut_off(self, node: str, cut: bool) -> None:
+        """Cuts the kubelet of fake node `node` (kwok, which plays every node's) off the API
+        server, or lets it back: a ValidatingAdmissionPolicy refuses its Lease renewals and
+        any write to the node's or its pods' status by anyone but the node lifecycle
+        controller. kwok itself runs on for the other nodes."""
+        assert self.kube is not None
+        base = "/apis/admissionregistration.k8s.io/v1"
+        name = "kvtopo-drill-node-failure"
+        if not cut:
+            for kind in ("validatingadmissionpolicybindings", "validatingadmissionpolicies"):
+                with contextlib.suppress(Exception):  # already gone
+                    self.kube.request("DELETE", f"{base}/{kind}/{name}")
+            return
+        controller = "system:serviceaccount:kube-system:node-controller"
+        rules = [
+            {
+                "apiGroups": ["coordination.k8s.io"],
+                "apiVersions": ["v1"],
+                "operations": ["CREATE", "UPDATE"],
+                "resources": ["leases"],
+            },
+            {
+                "apiGroups": [""],
+                "apiVersions": ["v1"],
+                "operations": ["UPDATE"],
+                "resources": ["nodes", "nodes/status", "pods/status"],
+            },
+        ]
+        silent = (
+            f"!(request.resource.resource == 'leases' && object.metadata.name == '{node}')"
+            f" && (request.userInfo.username == '{controller}'"
+            f" || !(request.resource.resource == 'nodes' && object.metadata.name == '{node}')"
+            f" && !(request.resource.resource == 'pods' && object.spec.nodeName == '{node}'))"
+        )
+        policy = {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingAdmissionPolicy",
+            "metadata": {"name": name},
+            "spec": {
+                "failurePolicy": "Fail",
+                "matchConstraints": {"resourceRules": rules},
+                "validations": [{"expression": silent, "message": f"node {node} is down"}],
+            },
+        }
+        binding = {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingAdmissionPolicyBinding",
+            "metadata": {"name": name},
+            "spec": {"policyName": name, "validationActions": ["Deny"]},
+        }
+        self.kube.request("POST", f"{base}/validatingadmissionpolicies", body=policy)
+        self.kube.request("POST", f"{base}/validatingadmissionpolicybindings", body=binding)
+
     async def _node_failure(self) -> None:
         """node-failure: a fake node fails while traffic flows. Its engines' processes are
-        SIGKILLed and kwok stops managing the node (its kubelet falls silent); the node
-        lifecycle controller flips the node's Ready to Unknown once its heartbeats are
-        overdue and marks its pods not Ready (their ContainersReady, last reported by the
+        SIGKILLed and its kubelet is cut off (`_cut_off`); the node lifecycle controller
+        flips the node's Ready to Unknown once its heartbeats are overdue (~40 s) and marks
+        its pods not Ready (their ContainersReady, last reported by the
         silent kubelet, stays True; the pods are only deleted by the taint eviction, minutes
         later). From that flip, the operator must evict those engines from every peer
         within the grace + 2 s. Then the pods are deleted (as an administrator does for a
         node that is gone) and the node comes back."""
         assert self.fleet is not None and self.kube is not None
-        if self.cluster is None:
-            raise RuntimeError(
-                "--chaos node-failure needs the drill's own control plane (kwok's fake nodes): "
-                "run it without --kubeconfig"
-            )
         fleet, kube = self.fleet, self.kube
         self.phase = "chaos: node-failure"
         pods = await asyncio.to_thread(kube.core.list_namespaced_pod, self.namespace)
@@ -673,12 +720,7 @@ class Drill:
             self.ledger.impair(e.engine_id, t, t + NODE_FLIP_TIMEOUT_S + GIVE_UP_S)
             with contextlib.suppress(ProcessLookupError):
                 e.process.send_signal(signal.SIGKILL)
-        await asyncio.to_thread(
-            kube.core.patch_node, node, {"metadata": {"annotations": {FAKE_NODE_ANNOTATION: None}}}
-        )
-        # kwok (every fake node's kubelet) forgets the node once restarted: its heartbeats
-        # stop, and the node lifecycle controller flips its Ready after its grace period.
-        await asyncio.to_thread(self.cluster.restart_kwok)
+        await asyncio.to_thread(self._cut_off, node, True)
 
         def flipped() -> bool:
             obj = kube.core.read_node_status(node)
@@ -716,12 +758,8 @@ class Drill:
             await asyncio.to_thread(
                 kube.core.delete_namespaced_pod, e.pod, self.namespace, grace_period_seconds=0
             )
-        await asyncio.to_thread(
-            kube.core.patch_node,
-            node,
-            {"metadata": {"annotations": {FAKE_NODE_ANNOTATION: FAKE_NODE_VALUE}}},
-        )
-        self.ledger.mark(time.monotonic(), "chaos", f"pods deleted; node {node} managed again")
+        await asyncio.to_thread(self._cut_off, node, False)
+        self.ledger.mark(time.monotonic(), "chaos", f"pods deleted; node {node} back")
 
     async def _engine_fault(self) -> None:
         """freeze-decode, kill-prefill or restart-engine, struck while traffic flows."""
@@ -1056,6 +1094,9 @@ class Drill:
             if self._thaw is not None:
                 self._thaw.cancel()  # SIGCONTs the hung engine
                 await asyncio.gather(self._thaw, return_exceptions=True)
+            if self.opts.chaos == "node-failure" and self.kube is not None:
+                with contextlib.suppress(Exception):  # a cluster that is not ours any more
+                    await asyncio.to_thread(self._cut_off, "", False)
             if self.fleet is not None:
                 await self.fleet.stop_all()
             for replica in (self.operator, self.standby):

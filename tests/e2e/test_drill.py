@@ -137,3 +137,37 @@ def test_an_engine_restarted_in_its_pod_is_reconnected_with_no_manual_action(
     assert took <= 20, struck
     assert report["stale_peers_at_end"] == 0
     assert report["verified_bytes"] == report["completed"] * 4 * 64 * 1024
+
+
+def test_a_failed_node_s_engines_are_evicted_within_the_grace_of_its_ready_flip(
+    tmp_path: Path,
+) -> None:
+    # node-failure: the engines of one kwok node are SIGKILLed and its kubelet (kwok) goes
+    # silent; the node lifecycle controller flips its Ready ~40 s later and marks its pods
+    # not Ready (their ContainersReady stays True). On 9cfedae the operator kept those
+    # engines (unreachable: "cannot tell") until the taint eviction deleted the pods.
+    out, report = drill(tmp_path, "--chaos", "node-failure")
+    assert out.returncode == 0, out.stdout[-3000:]
+    struck = [m["label"] for m in report["marks"] if m["kind"] == "chaos"]
+    assert any("Ready flipped" in label for label in struck), struck
+    (took,) = report["node_failure_evicted_s"]
+    assert took <= report["grace"] + 2, struck
+    for key in ("lost", "false_failures", "duplicate_failure_reports", "corrupted"):
+        assert report[key] == 0, (key, report["offending_requests"])
+    assert report["outcome_mismatch"] == 0, report["offending_requests"]["outcome_mismatch"]
+    assert report["stale_peers_at_end"] == 0
+
+
+def test_a_hung_decode_costs_the_others_no_gate_and_no_convergence(tmp_path: Path) -> None:
+    # hang-decode: one decode SIGSTOPped for 60 s as the rollout begins. On 9cfedae every
+    # round waited for its read (the handshake deadline, 5 s): the other engines' gates and
+    # convergence waited with it.
+    out, report = drill(tmp_path, "--chaos", "hang-decode")
+    assert out.returncode == 0, out.stdout[-3000:]
+    struck = [m["label"] for m in report["marks"] if m["kind"] == "chaos"]
+    assert any(label.startswith("SIGSTOP decode") for label in struck), struck
+    assert report["engine_up_to_gate_p99_s"] <= 1.0, report
+    assert report["convergence_p99_s"] <= 5.0, report
+    for key in ("lost", "false_failures", "duplicate_failure_reports", "corrupted"):
+        assert report[key] == 0, (key, report["offending_requests"])
+    assert report["outcome_mismatch"] == 0, report["offending_requests"]["outcome_mismatch"]
