@@ -711,6 +711,26 @@ class Drill:
             raise RuntimeError(f"no node to fail: engines by node {sorted(by_node)}")
         node = candidates[0][1]
         victims = by_node[node]
+        # The kubelet goes first (a real node's dies with its engines): nothing but the node
+        # lifecycle controller may write its pods' status from now on, not kwok answering a
+        # gate the operator turns False. The policy takes a moment to apply: a dry-run write
+        # of a victim's status tells when it does.
+        await asyncio.to_thread(self._cut_off, node, True)
+
+        def cut() -> bool:
+            try:
+                kube.request(
+                    "PATCH",
+                    f"/api/v1/namespaces/{self.namespace}/pods/{victims[0].pod}/status",
+                    query=[("dryRun", "All")],
+                    body={"metadata": {"annotations": {"kvtopo.dev/drill-probe": "x"}}},
+                    content_type="application/merge-patch+json",
+                )
+            except Exception as exc:
+                return "is down" in str(getattr(exc, "body", "") or exc)
+            return False
+
+        await self._until("the node's kubelet cut off", cut, 30)
         t = time.monotonic()
         names = ", ".join(f"{e.role} {e.pod}" for e in victims)
         self.ledger.mark(t, "chaos", f"node {node} fails: SIGKILL {names}; its kubelet stops")
@@ -720,7 +740,6 @@ class Drill:
             self.ledger.impair(e.engine_id, t, t + NODE_FLIP_TIMEOUT_S + GIVE_UP_S)
             with contextlib.suppress(ProcessLookupError):
                 e.process.send_signal(signal.SIGKILL)
-        await asyncio.to_thread(self._cut_off, node, True)
 
         def flipped() -> bool:
             obj = kube.core.read_node_status(node)
