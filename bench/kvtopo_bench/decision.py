@@ -115,7 +115,10 @@ def measure(prefill: int = 500, decode: int = 1500, rounds: int = 5) -> dict[str
     # a message per such pair, 150,000 here).
     mixed = dict(replaced)
     mixed_pods = list(new_pods)
-    for role, n, first in (("prefill", prefill // 10, prefill), ("decode", decode // 10, decode)):
+    for role, n, first in (
+        ("prefill", max(1, prefill // 10), prefill),
+        ("decode", max(1, decode // 10), decode),
+    ):
         for i in range(first + 1, first + 1 + n):
             pod, worker = _engine(role, i, {})
             mixed_pods.append(pod)
