@@ -74,6 +74,7 @@ class Engine:
     in_flight: int = 0
     stopped: bool = False
     frozen: bool = False  # SIGSTOPped by the drill's fault (no traffic is sent to it)
+    cordoned: bool = False  # no new traffic (its requests in flight finish and are collected)
     acked: int = 0  # the highest outcome number recorded (acknowledged on the next collect)
 
     def holds(self, peer: Engine) -> bool:

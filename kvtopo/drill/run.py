@@ -381,7 +381,7 @@ class Drill:
             if not self.ledger.samples_pairs:
                 continue
             # Like a router behind a Service: only engines whose pod is Ready (the gate).
-            serving = {e.engine_id: e for e in fleet.routable() if not e.frozen}
+            serving = {e.engine_id: e for e in fleet.routable() if not e.frozen and not e.cordoned}
             pairs = sorted(
                 p for p in self.ledger.samples_pairs[-1] if p[0] in serving and p[1] in serving
             )
@@ -711,6 +711,18 @@ class Drill:
             raise RuntimeError(f"no node to fail: engines by node {sorted(by_node)}")
         node = candidates[0][1]
         victims = by_node[node]
+        # What this fault measures is the eviction, not the requests a dying node takes
+        # with it (their decode side never answers: the ledger could only call them lost):
+        # the node's engines get no new traffic, and those in flight finish first.
+        for e in victims:
+            e.cordoned = True
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            await asyncio.gather(*(fleet.refresh(e) for e in victims))
+            if all(e.in_flight == 0 for e in victims):
+                break
+            await asyncio.sleep(0.05)  # polling the engines' own in-flight counts
+        await asyncio.gather(*(fleet.collect(e) for e in victims))
         # The kubelet goes first (a real node's dies with its engines): nothing but the node
         # lifecycle controller may write its pods' status from now on, not kwok answering a
         # gate the operator turns False. The policy takes a moment to apply: a dry-run write
