@@ -785,6 +785,19 @@ SIDE_BY_SIDE_KEYS = (
 )
 
 
+def _run_and_remove(size_run: SizeRun, token: Path, workdir: Path) -> dict[str, Any]:
+    """One run of a size that shares its cluster with others: its result, its pods and
+    namespace removed afterwards (a run's idle pods would load the next one's cluster)."""
+
+    async def one() -> dict[str, Any]:
+        try:
+            return await size_run.run(token, workdir)
+        finally:
+            await size_run.remove()
+
+    return asyncio.run(one())
+
+
 HOSTILE_SIZE = (32, 1000)  # the size the hostile run is measured at (16 x 64 when quick)
 
 
@@ -842,14 +855,7 @@ def run(
             for i, tree in enumerate((baseline_tree, None, None, baseline_tree)):
                 which = "baseline" if tree is not None else "this"
                 size_run = SizeRun(cluster, p, d, log, operator_tree=tree, run_name=f"{which}{i}")
-
-                async def one(sr: SizeRun = size_run) -> dict[str, Any]:
-                    try:
-                        return await sr.run(token, workdir)
-                    finally:
-                        await sr.remove()
-
-                res = asyncio.run(one())
+                res = _run_and_remove(size_run, token, workdir)
                 res["operator"] = which
                 log(f"  {which}: " + json.dumps(res))
                 side_by_side.append({k: res.get(k) for k in SIDE_BY_SIDE_KEYS})
@@ -890,14 +896,7 @@ def _run_hostile(json_path: Path | None, quick: bool, log: Callable[[str], None]
         for i, kind in enumerate(("clean", "hostile", "hostile", "clean")):
             log(f"kvtopo bench operator: {p} x {d}, {kind} run {i + 1}/4")
             size_run = SizeRun(cluster, p, d, log, run_name=f"{kind}{i}", hostile=kind == "hostile")
-
-            async def one(sr: SizeRun = size_run) -> dict[str, Any]:
-                try:
-                    return await sr.run(token, workdir)
-                finally:
-                    await sr.remove()
-
-            res = asyncio.run(one())
+            res = _run_and_remove(size_run, token, workdir)
             log(f"  {kind}: " + json.dumps(res))
             runs.append(res)
 
