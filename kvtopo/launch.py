@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtopo.cluster.processes import KILL_GRACE_S, STOP_GRACE_S, log_tail
+from kvtopo.localkeys import Credentials
 
 WORKER_MODULE = "kvtopo_worker.emulated"
 """The `kvtopo-worker` command's module."""
@@ -61,11 +62,14 @@ class StartedWorker:
     engine_id: str
     endpoint: str
     log_path: Path
+    incarnation: str = ""
 
 
 def worker_command(role: str, token_file: Path, *extra: str, engine: str = "emulated") -> list[str]:
     """The command line of a worker (`engine`: a key of ENGINE_MODULES) on a free loopback
-    port, reading `token_file`."""
+    port, taking `token_file` as its client token and the operator's public key beside it
+    (`localkeys.Credentials.beside`)."""
+    creds = Credentials.beside(token_file)
     return [
         sys.executable,
         "-m",
@@ -76,6 +80,8 @@ def worker_command(role: str, token_file: Path, *extra: str, engine: str = "emul
         "0",
         "--token-file",
         str(token_file),
+        "--operator-key-file",
+        str(creds.operator_public),
         *extra,
     ]
 
@@ -137,20 +143,23 @@ def start_worker(
             f"{role} worker did not start: {problem}; last lines of {log_path}:\n"
             f"{log_tail(log_path) or '(log is empty)'}"
         ) from None
-    return StartedWorker(role, proc, ready.engine_id, ready.endpoint, log_path)
+    return StartedWorker(role, proc, ready.engine_id, ready.endpoint, log_path, ready.incarnation)
 
 
 def operator_args(
     namespace: str, kubeconfig: Path, token_file: Path, resync_s: int, *extra: str
 ) -> list[str]:
-    """The operator's arguments for one namespace (metrics on a free port), then `extra`."""
+    """The operator's arguments for one namespace (metrics on a free port), then `extra`;
+    its private key is the one beside `token_file` (`localkeys.Credentials.beside`), or
+    `token_file` itself when it is a key file (a name ending in `.key`)."""
+    key = token_file if token_file.suffix == ".key" else Credentials.beside(token_file).operator_key
     return [
         "--namespace",
         namespace,
         "--kubeconfig",
         str(kubeconfig),
-        "--worker-token-file",
-        str(token_file),
+        "--worker-key-file",
+        str(key),
         "--metrics-port",
         "0",
         "--resync-seconds",

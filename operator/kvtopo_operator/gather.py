@@ -48,7 +48,8 @@ from kvtopo_operator.model import (
 
 # (endpoint, timeout, the view last read from that endpoint or None) -> the view now; the
 # reader may answer the known view itself when the worker confirms it unchanged (a 304).
-Reader = Callable[[str, float, WorkerView | None], Awaitable[WorkerView | WorkerUnreachable]]
+# (endpoint, timeout, the view held, the pod's uid): the worker must be that pod's.
+Reader = Callable[[str, float, WorkerView | None, str], Awaitable[WorkerView | WorkerUnreachable]]
 Seen = WorkerView | WorkerUnreachable
 # When a new worker whose first read failed is tried again (seconds after the try before);
 # after the last, the rounds read it, as any unreachable worker.
@@ -235,7 +236,7 @@ class WorkerViews:
         """One read of `pod`'s worker (conditional on the view held), counted."""
         known = self._known(pod)
         started = self._clock()
-        view = await self._read(pod.endpoint, timeout_s, known)
+        view = await self._read(pod.endpoint, timeout_s, known, pod.uid)
         self.reads += 1
         if view is known:
             self.unchanged += 1

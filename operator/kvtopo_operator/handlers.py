@@ -278,7 +278,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     _state["allow_endpoint_host"] = bool(memo.get("allow_endpoint_host"))
     _state["reconciler"] = Reconciler(
         kube=KubeClient(memo.get("kubeconfig")),
-        workers=WorkerClient(memo.get("token_file"), memo.get("token")),
+        workers=WorkerClient(memo.get("key_file")),
         pods=_pod_source,
         topologies=_topology_source,
         bodies=lambda key: _state.get("bodies", {}).get(key),

@@ -228,8 +228,11 @@ def usable_engines(
         if not pod.ready or pod.deleting or not pod.endpoint or worker is None:
             continue  # not up, going, or not read yet
         if isinstance(worker, WorkerUnreachable):
-            why = f"worker unreachable: {worker.message}"
-            unusable[pod.name] = (pod, why, Reason.WORKER_UNREACHABLE)
+            if worker.identity_mismatch:
+                unusable[pod.name] = (pod, worker.message, Reason.IDENTITY_MISMATCH)
+            else:
+                why = f"worker unreachable: {worker.message}"
+                unusable[pod.name] = (pod, why, Reason.WORKER_UNREACHABLE)
         elif worker.pod_uid != pod.uid:
             why = (
                 f"the worker at {pod.endpoint} is not this pod's: it reports pod uid "

@@ -38,10 +38,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--kubeconfig", help="default: in-cluster config, then $KUBECONFIG/~/.kube/config"
     )
     p.add_argument(
-        "--worker-token-file",
+        "--worker-key-file",
         type=Path,
-        help="the operator credential the workers' admin routes take (a mounted Secret: the "
-        "token, and during a rotation the previous token on a second line)",
+        default=Path(os.environ["KVTOPO_WORKER_KEY_FILE"])
+        if os.environ.get("KVTOPO_WORKER_KEY_FILE")
+        else None,
+        help="the operator's private key (PEM, EC P-256; a mounted Secret: the key, and during "
+        "a rotation the previous key after it), which its calls to the workers' admin "
+        "routes are signed with. Engines hold only its public key. Default: "
+        "$KVTOPO_WORKER_KEY_FILE",
     )
     p.add_argument(
         "--allow-endpoint-host",
@@ -150,8 +155,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--stuck-after-seconds must be above 0")
     if not args.namespace and not args.all_namespaces:
         p.error("give --namespace NS (repeatable) or --all-namespaces")
-    if args.worker_token_file is None and not os.environ.get("KVTOPO_WORKER_TOKEN"):
-        p.error("give --worker-token-file (or set KVTOPO_WORKER_TOKEN)")
+    if args.worker_key_file is None:
+        p.error(
+            "give --worker-key-file (or set KVTOPO_WORKER_KEY_FILE): the operator's private key"
+        )
     return args
 
 
@@ -178,8 +185,7 @@ def main(argv: list[str] | None = None) -> int:
 
     memo = kopf.Memo(
         kubeconfig=args.kubeconfig,
-        token_file=args.worker_token_file,
-        token=os.environ.get("KVTOPO_WORKER_TOKEN"),
+        key_file=args.worker_key_file,
         metrics=metrics,
         resync_s=args.resync_seconds,
         state_reads_per_s=args.state_reads_per_second,

@@ -82,9 +82,11 @@ class WorkerView:
 
 @dataclass(frozen=True)
 class WorkerUnreachable:
-    """The worker's state could not be read this round."""
+    """The worker's state could not be read this round (`identity_mismatch`: its endpoint
+    claims to be another pod's worker, so nothing signed was sent there)."""
 
     message: str
+    identity_mismatch: bool = False
 
 
 class RoundCache:

@@ -763,6 +763,10 @@ class Reconciler:
         # worker refuses the field, and keeps its own default).
         view = views.view(pod)
         takes_deadline = isinstance(view, WorkerView) and view.handshake_timeout_s is not None
+        # Calls are signed for the worker's pod (the identity the round checked), and each
+        # add carries a ticket minted for this worker's engine and incarnation.
+        pod_uid = view.pod_uid if isinstance(view, WorkerView) else ""
+        fetcher = (view.engine_id, view.incarnation) if isinstance(view, WorkerView) else ("", "")
         items: list[Handshake | Eviction] = [*part.adds, *part.evicts]
         for start in range(0, len(items), BATCH_LIMIT):
             batch = items[start : start + BATCH_LIMIT]
@@ -784,6 +788,8 @@ class Reconciler:
                     [e.engine_id for e in ev_part],
                     call_timeout,
                     handshake_timeout_s=call_timeout if takes_deadline else None,
+                    pod_uid=pod_uid,
+                    fetcher=fetcher,
                 )
             added: dict[str, str] = {}
             evicted: dict[str, str] = {}
@@ -796,7 +802,7 @@ class Reconciler:
         if change is not None:
             async with sem:
                 res = await self.workers.set_idle_ttl(
-                    change.endpoint, change.idle_ttl_s, call_timeout
+                    change.endpoint, change.idle_ttl_s, call_timeout, pod_uid=pod_uid
                 )
             if res.ok:
                 views.idle_ttl_set(change.pod, change.idle_ttl_s)

@@ -2,19 +2,25 @@
 
 Owns the HTTP calls the operator makes to engine pods: read `/v1/state`, and add and evict
 peers, all of one worker's in one call (`PATCH /v1/peers`), and set its idle TTL (`PUT
-/v1/settings`), each with the operator credential, a timeout and a shared connection pool.
-Only endpoints that are ip:port are dialled (`kvtopo_worker.endpoints`), no redirect is
+/v1/settings`), each signed with the operator's key, with a timeout and a shared connection
+pool. Only endpoints that are ip:port are dialled (`kvtopo_worker.endpoints`), no redirect is
 followed, and answers are read up to a bound. Decodes answers with the worker's wire
-protocol (`kvtopo_worker.protocol`, which imports neither torch nor nixl) and reads the
-credential as the worker does (`kvtopo_worker.credentials`: a file that holds no token
-fails the call, naming the file; during a rotation a call refused with the current token is
-retried once with the previous one). Called by `reconcile`.
+protocol (`kvtopo_worker.protocol`, which imports neither torch nor nixl).
+
+Credentials (`kvtopo_worker.signing`): a worker answers an unsigned call 401 with its
+challenge (its key, pod uid, incarnation and the operator keys it knows); the client keeps
+the challenge of each endpoint, signs for it only when it names the uid of the pod the call
+is for (else the call fails as an identity mismatch, and nothing signed reaches that
+endpoint), and mints each peer add's ticket from the challenge of the peer's endpoint. A
+401 with a new challenge (the worker restarted, or its key file rotated) is answered once
+more. Called by `reconcile`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,9 +33,9 @@ from kvtopo_operator.model import (
     WorkerUnreachable,
     WorkerView,
 )
-from kvtopo_worker.credentials import TokenError, TokenSource
+from kvtopo_worker.credentials import TokenError
 from kvtopo_worker.endpoints import EndpointError, parse_endpoint
-from kvtopo_worker.http import read_bounded, request_as
+from kvtopo_worker.http import read_bounded
 from kvtopo_worker.protocol import (
     MAX_ID_LEN,
     PEER_BATCH_CONCURRENCY,
@@ -38,6 +44,13 @@ from kvtopo_worker.protocol import (
     PeerAddItem,
     PeerChanges,
     WorkerSettings,
+)
+from kvtopo_worker.signing import (
+    CallerKey,
+    Challenge,
+    PrivateKeys,
+    SignatureError,
+    parse_challenge,
 )
 
 log = logging.getLogger(__name__)
@@ -239,59 +252,108 @@ class CallResult:
     result: str = ""  # PeerResult.result on success
 
 
+class IdentityMismatch(Exception):
+    """The endpoint's challenge names another pod: nothing was signed for it."""
+
+
 class WorkerClient:
     """Async client for many workers; one pool, bounded by the caller's semaphore."""
 
-    def __init__(self, token_file: Path | None, token: str | None = None) -> None:
-        """`token` (when set) wins over `token_file`; with neither, calls carry no token.
-        A token file that holds no token raises TokenError here, and fails each call while
-        it holds none (it is re-read when the mounted Secret changes, not on every call)."""
-        self._token: TokenSource | None = None
-        if token:
-            self._token = TokenSource(value=token)
-        elif token_file is not None:
-            self._token = TokenSource(path=token_file)
+    MAX_CHALLENGES = 65_536  # endpoints whose challenge is kept (least recently used go)
+
+    def __init__(self, key_file: Path | None, keys: PrivateKeys | None = None) -> None:
+        """`keys` (when set) wins over `key_file` (the operator's private key, PEM: the
+        current key, then during a rotation the previous one). A key file that holds no key
+        raises KeyFileError (a TokenError) here, and fails each call while it holds none
+        (it is re-read when the mounted Secret changes, not on every call)."""
+        if keys is None:
+            if key_file is None:
+                raise ValueError("the operator needs its private key (--worker-key-file)")
+            keys = PrivateKeys(path=key_file)
+        self.caller = CallerKey("operator", keys)
+        self._challenges: OrderedDict[str, Challenge] = OrderedDict()
         self._session: aiohttp.ClientSession | None = None
 
-    def _tokens(self) -> list[str | None]:
-        """The tokens to try in turn: the current one, then (during a rotation) the previous
-        one; [None] without a credential. Raises TokenError while the token file is bad."""
-        if self._token is None:
-            return [None]
-        return list(self._token.candidates())
+    def challenge(self, endpoint: str) -> Challenge | None:
+        """The last challenge the worker at `endpoint` answered with (None: none yet)."""
+        return self._challenges.get(endpoint)
+
+    def _remember(self, endpoint: str, challenge: Challenge) -> None:
+        self._challenges[endpoint] = challenge
+        self._challenges.move_to_end(endpoint)
+        while len(self._challenges) > self.MAX_CHALLENGES:
+            self._challenges.popitem(last=False)
+
+    def forget(self, endpoint: str) -> None:
+        self._challenges.pop(endpoint, None)
 
     async def _call(
         self,
         method: str,
-        url: str,
+        endpoint: str,
+        path: str,
         timeout_s: float,
         body: bytes | None = None,
         etag: str = "",
+        pod_uid: str = "",
     ) -> tuple[int, bytes, str]:
         """One call: status, at most MAX_STATE_BYTES + 1 bytes of the answer, and its ETag
-        (""). A 401 to the current token is tried again with the previous one: a worker
-        whose Secret kubelet has not updated yet still knows only the old token. `etag` is
-        sent as If-None-Match."""
+        (""). Signed for the challenge held for `endpoint`; without one, or answered 401
+        with a new one, asked again (once) signed for the new one. Raises
+        IdentityMismatch when the challenge names a pod uid other than `pod_uid`. `etag`
+        is sent as If-None-Match."""
         session = await self._http()
+        target = parse_endpoint(endpoint)
+        url = target.url(path)
         headers = {"Content-Type": "application/json"} if body is not None else {}
         if etag:
             headers["If-None-Match"] = etag
-        resp = await request_as(
-            session,
-            method,
-            url,
-            self._tokens(),
-            headers=headers,
-            data=body,
-            timeout=aiohttp.ClientTimeout(total=timeout_s),
-        )
-        async with resp:
-            tag = resp.headers.get("ETag", "")[:MAX_ETAG]
-            if resp.status == 304:
-                return resp.status, b"", tag
-            if resp.status != 200:
-                return resp.status, (await read_bounded(resp.content, 300))[:300], tag
-            return resp.status, await read_bounded(resp.content, MAX_STATE_BYTES), tag
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        for attempt in range(2):
+            held = self._challenges.get(endpoint)
+            sent = dict(headers)
+            if held is not None:
+                if held.pod_uid != pod_uid:
+                    raise IdentityMismatch(
+                        f"the worker at {endpoint} says it runs in pod uid "
+                        f"{held.pod_uid or '(none)'}, the pod's is {pod_uid}; no signed call "
+                        "was sent; start the worker with its pod identity (--pod-uid, from "
+                        "the downward API)"
+                    )
+                sent["Authorization"] = self.caller.authorization(
+                    held, method, path, str(target), body or b""
+                )
+            resp = await session.request(
+                method, url, headers=sent, data=body, timeout=timeout, allow_redirects=False
+            )
+            async with resp:
+                if resp.status == 401 and attempt == 0:
+                    fresh = parse_challenge(resp.headers.get("WWW-Authenticate", ""))
+                    if fresh is not None and fresh != held:
+                        self._remember(endpoint, fresh)
+                        continue
+                tag = resp.headers.get("ETag", "")[:MAX_ETAG]
+                if resp.status == 304:
+                    return resp.status, b"", tag
+                if resp.status != 200:
+                    return resp.status, (await read_bounded(resp.content, 300))[:300], tag
+                if held is not None:
+                    self._challenges.move_to_end(endpoint)
+                return resp.status, await read_bounded(resp.content, MAX_STATE_BYTES), tag
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def ticket(self, endpoint: str, pod_uid: str, fetcher: tuple[str, str]) -> str:
+        """The ticket that lets `fetcher` (engine id, incarnation) fetch the metadata of
+        the engine at `endpoint` (of pod `pod_uid`); "" when its challenge is not held or
+        names another pod (the add then fails at the fetch, and the next round reads the
+        peer again)."""
+        held = self._challenges.get(endpoint)
+        if held is None or held.pod_uid != pod_uid or not fetcher[0]:
+            return ""
+        try:
+            return self.caller.ticket(held, fetcher[0], fetcher[1])
+        except (SignatureError, TokenError):
+            return ""
 
     async def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -305,19 +367,27 @@ class WorkerClient:
             await self._session.close()
 
     async def state(
-        self, endpoint: str, timeout_s: float, known: WorkerView | None = None
+        self,
+        endpoint: str,
+        timeout_s: float,
+        known: WorkerView | None = None,
+        pod_uid: str = "",
     ) -> WorkerView | WorkerUnreachable:
         """The worker's state; `known` itself when it carries the worker's ETag and the
-        worker answers 304 (nothing but its request counters moved since)."""
+        worker answers 304 (nothing but its request counters moved since). `pod_uid`: the
+        pod the worker must be (its challenge must name it before anything is signed)."""
         try:
-            url = parse_endpoint(endpoint).url("/v1/state")
             etag = known.etag if known is not None else ""
-            status, body, tag = await self._call("GET", url, timeout_s, etag=etag)
+            status, body, tag = await self._call(
+                "GET", endpoint, "/v1/state", timeout_s, etag=etag, pod_uid=pod_uid
+            )
             if status == 304:
                 if known is not None and etag and tag == etag:
                     return known
                 # A 304 that does not confirm what was sent: read the state whole.
-                status, body, tag = await self._call("GET", url, timeout_s)
+                status, body, tag = await self._call(
+                    "GET", endpoint, "/v1/state", timeout_s, pod_uid=pod_uid
+                )
             if status != 200:
                 return WorkerUnreachable(f"HTTP {status}: {body[:200]!r}")
             if len(body) > MAX_STATE_BYTES:
@@ -325,7 +395,9 @@ class WorkerClient:
             st = msgspec.json.decode(body, type=_StateView)
         except EndpointError as exc:
             return WorkerUnreachable(f"endpoint refused: {exc}")
-        except TokenError as exc:
+        except IdentityMismatch as exc:
+            return WorkerUnreachable(str(exc)[:400], identity_mismatch=True)
+        except (TokenError, SignatureError) as exc:
             return WorkerUnreachable(str(exc)[:300])
         except (aiohttp.ClientError, TimeoutError, OSError, msgspec.DecodeError) as exc:
             return WorkerUnreachable(f"{type(exc).__name__}: {exc}"[:300])
@@ -356,12 +428,16 @@ class WorkerClient:
         evicts: list[str],
         timeout_s: float,
         handshake_timeout_s: float | None = None,
+        *,
+        pod_uid: str = "",
+        fetcher: tuple[str, str] = ("", ""),
     ) -> dict[tuple[str, str], CallResult]:
         """Adds peers and evicts peers (engine id) on one worker in one call; the result of
         each, keyed by ("add" | "evict", engine id). A failed call fails every item with its
         reason. `handshake_timeout_s`, when set and there are adds, is sent as the batch's
         handshake deadline (only to a worker whose state reports one: an older worker
-        refuses the field)."""
+        refuses the field). `pod_uid`: the worker's pod; `fetcher`: its engine id and
+        incarnation, which each add's ticket is minted for."""
         body = msgspec.json.encode(
             PeerChanges(
                 add=[
@@ -371,6 +447,7 @@ class WorkerClient:
                         role=a.role,  # type: ignore[arg-type]
                         pod_uid=a.pod_uid,
                         incarnation=a.incarnation,
+                        ticket=self.ticket(a.endpoint, a.pod_uid, fetcher),
                     )
                     for a in adds
                 ],
@@ -382,11 +459,12 @@ class WorkerClient:
         # Each add may take the worker up to `timeout_s` (it fetches the peer's metadata).
         rounds = -(-len(adds) // PEER_BATCH_CONCURRENCY) if adds else 1
         try:
-            url = parse_endpoint(endpoint).url("/v1/peers")
-            status, data, _ = await self._call("PATCH", url, timeout_s * rounds + 2, body)
+            status, data, _ = await self._call(
+                "PATCH", endpoint, "/v1/peers", timeout_s * rounds + 2, body, pod_uid=pod_uid
+            )
         except EndpointError as exc:
             return dict.fromkeys(keys, CallResult(False, 0, f"endpoint refused: {exc}"))
-        except TokenError as exc:
+        except (TokenError, SignatureError, IdentityMismatch) as exc:
             return dict.fromkeys(keys, CallResult(False, 0, str(exc)[:300]))
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             failed = CallResult(False, 0, f"{type(exc).__name__}: {exc}"[:300])
@@ -407,16 +485,19 @@ class WorkerClient:
             out.setdefault(key, CallResult(False, 502, "the worker's answer left it out"))
         return out
 
-    async def set_idle_ttl(self, endpoint: str, idle_ttl_s: float, timeout_s: float) -> CallResult:
+    async def set_idle_ttl(
+        self, endpoint: str, idle_ttl_s: float, timeout_s: float, *, pod_uid: str = ""
+    ) -> CallResult:
         """Sets the worker's idle-TTL backstop (`PUT /v1/settings`); ok once the worker
         answers that it holds `idle_ttl_s`."""
         body = msgspec.json.encode(WorkerSettings(idle_ttl_s=idle_ttl_s))
         try:
-            url = parse_endpoint(endpoint).url("/v1/settings")
-            status, data, _ = await self._call("PUT", url, timeout_s, body)
+            status, data, _ = await self._call(
+                "PUT", endpoint, "/v1/settings", timeout_s, body, pod_uid=pod_uid
+            )
         except EndpointError as exc:
             return CallResult(False, 0, f"endpoint refused: {exc}")
-        except TokenError as exc:
+        except (TokenError, SignatureError, IdentityMismatch) as exc:
             return CallResult(False, 0, str(exc)[:300])
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             return CallResult(False, 0, f"{type(exc).__name__}: {exc}"[:300])

@@ -96,7 +96,7 @@ class RecordingWorkers:
         return view.peers
 
     async def state(
-        self, endpoint: str, timeout_s: float, known: WorkerView | None = None
+        self, endpoint: str, timeout_s: float, known: WorkerView | None = None, pod_uid: str = ""
     ) -> WorkerView | WorkerUnreachable:
         self.calls.append(("state", endpoint))
         self.reads.append(endpoint)
@@ -109,6 +109,9 @@ class RecordingWorkers:
         evicts: list[str],
         timeout_s: float,
         handshake_timeout_s: float | None = None,
+        *,
+        pod_uid: str = "",
+        fetcher: tuple[str, str] = ("", ""),
     ) -> dict[tuple[str, str], CallResult]:
         self.calls.append(("change_peers", endpoint))
         self.batches[endpoint] = (sorted(a.engine_id for a in adds), timeout_s, handshake_timeout_s)
@@ -125,7 +128,9 @@ class RecordingWorkers:
             for a in adds
         } | {("evict", e): CallResult(True, 200, "", "evicted") for e in evicts}
 
-    async def set_idle_ttl(self, endpoint: str, idle_ttl_s: float, timeout_s: float) -> CallResult:
+    async def set_idle_ttl(
+        self, endpoint: str, idle_ttl_s: float, timeout_s: float, *, pod_uid: str = ""
+    ) -> CallResult:
         self.calls.append(("set_idle_ttl", endpoint))
         self.idle_ttls.append((endpoint, idle_ttl_s))
         return CallResult(True, 200, "") if self.settings_ok else CallResult(False, 0, "refused")

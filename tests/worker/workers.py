@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -18,6 +17,7 @@ from typing import Any
 
 from kvtopo import launch
 from kvtopo.cluster import processes
+from kvtopo.localkeys import ControlClient, Credentials
 
 
 @dataclass
@@ -26,8 +26,10 @@ class WorkerProcess:
     proc: subprocess.Popen[str]
     engine_id: str
     endpoint: str
-    token: str
+    token: str  # the client token (traffic routes)
     log_path: Path
+    client: ControlClient  # signs admin calls with the operator's key, mints tickets
+    incarnation: str = ""
     outcomes: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -37,19 +39,15 @@ class WorkerProcess:
     def call(
         self, method: str, path: str, body: object = None, timeout: float = 10
     ) -> tuple[int, Any]:
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.url + path, data=data, method=method)
-        req.add_header("Authorization", f"Bearer {self.token}")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return resp.status, json.loads(resp.read() or b"null")
-        except urllib.error.HTTPError as err:
-            return err.code, json.loads(err.read() or b"null")
+        """A call with the credential its route takes (as the operator on admin routes; a
+        peer add gets a ticket minted for this engine)."""
+        return self.client.call(
+            method, self.endpoint, path, body, timeout, fetcher=(self.engine_id, self.incarnation)
+        )
 
     def call_text(self, path: str, timeout: float = 10) -> str:
         """A GET answered in text (`/metrics`)."""
         req = urllib.request.Request(self.url + path)
-        req.add_header("Authorization", f"Bearer {self.token}")
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return str(resp.read().decode())
 
@@ -70,11 +68,9 @@ class WorkerProcess:
         return int(self.metric("kvtopo_worker_rejected_messages", source=source))
 
     def raw_metadata(self, rank: int = 0) -> bytes:
-        """The worker's `GET /v1/metadata` envelope, as a peer holding its credential reads it."""
-        req = urllib.request.Request(self.url + f"/v1/metadata?rank={rank}")
-        req.add_header("Authorization", f"Bearer {self.token}")
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return bytes(resp.read())
+        """The worker's `GET /v1/metadata` envelope, as a peer the operator paired it with
+        reads it (with a ticket)."""
+        return self.client.metadata(self.endpoint, rank)
 
     def connect(self, peer: WorkerProcess) -> dict[str, Any]:
         status, body = self.call(
@@ -185,8 +181,11 @@ def start_worker(
     w = launch.start_worker(
         role, token_file, log_path, *extra, deadline_s=deadline_s, engine=engine
     )
-    token = token_file.read_text().strip()
-    return WorkerProcess(role, w.proc, w.engine_id, w.endpoint, token, log_path)
+    creds = Credentials.beside(token_file)
+    client = ControlClient.of(creds)
+    return WorkerProcess(
+        role, w.proc, w.engine_id, w.endpoint, creds.token(), log_path, client, w.incarnation
+    )
 
 
 def stop_operator_and_workers(

@@ -104,6 +104,18 @@ from kvtopo_worker.protocol import (
     tag_matches,
 )
 from kvtopo_worker.registry import AgentConflict, EngineRegistry
+from kvtopo_worker.signing import (
+    SCHEME,
+    TICKET_SCHEME,
+    CallGuard,
+    PublicKeys,
+    SignatureError,
+    header_text,
+    header_value,
+    route_kind,
+    ticket_authorization,
+    valid_ticket,
+)
 from kvtopo_worker.transport import TransportError
 
 log = logging.getLogger(__name__)
@@ -112,8 +124,8 @@ MAX_ERROR_BODY_BYTES = 300
 """How much of a peer's non-200 answer is read (and quoted in the handshake failure)."""
 
 MAX_METADATA_BYTES = 4 << 20
-OPEN_PATHS = frozenset({"/healthz", "/metrics"})
-PEER_PATHS = frozenset({"/v1/metadata", "/v1/introductions"})
+FROM_HEADER = "KVTopo-From"  # a ticketed peer request: the fetching engine's id
+INCARNATION_HEADER = "KVTopo-Incarnation"  # and its incarnation (both base64url, UTF-8)
 MAX_INTRODUCED_RANKS = 64
 MAX_INTRO_BYTES = 1 << 20  # as much as the server takes in (client_max_size)
 
@@ -205,8 +217,9 @@ class ControlServer:
         engine: LocalEngine,
         registry: EngineRegistry,
         transport: PeerTransport | Sequence[PeerTransport],
-        token: TokenSource,
+        operator_keys: PublicKeys | None,
         metrics: WorkerMetrics,
+        client_token: TokenSource | None = None,
         peer_token: TokenSource | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -214,9 +227,18 @@ class ControlServer:
         request_counts: StateExtras | None = None,
         introductions: bool = False,
     ) -> None:
-        """`introductions`: take lazy handshakes (`POST /v1/introductions`), for engines
-        that pair without an operator (the vLLM connector's `lazy_handshake`); off, only
-        the operator adds peers and an introduction is refused (403)."""
+        """`operator_keys`: the operator's public key(s), which the admin routes' calls must
+        be signed for (`kvtopo_worker.signing`; None: no operator drives this engine, its
+        admin routes are closed and it pairs lazily only). `client_token`: the bearer token of the
+        traffic routes (None: they are closed). `introductions`: take lazy handshakes (`POST
+        /v1/introductions`), for engines that pair without an operator (the vLLM
+        connector's `lazy_handshake`), signed with `peer_token`, the one credential engines
+        share (required then, refused otherwise); off, only the operator adds peers, peers
+        fetch metadata with the operator's tickets, and an introduction is refused (403)."""
+        if introductions and peer_token is None:
+            raise ValueError("lazy handshakes (introductions) need the peer token")
+        if operator_keys is None and not introductions:
+            raise ValueError("an engine needs the operator's public key or lazy handshakes")
         self.engine = engine
         self.introductions = introductions
         self.registry = registry
@@ -226,10 +248,16 @@ class ControlServer:
         )
         if len(self.transports) != len(engine.ranks):
             raise ValueError("one transport per TP rank of the engine is needed")
-        self.token = token  # the operator credential: admin routes
-        # The peer credential: peers' metadata fetches, ours and theirs (default: the same).
-        self.peer_token = peer_token if peer_token is not None else token
-        self._peer_guard = PeerRequestGuard(self.peer_token)
+        meta = engine.metadata
+        self.guard = CallGuard(
+            {"operator": operator_keys} if operator_keys is not None else {},
+            pod_uid=meta.pod.uid if meta.pod is not None else "",
+            incarnation=meta.incarnation,
+        )
+        self.client_token = client_token  # the traffic routes' bearer token
+        # The shared peer credential, only where lazy handshakes are on.
+        self.peer_token = peer_token if introductions else None
+        self._peer_guard = PeerRequestGuard(peer_token) if peer_token is not None else None
         self.metrics = metrics
         self.host = host
         self.port = port
@@ -321,19 +349,16 @@ class ControlServer:
 
     @web.middleware
     async def _auth_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path in PEER_PATHS and request.headers.get("Authorization", "").startswith(
-            PEER_SCHEME + " "
-        ):
-            refused = self._authorize_peer(request, await request.read())
-            if refused is not None:
-                return refused
-        elif request.path == "/v1/introductions":  # signed requests only
-            self.metrics.reject("control_auth")
-            return _error(401, "unauthorized", f"a request signed {PEER_SCHEME} is required")
-        elif request.path not in OPEN_PATHS:
-            refused = self._authorize(request)
-            if refused is not None:
-                return refused
+        kind = route_kind(request.path)
+        refused: web.Response | None = None
+        if kind == "peer":
+            refused = await self._authorize_peer(request)
+        elif kind == "admin":
+            refused = self._authorize_operator(request, await request.read())
+        elif kind == "client":
+            refused = self._authorize_client(request)
+        if refused is not None:
+            return refused
         try:
             return await handler(request)
         except ProtocolError as exc:
@@ -356,64 +381,150 @@ class ControlServer:
             pass
         return targets
 
-    def _authorize_peer(self, request: web.Request, body: bytes) -> web.Response | None:
-        """None when the request is signed with the peer credential for this server."""
+    def _targets(self, request: web.Request) -> list[str]:
+        """The endpoints a signature may name: ours, or (bound to every address) the host
+        the request came to, when it is at our port."""
         targets = self._signature_targets()
         if not targets:  # bound to every address: the signed host is the caller's choice
-            targets = [f"{request.host}"]
-            if not request.host.endswith(f":{self.port}"):
-                targets = []
+            targets = [f"{request.host}"] if request.host.endswith(f":{self.port}") else []
+        return targets
+
+    async def _authorize_peer(self, request: web.Request) -> web.Response | None:
+        """None when a peer route's request carries a peer credential: for `GET
+        /v1/metadata` a ticket the operator minted for the fetching engine (or, where lazy
+        handshakes are on, the peer token's signature or the token itself, for tools); for
+        `POST /v1/introductions` the peer token's signature, where lazy handshakes are on."""
+        header = request.headers.get("Authorization", "")
+        body = await request.read()
+        if header.startswith(TICKET_SCHEME + " ") and request.path == "/v1/metadata":
+            fetcher = header_text(request.headers.get(FROM_HEADER, ""))
+            incarnation = header_text(request.headers.get(INCARNATION_HEADER, ""))
+            try:
+                which = (
+                    self.guard.accepts_ticket(
+                        header,
+                        fetcher,
+                        incarnation,
+                        request.method,
+                        request.path_qs,
+                        self._targets(request),
+                        body,
+                    )
+                    if 0 < len(fetcher) <= MAX_ID_LEN and len(incarnation) <= MAX_ID_LEN
+                    else None
+                )
+            except TokenError as exc:
+                self.metrics.reject("control_auth")
+                return _error(503, "key_unavailable", str(exc))
+            if which is None:
+                self.metrics.reject("control_auth")
+                return _error(
+                    401,
+                    "unauthorized",
+                    "the ticket signature does not verify (a ticket the operator minted for "
+                    "another engine, incarnation or endpoint, a stale time or a nonce used "
+                    "before)",
+                )
+            self.metrics.authenticated_total.labels("ticket", which).inc()
+            return None
+        if self._peer_guard is None or self.peer_token is None:
+            self.metrics.reject("control_auth")
+            if request.path == "/v1/introductions":
+                return None  # answered 403 by the route: this engine takes no introductions
+            return _error(
+                401,
+                "unauthorized",
+                f"a peer fetches metadata with the ticket the operator gave it ({TICKET_SCHEME})",
+            )
+        if header.startswith(PEER_SCHEME + " "):
+            try:
+                which = self._peer_guard.accepts(
+                    header, request.method, request.path_qs, self._targets(request), body
+                )
+            except TokenError as exc:
+                self.metrics.reject("control_auth")
+                return _error(503, "token_unavailable", str(exc))
+            if which is None:
+                self.metrics.reject("control_auth")
+                return _error(
+                    401,
+                    "unauthorized",
+                    "the peer signature does not verify (wrong credential, another endpoint, "
+                    "a stale time or a nonce used before)",
+                )
+            self.metrics.authenticated_total.labels("peer", which).inc()
+            return None
+        if request.path == "/v1/metadata":
+            try:
+                which = self.peer_token.accepts(bearer_token(header))
+            except TokenError as exc:
+                self.metrics.reject("control_auth")
+                return _error(503, "token_unavailable", str(exc))
+            if which is not None:
+                self.metrics.authenticated_total.labels("peer", which).inc()
+                return None
+        self.metrics.reject("control_auth")
+        return _error(401, "unauthorized", f"a request signed {PEER_SCHEME} is required")
+
+    def _authorize_operator(self, request: web.Request, body: bytes) -> web.Response | None:
+        """None when an admin route's call is signed by the operator's key for this engine
+        (`kvtopo_worker.signing`); else 401 with our challenge (what the operator derives
+        the call key from), 503 while the operator's public key file is bad, 403 when this
+        engine has no operator (lazy handshakes only)."""
+        if not self.guard.callers:
+            self.metrics.reject("control_auth")
+            return _error(403, "forbidden", "no operator drives this engine (no operator key)")
         try:
-            which = self._peer_guard.accepts(
+            which = self.guard.accepts(
+                "operator",
                 request.headers.get("Authorization", ""),
                 request.method,
                 request.path_qs,
-                targets,
+                self._targets(request),
                 body,
+            )
+        except TokenError as exc:  # no key of our own: nothing is authorised
+            self.metrics.reject("control_auth")
+            log.error("control API refused %s %s: %s", request.method, request.path, exc)
+            return _error(503, "key_unavailable", str(exc))
+        if which is not None:
+            self.metrics.authenticated_total.labels("operator", which).inc()
+            return None
+        if not self.guard.stale(request.headers.get("Authorization", "")):
+            self.metrics.reject("control_auth")  # a bad signature (a stale one is no fault)
+        resp = _error(
+            401,
+            "unauthorized",
+            f"this route takes calls signed by the operator's key ({SCHEME}, derived from the "
+            "challenge in WWW-Authenticate); no bearer token opens it",
+        )
+        resp.headers["WWW-Authenticate"] = self.guard.challenge("operator")
+        return resp
+
+    def _authorize_client(self, request: web.Request) -> web.Response | None:
+        """None when a traffic route's request carries the client token (current or
+        previous); 401 without it, 403 when this engine has none (its traffic routes are
+        closed), 503 while its file is bad."""
+        if self.client_token is None:
+            self.metrics.reject("control_auth")
+            return _error(
+                403, "forbidden", "this engine serves no traffic routes (no client token)"
+            )
+        try:
+            which = self.client_token.accepts(
+                bearer_token(request.headers.get("Authorization", ""))
             )
         except TokenError as exc:
             self.metrics.reject("control_auth")
+            log.error("control API refused %s %s: %s", request.method, request.path, exc)
             return _error(503, "token_unavailable", str(exc))
         if which is None:
             self.metrics.reject("control_auth")
             return _error(
-                401,
-                "unauthorized",
-                "the peer signature does not verify (wrong credential, another endpoint, "
-                "a stale time or a nonce used before)",
+                401, "unauthorized", "a valid 'Authorization: Bearer <client token>' is required"
             )
-        self.metrics.authenticated_total.labels("peer", which).inc()
+        self.metrics.authenticated_total.labels("client", which).inc()
         return None
-
-    def _authorize(self, request: web.Request) -> web.Response | None:
-        """None when the request carries the credential its route needs: the peer
-        credential for `GET /v1/metadata` (what peers fetch), the operator credential for
-        every other route; each accepts its current and its previous token. Else the answer:
-        401 without a valid token, 403 for a peer token on an operator route, 503 while a
-        credential file of our own holds no token."""
-        given = bearer_token(request.headers.get("Authorization", ""))
-        peer_route = request.path == "/v1/metadata"
-        needed, other = (
-            (("peer", self.peer_token), ("operator", self.token))
-            if peer_route
-            else (("operator", self.token), ("peer", self.peer_token))
-        )
-        try:
-            which = needed[1].accepts(given)
-            if which is not None:
-                self.metrics.authenticated_total.labels(needed[0], which).inc()
-                return None
-            wrong = other[1] is not needed[1] and other[1].accepts(given) is not None
-        except TokenError as exc:  # no token of our own: nothing is authorised
-            self.metrics.reject("control_auth")
-            log.error("control API refused %s %s: %s", request.method, request.path, exc)
-            return _error(503, "token_unavailable", str(exc))
-        self.metrics.reject("control_auth")
-        if wrong:
-            return _error(
-                403, "forbidden", f"this route needs the {needed[0]} credential, not the {other[0]}"
-            )
-        return _error(401, "unauthorized", "a valid 'Authorization: Bearer <token>' is required")
 
     # --- routes --------------------------------------------------------------------------
 
@@ -523,7 +634,13 @@ class ControlServer:
         body = decode_json_body(await request.read(), PeerAddRequest)
         self.operator_evicted.discard(engine_id)
         status, answer = await self._add_peer(
-            engine_id, body.endpoint, body.role, body.rank, body.pod_uid, body.incarnation
+            engine_id,
+            body.endpoint,
+            body.role,
+            body.rank,
+            body.pod_uid,
+            body.incarnation,
+            ticket=body.ticket,
         )
         return _json(answer, status)
 
@@ -537,6 +654,7 @@ class ControlServer:
         incarnation: str = "",
         timeout_s: float | None = None,
         given: list[EngineMetadata] | None = None,
+        ticket: str = "",
     ) -> tuple[int, PeerResult | ErrorBody]:
         """Adds one peer: each of its TP ranks (or only `rank`) to our rank of the same
         number, fetching each rank's metadata from `endpoint`; the HTTP status and body of
@@ -555,7 +673,11 @@ class ControlServer:
         answer is 409 `replacing` (the eviction runs when they have: retry then).
 
         `given`: the peer's metadata of every rank, from its introduction (nothing is
-        fetched; `endpoint` is then only quoted)."""
+        fetched; `endpoint` is then only quoted). `ticket`: what the operator minted for us
+        to fetch the peer's metadata with (`kvtopo_worker.signing`); without one, the fetch
+        is signed with the peer token (lazy handshakes only)."""
+        if ticket and not valid_ticket(ticket):
+            raise MalformedMessage("a ticket is '<kid>:<64 lowercase hex digits>'")
         if not 0 < len(engine_id) <= MAX_ID_LEN:
             raise MalformedMessage(f"engine_id must be 1..{MAX_ID_LEN} characters")
         peer_endpoint: Endpoint | None = None
@@ -598,7 +720,7 @@ class ControlServer:
                 continue
             assert peer_endpoint is not None
             fetched = await self._fetch_rank(
-                engine_id, peer_endpoint, role, r, local_tp, pod_uid, incarnation, timeout
+                engine_id, peer_endpoint, role, r, local_tp, pod_uid, incarnation, timeout, ticket
             )
             if isinstance(fetched, tuple):
                 return fetched
@@ -692,13 +814,14 @@ class ControlServer:
         pod_uid: str = "",
         incarnation: str = "",
         timeout_s: float | None = None,
+        ticket: str = "",
     ) -> EngineMetadata | tuple[int, ErrorBody]:
         """The peer's metadata for one rank, checked against what the caller says the peer
         is (engine id, role, TP size, and when given its pod uid and incarnation); or the
         answer to give when it is not. The fetch takes at most `timeout_s` (default: the
         worker's `handshake_timeout_s`)."""
         try:
-            raw = await self._fetch_metadata(endpoint, rank, timeout_s)
+            raw = await self._fetch_metadata(endpoint, rank, timeout_s, ticket)
             meta = decode_metadata(raw, self.engine.compat_hash)
         except IncompatibleEngine as exc:
             self.metrics.handshakes_total.labels("incompatible").inc()
@@ -714,7 +837,7 @@ class ControlServer:
             )
         except ProtocolError as exc:
             return self._handshake_failed(engine_id, exc.failure_type, exc.message, 502)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # SignatureError too
             msg = f"fetching metadata from {endpoint}: {type(exc).__name__}: {exc}"
             return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 502)
         if meta.engine_id != engine_id:
@@ -772,6 +895,7 @@ class ControlServer:
                         item.pod_uid,
                         item.incarnation,
                         timeout,
+                        ticket=item.ticket,
                     )
                 except ProtocolError as exc:
                     self.metrics.reject("control")
@@ -798,15 +922,33 @@ class ControlServer:
         return status, ErrorBody(error="handshake_failed", message=message, failure_type=failure)
 
     async def _fetch_metadata(
-        self, endpoint: Endpoint, rank: int = 0, timeout_s: float | None = None
+        self, endpoint: Endpoint, rank: int = 0, timeout_s: float | None = None, ticket: str = ""
     ) -> bytes:
         """GET the peer's metadata within `timeout_s` (default: the worker's
-        `handshake_timeout_s`): no redirect is followed (a 3xx is a failure), and every read
-        is bounded."""
+        `handshake_timeout_s`), signed with `ticket` (or, without one, the peer token): no
+        redirect is followed (a 3xx is a failure), and every read is bounded."""
         if self._session is None:
             self._session = aiohttp.ClientSession()
         total = self.handshake_timeout_s if timeout_s is None else timeout_s
-        resp = await self._signed(endpoint, "GET", f"/v1/metadata?rank={rank}", b"", total)
+        path = f"/v1/metadata?rank={rank}"
+        if ticket:
+            resp = await self._session.get(
+                endpoint.url(path),
+                headers={
+                    "Authorization": ticket_authorization(ticket, "GET", path, str(endpoint)),
+                    FROM_HEADER: header_value(self.engine.engine_id),
+                    INCARNATION_HEADER: header_value(self.engine.metadata.incarnation),
+                },
+                timeout=aiohttp.ClientTimeout(total=total),
+                allow_redirects=False,
+            )
+        elif self.peer_token is not None:
+            resp = await self._signed(endpoint, "GET", path, b"", total)
+        else:
+            raise SignatureError(
+                "no ticket to fetch the peer's metadata with: the operator gives one with "
+                "each peer add (lazy handshakes sign with the peer token instead)"
+            )
         async with resp:
             if resp.status != 200:
                 # A bounded prefix: an error answer can be endless or huge.
@@ -827,6 +969,8 @@ class ControlServer:
         redirect is followed. The caller releases the answer."""
         if self._session is None:
             self._session = aiohttp.ClientSession()
+        if self.peer_token is None:
+            raise SignatureError("lazy handshakes are off: this engine holds no peer token")
         tokens = self.peer_token.candidates()
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         for i, token in enumerate(tokens):

@@ -43,6 +43,7 @@ from kvtopo_worker.protocol import (
 )
 from kvtopo_worker.push import FailedRequest, PushConfig, PushConnector, new_connector
 from kvtopo_worker.registry import EngineRegistry
+from kvtopo_worker.signing import PublicKeys
 from kvtopo_worker.traffic import EngineDraining, EngineTraffic, add_engine_arguments
 from kvtopo_worker.transport import NixlTransport
 
@@ -140,14 +141,14 @@ class EmulatedEngine(EngineTraffic):
         device: str = "cpu",
         host: str = "127.0.0.1",
         port: int = 0,
-        token: TokenSource,
+        operator_keys: PublicKeys,
+        client_token: TokenSource | None = None,
         push_config: PushConfig | None = None,
         idle_ttl_s: float = 0.0,
         progress_thread: bool | None = None,
         handshake_timeout_s: float = 5.0,
         tp_size: int = 1,
         pod: PodIdentity | None = None,
-        peer_token: TokenSource | None = None,
         failing_after: int = 3,
     ) -> None:
         if not 1 <= tp_size <= 64:
@@ -210,8 +211,8 @@ class EmulatedEngine(EngineTraffic):
             engine=LocalEngine(self.engine_id, role, metas[0], time.time(), ranks=metas),
             registry=self.registry,
             transport=self.transports,
-            token=token,
-            peer_token=peer_token,
+            operator_keys=operator_keys,
+            client_token=client_token,
             metrics=self.metrics,
             host=host,
             port=port,
@@ -496,9 +497,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
+    if not args.operator_key_file:
+        print(
+            "kvtopo-worker: give --operator-key-file (or set KVTOPO_OPERATOR_KEY_FILE): the "
+            "operator's public key, which the admin routes' calls must be signed for",
+            file=sys.stderr,
+        )
+        return 2
     try:
-        token = TokenSource(path=args.token_file)
-        peer_token = TokenSource(path=args.peer_token_file) if args.peer_token_file else None
+        operator_keys = PublicKeys(path=args.operator_key_file)
+        client_token = TokenSource(path=args.token_file) if args.token_file else None
     except TokenError as exc:
         print(f"kvtopo-worker: {exc}", file=sys.stderr)
         return 2
@@ -545,13 +553,13 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device,
         host=args.host,
         port=args.port,
-        token=token,
+        operator_keys=operator_keys,
+        client_token=client_token,
         push_config=push_config,
         idle_ttl_s=args.idle_ttl,
         progress_thread=progress,
         tp_size=args.tp,
         pod=pod,
-        peer_token=peer_token,
         failing_after=args.failing_after,
     )
     try:

@@ -493,6 +493,9 @@ class PeerAddRequest(
     # A peer held under an older incarnation is replaced.
     pod_uid: str = ""
     incarnation: str = ""
+    # What the operator minted for this engine to fetch the peer's metadata with
+    # (`kvtopo_worker.signing`: "<kid>:<hex>"); empty where lazy handshakes use the peer token.
+    ticket: str = ""
 
 
 MAX_PEER_CHANGES = 1024  # adds plus evictions in one `PATCH /v1/peers`
@@ -514,6 +517,7 @@ class PeerAddItem(
     rank: int | None = None
     pod_uid: str = ""
     incarnation: str = ""
+    ticket: str = ""  # as PeerAddRequest.ticket
 
 
 class PeerChanges(

@@ -297,15 +297,17 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--port", type=int, default=8975, help="control API port (0: pick a free one)")
     p.add_argument(
-        "--token-file",
-        required=True,
-        help="the operator credential: a file holding the token of the admin routes (and, "
-        "during a rotation, the previous token on a second line)",
+        "--operator-key-file",
+        default=os.environ.get("KVTOPO_OPERATOR_KEY_FILE", ""),
+        help="the operator's public key (PEM public key or certificate; during a rotation the "
+        "new one, then the previous one): the admin routes take only calls signed for it "
+        "(default: $KVTOPO_OPERATOR_KEY_FILE). It verifies nothing else and signs nothing",
     )
     p.add_argument(
-        "--peer-token-file",
-        help="the peer credential: the token peers present to fetch this engine's metadata, "
-        "and that it presents to theirs (default: the operator credential)",
+        "--token-file",
+        help="the client token: a bearer token for the traffic routes (requests, drain) and "
+        "nothing else; during a rotation the previous token on a second line. Without it "
+        "the traffic routes are closed",
     )
     p.add_argument(
         "--pod-namespace",

@@ -31,10 +31,13 @@ Owns the mapping between vLLM's connector API (`KVConnectorBase_V1`) and the kvt
 
 `kv_connector_extra_config` keys: `role` ("prefill"/"decode"; default from `kv_role`),
 `control_host` (default $KVTOPO_POD_IP, else 127.0.0.1), `control_port` (8975),
-`token_file` / `peer_token_file` (default $KVTOPO_TOKEN_FILE / $KVTOPO_PEER_TOKEN_FILE),
-`registration_timeout_s`, `kv_lease_s`, `transfer_timeout_s`, `handshake_timeout_s`,
-`idle_ttl_s`, `lazy_handshake` (default true), `model_id` (part of the compatibility hash;
-default: the served model name).
+`operator_key_file` (the operator's public key, which the admin routes' calls must be signed
+for; default $KVTOPO_OPERATOR_KEY_FILE), `peer_token_file` (the token engines that pair
+lazily share; default $KVTOPO_PEER_TOKEN_FILE), `token_file` (the client token of the test
+engine's traffic routes; default $KVTOPO_TOKEN_FILE), `registration_timeout_s`,
+`kv_lease_s`, `transfer_timeout_s`, `handshake_timeout_s`, `idle_ttl_s`, `lazy_handshake`
+(default: on when there is a peer token), `model_id` (part of the compatibility hash;
+default: the served model name). An engine needs the operator key, the peer token, or both.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ from kvtopo_worker.protocol import (
 from kvtopo_worker.push import FailedRequest, PushConfig, PushConnector, new_connector
 from kvtopo_worker.push.both import BothPush
 from kvtopo_worker.registry import EngineRegistry
+from kvtopo_worker.signing import PublicKeys
 from kvtopo_worker.traffic import EngineTraffic
 from kvtopo_worker.transport import NixlTransport
 
@@ -134,6 +138,7 @@ class _Settings:
     engine_id: str
     control_host: str
     control_port: int
+    operator_key_file: str
     token_file: str
     peer_token_file: str
     push: PushConfig
@@ -174,6 +179,9 @@ def _settings(vllm_config: VllmConfig) -> _Settings:
             'kv_producer, kv_consumer or kv_both, or kv_connector_extra_config {"role": '
             '"prefill" | "decode" | "both"}'
         )
+    peer_token_file = str(
+        extra.get("peer_token_file") or os.environ.get("KVTOPO_PEER_TOKEN_FILE", "")
+    )
     defaults = PushConfig()
     push = PushConfig(
         registration_timeout_s=float(
@@ -189,14 +197,19 @@ def _settings(vllm_config: VllmConfig) -> _Settings:
             extra.get("control_host") or os.environ.get("KVTOPO_POD_IP") or "127.0.0.1"
         ),
         control_port=int(extra.get("control_port", DEFAULT_CONTROL_PORT)),
-        token_file=str(extra.get("token_file") or os.environ.get("KVTOPO_TOKEN_FILE", "")),
-        peer_token_file=str(
-            extra.get("peer_token_file") or os.environ.get("KVTOPO_PEER_TOKEN_FILE", "")
+        operator_key_file=str(
+            extra.get("operator_key_file") or os.environ.get("KVTOPO_OPERATOR_KEY_FILE", "")
         ),
+        token_file=str(extra.get("token_file") or os.environ.get("KVTOPO_TOKEN_FILE", "")),
+        peer_token_file=peer_token_file,
         push=push,
         handshake_timeout_s=float(extra.get("handshake_timeout_s", 5.0)),
         idle_ttl_s=float(extra.get("idle_ttl_s", 0.0)),
-        lazy_handshake=bool(extra.get("lazy_handshake", True)),
+        lazy_handshake=(
+            bool(peer_token_file)
+            if extra.get("lazy_handshake") is None
+            else bool(extra["lazy_handshake"])
+        ),
         tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
         block_size=int(vllm_config.cache_config.block_size),
         model_id=str(extra.get("model_id") or _served_name(vllm_config)),
@@ -432,20 +445,29 @@ class _EngineHost:
             if len(self._metas) < self.local_ranks or self.server is not None:
                 return
             metas = [self._metas[r] for r in sorted(self._metas)]
-            if not self.s.token_file:
+            if not self.s.operator_key_file and not self.s.lazy_handshake:
                 raise ValueError(
-                    "KVTopoConnector needs the operator credential: set "
-                    'kv_connector_extra_config {"token_file": ...} or $KVTOPO_TOKEN_FILE '
-                    "(the mounted kvtopo worker-token Secret)"
+                    "KVTopoConnector needs the operator's public key: set "
+                    'kv_connector_extra_config {"operator_key_file": ...} or '
+                    "$KVTOPO_OPERATOR_KEY_FILE (the mounted kvtopo operator public key); or, "
+                    'without an operator, lazy handshakes with a peer token ("peer_token_file")'
                 )
-            token = TokenSource(path=self.s.token_file)
+            if self.s.lazy_handshake and not self.s.peer_token_file:
+                raise ValueError(
+                    "KVTopoConnector: lazy_handshake needs the peer token engines share: set "
+                    'kv_connector_extra_config {"peer_token_file": ...} or '
+                    "$KVTOPO_PEER_TOKEN_FILE, or turn lazy_handshake off"
+                )
+            keys = PublicKeys(path=self.s.operator_key_file) if self.s.operator_key_file else None
+            client = TokenSource(path=self.s.token_file) if self.s.token_file else None
             peer = TokenSource(path=self.s.peer_token_file) if self.s.peer_token_file else None
             traffic = _traffic.get(self.s.engine_id)
             server = ControlServer(
                 engine=LocalEngine(self.s.engine_id, self.s.role, metas[0], time.time(), metas),
                 registry=self.registry,
                 transport=[self.transports[r] for r in sorted(self.transports)],
-                token=token,
+                operator_keys=keys,
+                client_token=client,
                 peer_token=peer,
                 metrics=self.metrics,
                 host=self.s.control_host,

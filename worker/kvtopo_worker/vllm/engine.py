@@ -107,6 +107,7 @@ class VllmEngine(EngineTraffic):
         host: str = "127.0.0.1",
         port: int = 0,
         token_file: str,
+        operator_key_file: str = "",
         peer_token_file: str = "",
         tp_size: int = 1,
         num_blocks: int = 256,
@@ -117,7 +118,7 @@ class VllmEngine(EngineTraffic):
         handshake_timeout_s: float = 5.0,
         pod: tuple[str, str, str] = ("", "", ""),
         failure_policy: str = "fail",
-        lazy_handshake: bool = True,
+        lazy_handshake: bool | None = None,
         model_id: str = "",
         connector: str = "kvtopo",
         block_size: int = BLOCK_SIZE,
@@ -142,6 +143,7 @@ class VllmEngine(EngineTraffic):
             "control_host": host,
             "control_port": port,
             "token_file": token_file,
+            "operator_key_file": operator_key_file,
             "peer_token_file": peer_token_file,
             "registration_timeout_s": registration_timeout_s,
             "kv_lease_s": kv_lease_s,
@@ -634,6 +636,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a model directory with a config.json (default: a tiny Llama-shaped one)",
     )
     p.add_argument("--failure-policy", choices=["fail", "recompute"], default="fail")
+    p.add_argument(
+        "--peer-token-file",
+        default="",
+        help="the token engines that pair lazily (no operator) share; lazy handshakes are "
+        "on when it is given, unless --no-lazy-handshake",
+    )
     p.add_argument("--no-lazy-handshake", action="store_true")
     p.add_argument(
         "--connector",
@@ -671,6 +679,7 @@ def main(argv: list[str] | None = None) -> int:
             host=args.host,
             port=args.port,
             token_file=args.token_file,
+            operator_key_file=args.operator_key_file,
             peer_token_file=args.peer_token_file or "",
             tp_size=args.tp,
             num_blocks=args.num_blocks,
@@ -680,7 +689,7 @@ def main(argv: list[str] | None = None) -> int:
             idle_ttl_s=args.idle_ttl,
             pod=(args.pod_namespace, args.pod_name, args.pod_uid),
             failure_policy=args.failure_policy,
-            lazy_handshake=not args.no_lazy_handshake,
+            lazy_handshake=False if args.no_lazy_handshake else None,
             model_id=args.model_id,
             connector=args.connector,
             block_size=args.block_size,
