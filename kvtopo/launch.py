@@ -65,11 +65,17 @@ class StartedWorker:
     incarnation: str = ""
 
 
-def worker_command(role: str, token_file: Path, *extra: str, engine: str = "emulated") -> list[str]:
+def worker_command(
+    role: str,
+    token_file: Path,
+    *extra: str,
+    engine: str = "emulated",
+    operator_key_file: Path | None = None,
+) -> list[str]:
     """The command line of a worker (`engine`: a key of ENGINE_MODULES) on a free loopback
-    port, taking `token_file` as its client token and the operator's public key beside it
-    (`localkeys.Credentials.beside`)."""
-    creds = Credentials.beside(token_file)
+    port, taking `token_file` as its client token and `operator_key_file` as the operator's
+    public key (default: the one beside `token_file`, `localkeys.Credentials.beside`)."""
+    public = operator_key_file or Credentials.beside(token_file).operator_public
     return [
         sys.executable,
         "-m",
@@ -81,7 +87,7 @@ def worker_command(role: str, token_file: Path, *extra: str, engine: str = "emul
         "--token-file",
         str(token_file),
         "--operator-key-file",
-        str(creds.operator_public),
+        str(public),
         *extra,
     ]
 
@@ -147,19 +153,17 @@ def start_worker(
 
 
 def operator_args(
-    namespace: str, kubeconfig: Path, token_file: Path, resync_s: int, *extra: str
+    namespace: str, kubeconfig: Path, key_file: Path, resync_s: int, *extra: str
 ) -> list[str]:
     """The operator's arguments for one namespace (metrics on a free port), then `extra`;
-    its private key is the one beside `token_file` (`localkeys.Credentials.beside`), or
-    `token_file` itself when it is a key file (a name ending in `.key`)."""
-    key = token_file if token_file.suffix == ".key" else Credentials.beside(token_file).operator_key
+    `key_file`: its private key (`localkeys.Credentials.operator_key`)."""
     return [
         "--namespace",
         namespace,
         "--kubeconfig",
         str(kubeconfig),
         "--worker-key-file",
-        str(key),
+        str(key_file),
         "--metrics-port",
         "0",
         "--resync-seconds",

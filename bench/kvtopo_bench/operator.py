@@ -47,6 +47,7 @@ from aiohttp import web
 
 from kvtopo import launch
 from kvtopo.drill import manifests
+from kvtopo.localkeys import Credentials
 from kvtopo_operator.api import GROUP, PLURAL
 from kvtopo_operator.crd import crd_manifest
 from kvtopo_operator.kube import ClusterApi
@@ -611,7 +612,12 @@ class SizeRun:
         self.operator = await asyncio.to_thread(
             functools.partial(
                 launch.start_operator,
-                launch.operator_args(self.ns, self.cluster.kubeconfig, token_file, resync_s=2),
+                launch.operator_args(
+                    self.ns,
+                    self.cluster.kubeconfig,
+                    Credentials.beside(token_file).operator_key,
+                    resync_s=2,
+                ),
                 log_dir / f"operator-{self.ns}.log",
                 wrapper=wrap,
                 env=env,

@@ -21,6 +21,7 @@ owns the control-API calls the drill makes to workers.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -35,8 +36,14 @@ from kvtopo.drill.secrets import DrillSecrets
 from kvtopo.launch import parse_ready_line, worker_command
 from kvtopo_operator.api import ENDPOINT_ANNOTATION, ROLE_LABEL
 from kvtopo_worker.credentials import TokenSource
-from kvtopo_worker.http import request_as
 from kvtopo_worker.protocol import UNHEALTHY
+from kvtopo_worker.signing import (
+    CallerKey,
+    Challenge,
+    PrivateKeys,
+    parse_challenge,
+    route_kind,
+)
 
 log = logging.getLogger(__name__)
 
@@ -115,10 +122,14 @@ class Fleet:
     start_timeout_s: float = 120.0  # from the process start to its ready line
 
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
-    auth_fallbacks: int = 0  # calls refused with the current token, let in with the previous
+    # Calls answered 401 and asked again: with the previous client token, or signed for the
+    # engine's fresh challenge (its key file rotated).
+    auth_fallbacks: int = 0
     # Ready pods that have no engine, and why (shown when the drill times out).
     waiting: dict[str, str] = field(default_factory=dict)
     _auth: TokenSource | None = None
+    _signer: CallerKey | None = None
+    _challenges: dict[str, Challenge] = field(default_factory=dict)
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.create_task(coro, name=name)
@@ -131,26 +142,55 @@ class Fleet:
         return self.session
 
     async def call(self, method: str, url: str, body: object = None) -> tuple[int, Any]:
-        """One call to an engine as the drill's router (it holds the operator credential,
-        mounted like any pod's): (status, JSON answer or None). A 401 to the current token
-        is tried again with the previous one, as every caller does during a rotation.
-        Raises what aiohttp raises when the engine cannot be reached."""
+        """One call to an engine as the drill's router, with the credentials mounted like
+        any pod's: the client token on the traffic routes (a 401 to the current token is
+        tried again with the previous one, as every client does during a rotation), and,
+        as the drill's observer, the operator's key on the admin routes (the state reads:
+        signed for the engine's challenge, asked again once for a fresh one). (status, JSON
+        answer or None). Raises what aiohttp raises when the engine cannot be reached."""
+        mount = self.secrets.mount("router")
         if self._auth is None:
-            self._auth = TokenSource(path=self.secrets.mount("router").operator)
-        resp = await request_as(
-            self._http(),
-            method,
-            url,
-            self._auth.candidates(),
-            json=body,
-            on_fallback=self._count_fallback,
-        )
-        async with resp:
-            try:
-                answer = await resp.json(content_type=None)
-            except ValueError:
-                answer = None
-            return resp.status, answer
+            self._auth = TokenSource(path=mount.client_token)
+        if self._signer is None:
+            assert mount.operator_key is not None
+            self._signer = CallerKey("operator", PrivateKeys(path=mount.operator_key))
+        endpoint, _, path = url.removeprefix("http://").partition("/")
+        path = "/" + path
+        data = json.dumps(body).encode() if body is not None else None
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        admin = route_kind(path.split("?", 1)[0]) == "admin"
+        tries: list[str | None] = [None, None] if admin else list(self._auth.candidates())
+        for i, token in enumerate(tries):
+            sent = dict(headers)
+            if admin:
+                held = self._challenges.get(endpoint)
+                if held is not None:
+                    sent["Authorization"] = self._signer.authorization(
+                        held, method, path, endpoint, data or b""
+                    )
+            else:
+                sent["Authorization"] = f"Bearer {token}"
+            resp = await self._http().request(
+                method, url, data=data, headers=sent, allow_redirects=False
+            )
+            async with resp:
+                if resp.status == 401 and i + 1 < len(tries):
+                    fresh = parse_challenge(resp.headers.get("WWW-Authenticate", ""))
+                    if admin and (fresh is None or fresh == self._challenges.get(endpoint)):
+                        return resp.status, None
+                    if admin and fresh is not None:
+                        if endpoint in self._challenges:
+                            self._count_fallback()  # the engine's keys changed
+                        self._challenges[endpoint] = fresh
+                    elif not admin:
+                        self._count_fallback()
+                    continue
+                try:
+                    answer = await resp.json(content_type=None)
+                except ValueError:
+                    answer = None
+                return resp.status, answer
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _count_fallback(self) -> None:
         self.auth_fallbacks += 1
@@ -232,14 +272,13 @@ class Fleet:
             return await asyncio.create_subprocess_exec(
                 *worker_command(
                     role,
-                    mount.operator,
-                    "--peer-token-file",
-                    str(mount.peer),
+                    mount.client_token,
                     "--engine-id",
                     uid.replace("-", ""),
                     *self.worker_args,
                     *self.identity_args(pod, uid, ip),
                     engine=self.engine,
+                    operator_key_file=mount.operator_public,
                 ),
                 stdout=asyncio.subprocess.PIPE,
                 stderr=log,

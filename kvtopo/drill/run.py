@@ -141,6 +141,12 @@ class Drill:
         self.cluster.up()
         return Path(self.cluster.kubeconfig)
 
+    def _operator_key(self) -> Path:
+        """The operator replicas' mounted private key."""
+        key = self.secrets.mount("operator").operator_key
+        assert key is not None
+        return key
+
     def _start_operator(self, kubeconfig: Path, token_file: Path) -> subprocess.Popen[bytes]:
         """Starts an operator replica; with `--chaos leader-kill` each replica runs with
         leader election (a short Lease, so the drill sees the take-over), as the chart's
@@ -163,7 +169,7 @@ class Drill:
         kubeconfig = await asyncio.to_thread(self._kubeconfig)
         kube = self.kube = await asyncio.to_thread(ClusterApi, kubeconfig)
         self.secrets = DrillSecrets(self.opts.workdir / "secrets")
-        token_file = self.secrets.mount("operator").operator
+        token_file = self._operator_key()
         self.say("installing the KVTopology CRD")
         await asyncio.to_thread(kube.apply_crd, crd_manifest())
         await self._until("CRD established", lambda: kube.crd_established(CRD_NAME), 30)
@@ -513,9 +519,7 @@ class Drill:
             await asyncio.sleep(2.0)  # the operator stays down a while: that is the fault
             assert self.kube is not None
             kubeconfig = self.opts.kubeconfig or Path(self.cluster.kubeconfig)
-            self.operator = self._start_operator(
-                kubeconfig, self.secrets.mount("operator").operator
-            )
+            self.operator = self._start_operator(kubeconfig, self._operator_key())
             self.ledger.mark(time.monotonic(), "chaos", "operator restarted")
         elif self.opts.chaos == "leader-kill":
             await self._kill_leader(t)
@@ -527,7 +531,10 @@ class Drill:
 
             await self.secrets.rotate(ROTATION_SPREAD_S, self.rng, mark)
             fallbacks = self.fleet.auth_fallbacks
-            mark(f"rotation done; the router retried {fallbacks} calls with the previous token")
+            mark(
+                f"rotation done; the router asked {fallbacks} calls again (a fresh challenge "
+                "or the previous token)"
+            )
         elif self.opts.chaos == "hang-decode":
             self._hang_decode(t)
         elif self.opts.chaos == "apiserver-restart" and self.cluster is not None:
@@ -579,7 +586,7 @@ class Drill:
         assert self.kube is not None
         kubeconfig = self.opts.kubeconfig or Path(self.cluster.kubeconfig)
         self.operator = standby
-        self.standby = self._start_operator(kubeconfig, self.secrets.mount("operator").operator)
+        self.standby = self._start_operator(kubeconfig, self._operator_key())
         self.ledger.mark(time.monotonic(), "chaos", "the killed replica restarted as standby")
 
     def _caught_up(self, after: float) -> bool:

@@ -1,17 +1,18 @@
-"""The drill's two credentials, as a cluster's Secrets and each pod's mounted copy of them.
+"""The drill's credentials, as a cluster's Secrets and each pod's mounted copy of them.
 
-Owns the operator credential (what the operator, and the drill's router, present on the
-workers' admin routes) and the peer credential (what workers present to fetch each other's
-metadata), each a Secret of the drill's namespace: a master copy, and one mounted copy per
-holder (each engine, the operator, the router), written the way kubelet updates a Secret
-volume: the whole file replaced at once, on each pod at its own moment.
+Owns the operator's key pair (its private half what the operator, and the drill's router as
+the drill's observer, sign the workers' admin calls with; its public half what engines
+verify those calls with) and the client token (what the router presents on the engines'
+traffic routes): a master copy, and one mounted copy per holder, written the way kubelet
+updates a Secret volume: the whole file replaced at once, on each pod at its own moment.
+An engine's mount holds the public key and the client token only: nothing in it can sign a
+call or mint a ticket (`kvtopo_worker.signing`).
 
-`rotate` replaces both credentials under traffic as `docs/install.md` tells an operator
-user to: first every copy becomes "new token, then the old one" (holders send the new one
-and accept both), pod by pod in random order; then, once every copy has the new token, the
-old one is dropped, pod by pod again. A holder that has not been updated yet still talks to
-one that has (the previous token is accepted, and a refused current token is retried with
-the previous one), so a rotation costs no request. Called by `fleet` and `run`.
+`rotate` replaces both under traffic as `docs/install.md` tells an operator user to: first
+every copy becomes "new, then old" (signers sign with the first key the engine lists in its
+challenge, verifiers accept both), pod by pod in random order; then, once every copy has the
+new one, the old one is dropped, pod by pod again. A holder that has not been updated yet
+still talks to one that has, so a rotation costs no request. Called by `fleet` and `run`.
 """
 
 from __future__ import annotations
@@ -25,15 +26,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-KINDS = ("operator", "peer")
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from kvtopo_worker.signing import new_private_key, private_pem, public_pem
+
+SIGNERS = frozenset({"operator", "standby", "router"})
+"""Holders that mount the private key (the operator's replicas and the drill's observer)."""
 
 
 @dataclass(frozen=True)
 class Mount:
-    """One holder's mounted copies: its operator credential and its peer credential."""
+    """One holder's mounted copies: the operator's private key (signers only), its public
+    key and the client token."""
 
-    operator: Path
-    peer: Path
+    operator_key: Path | None
+    operator_public: Path
+    client_token: Path
 
 
 def _write(path: Path, text: str) -> None:
@@ -55,12 +63,16 @@ class DrillSecrets:
     def __init__(self, root: Path) -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
-        self.master: dict[str, list[str]] = {kind: [new_token()] for kind in KINDS}
+        self.keys: list[ec.EllipticCurvePrivateKey] = [new_private_key()]
+        self.tokens: list[str] = [new_token()]
         self.mounts: dict[str, Mount] = {}
         self.rotations = 0
 
-    def _text(self, kind: str) -> str:
-        return "\n".join(self.master[kind]) + "\n"
+    def _sync(self, mount: Mount) -> None:
+        if mount.operator_key is not None:
+            _write(mount.operator_key, "".join(private_pem(k) for k in self.keys))
+        _write(mount.operator_public, "".join(public_pem(k) for k in self.keys))
+        _write(mount.client_token, "\n".join(self.tokens) + "\n")
 
     def mount(self, holder: str) -> Mount:
         """The holder's copies (created from the Secrets as they are now, when new)."""
@@ -69,9 +81,12 @@ class DrillSecrets:
         folder = self.root / holder
         folder.mkdir(parents=True, exist_ok=True)
         folder.chmod(0o700)
-        mount = Mount(operator=folder / "operator-token", peer=folder / "peer-token")
-        _write(mount.operator, self._text("operator"))
-        _write(mount.peer, self._text("peer"))
+        mount = Mount(
+            operator_key=folder / "operator.key" if holder in SIGNERS else None,
+            operator_public=folder / "operator.pub",
+            client_token=folder / "client-token",
+        )
+        self._sync(mount)
         self.mounts[holder] = mount
         return mount
 
@@ -88,22 +103,22 @@ class DrillSecrets:
         for holder in holders:
             mount = self.mounts.get(holder)
             if mount is not None:  # not gone meanwhile
-                _write(mount.operator, self._text("operator"))
-                _write(mount.peer, self._text("peer"))
+                self._sync(mount)
             await asyncio.sleep(rng.uniform(0, 2 * spread_s / max(1, len(holders))))
         return len(holders)
 
     async def rotate(
         self, spread_s: float, rng: random.Random, mark: Callable[[str], None]
     ) -> None:
-        """Replaces both credentials, overlap-safe (see the module docstring)."""
-        for kind in KINDS:
-            self.master[kind] = [new_token(), self.master[kind][0]]
-        mark("rotation: new tokens in the Secrets (the old ones kept as previous)")
+        """Replaces the key pair and the client token, overlap-safe (see the module
+        docstring)."""
+        self.keys = [new_private_key(), self.keys[0]]
+        self.tokens = [new_token(), self.tokens[0]]
+        mark("rotation: a new key pair and client token in the Secrets (the old ones kept)")
         n = await self._sync_all(spread_s, rng)
-        mark(f"rotation: {n} mounted copies hold the new and the old tokens")
-        for kind in KINDS:
-            self.master[kind] = self.master[kind][:1]
+        mark(f"rotation: {n} mounted copies hold the new and the old ones")
+        self.keys = self.keys[:1]
+        self.tokens = self.tokens[:1]
         n = await self._sync_all(spread_s, rng)
         self.rotations += 1
-        mark(f"rotation: old tokens dropped from the Secrets and {n} mounted copies")
+        mark(f"rotation: old key and token dropped from the Secrets and {n} mounted copies")

@@ -311,15 +311,20 @@ class WorkerClient:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         for attempt in range(2):
             held = self._challenges.get(endpoint)
-            sent = dict(headers)
-            if held is not None:
-                if held.pod_uid != pod_uid:
+            if held is not None and held.pod_uid != pod_uid:
+                if attempt == 1:  # the endpoint's own answer names another pod
                     raise IdentityMismatch(
                         f"the worker at {endpoint} says it runs in pod uid "
                         f"{held.pod_uid or '(none)'}, the pod's is {pod_uid}; no signed call "
                         "was sent; start the worker with its pod identity (--pod-uid, from "
                         "the downward API)"
                     )
+                # Held for another pod that had this address (a pod IP is reused): ask the
+                # endpoint afresh, unsigned.
+                self.forget(endpoint)
+                held = None
+            sent = dict(headers)
+            if held is not None:
                 sent["Authorization"] = self.caller.authorization(
                     held, method, path, str(target), body or b""
                 )

@@ -17,6 +17,7 @@ from typing import Any
 
 from kvtopo import launch
 from kvtopo.drill import manifests
+from kvtopo.localkeys import Credentials
 from tests.cluster.kube import apply
 from tests.e2e.harness import OperatorHarness, WorkerFactory
 from tests.worker.workers import WorkerProcess, start_worker
@@ -77,7 +78,10 @@ class Env(OperatorHarness):
 
     def start_operator(self) -> None:  # type: ignore[override]
         args = launch.operator_args(
-            self.namespace, self.cluster.kubeconfig, self.token_file, resync_s=1
+            self.namespace,
+            self.cluster.kubeconfig,
+            Credentials.beside(self.token_file).operator_key,
+            resync_s=1,
         )
         super().start_operator(args, f"operator-{time.monotonic_ns()}.log")
 

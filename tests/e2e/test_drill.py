@@ -110,7 +110,7 @@ def test_a_killed_leader_or_a_credential_rotation_costs_no_request(
         (took,) = report["leader_takeover_s"]
         assert took <= report["lease_s"] + 5, struck
     else:
-        assert any("old tokens dropped" in label for label in struck), struck
+        assert any("old key and token dropped" in label for label in struck), struck
 
 
 def test_an_engine_restarted_in_its_pod_is_reconnected_with_no_manual_action(

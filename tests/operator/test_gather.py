@@ -22,7 +22,11 @@ class Workers:
         self.reads: list[str] = []
 
     async def read(
-        self, endpoint: str, timeout_s: float, known: WorkerView | None = None, pod_uid: str = ""
+        self,
+        endpoint: str,
+        timeout_s: float,
+        known: WorkerView | None = None,
+        pod_uid: str = "",
     ) -> WorkerView | WorkerUnreachable:
         self.reads.append(endpoint)
         return self.answers[endpoint]
@@ -136,7 +140,11 @@ def test_a_background_read_never_overwrites_what_the_operator_learnt_meanwhile()
 
     class Slow(Workers):
         async def read(
-            self, endpoint: str, timeout_s: float, known: WorkerView | None = None, pod_uid: str = ""
+            self,
+            endpoint: str,
+            timeout_s: float,
+            known: WorkerView | None = None,
+            pod_uid: str = "",
         ) -> WorkerView | WorkerUnreachable:
             self.reads.append(endpoint)
             answer = self.answers[endpoint]
@@ -234,7 +242,11 @@ def test_a_re_read_offers_the_view_as_read_and_keeps_it_when_the_worker_confirms
 
     class Conditional(Workers):
         async def read(
-            self, endpoint: str, timeout_s: float, known: WorkerView | None = None, pod_uid: str = ""
+            self,
+            endpoint: str,
+            timeout_s: float,
+            known: WorkerView | None = None,
+            pod_uid: str = "",
         ) -> WorkerView | WorkerUnreachable:
             offered.append(known)
             if known is not None and known.etag == "t1":
@@ -301,7 +313,11 @@ def test_a_change_found_by_a_re_read_pokes_the_loop_before_the_rest_of_the_batch
 
     class OneSlow(Workers):
         async def read(
-            self, endpoint: str, timeout_s: float, known: WorkerView | None = None, pod_uid: str = ""
+            self,
+            endpoint: str,
+            timeout_s: float,
+            known: WorkerView | None = None,
+            pod_uid: str = "",
         ) -> WorkerView | WorkerUnreachable:
             self.reads.append(endpoint)
             if endpoint.endswith(":slow") and known is not None:
@@ -381,7 +397,11 @@ class Hung(Workers):
         self.out = 0  # reads waiting now
 
     async def read(
-        self, endpoint: str, timeout_s: float, known: WorkerView | None = None, pod_uid: str = ""
+        self,
+        endpoint: str,
+        timeout_s: float,
+        known: WorkerView | None = None,
+        pod_uid: str = "",
     ) -> WorkerView | WorkerUnreachable:
         self.reads.append(endpoint)
         if endpoint in self.hung:

@@ -34,6 +34,7 @@ from kvtopo.cluster.deadlines import wait_until
 from kvtopo.cluster.local_cluster import LocalCluster
 from kvtopo.cluster.processes import log_tail
 from kvtopo.drill import manifests
+from kvtopo.localkeys import Credentials
 from kvtopo_operator.kube import ClusterApi, LeaseClient, LeaseRecord
 from kvtopo_operator.leader import ElectionConfig, LeaderElector
 from tests.cluster.kube import apply, create_namespace, get_json
@@ -283,8 +284,7 @@ class Operators:
     replicas: dict[str, Replica] = field(default_factory=dict)
 
     def start(self, identity: str) -> Replica:
-        token = self.tmp / "token"
-        token.write_text("leader-e2e-token\n")
+        token = Credentials.beside(self.tmp / "token").operator_key
         port = free_port()
         args = launch.operator_args(
             self.namespace,

@@ -180,7 +180,7 @@ async def test_handlers_remember_topologies_as_standby_and_act_only_while_leadin
 
 
 def operator_argv(*extra: str) -> list[str]:
-    return launch.operator_args("llm", Path("/kc"), Path("/token"), 2, *extra)
+    return launch.operator_args("llm", Path("/kc"), Path("/operator.key"), 2, *extra)
 
 
 def test_leader_election_flags_as_the_launcher_writes_them() -> None:
@@ -205,7 +205,7 @@ def test_leader_election_flags_as_the_launcher_writes_them() -> None:
 def test_the_lease_namespace_defaults_to_the_pods_when_watching_everything(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("KVTOPO_WORKER_TOKEN", "t")
+    monkeypatch.setenv("KVTOPO_WORKER_KEY_FILE", "/operator.key")
     monkeypatch.setenv("POD_NAMESPACE", "kvtopo-system")
     assert parse_args(["-A", "--leader-elect"]).leader_elect_namespace == "kvtopo-system"
     assert parse_args(["-n", "a", "-n", "b", "--leader-elect"]).leader_elect_namespace == "a"

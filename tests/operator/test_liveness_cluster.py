@@ -27,6 +27,7 @@ from kvtopo.cluster.deadlines import DeadlineExceededError, wait_until
 from kvtopo.cluster.local_cluster import LocalCluster
 from kvtopo.cluster.processes import log_tail
 from kvtopo.drill import manifests
+from kvtopo.localkeys import Credentials
 from tests.cluster.kube import (
     CONTROL_PORT,
     apply,
@@ -76,8 +77,7 @@ def test_the_liveness_endpoint_fails_while_a_loop_is_stuck(
         cluster_a,
         manifests.topology("llama", app="llama", namespace=ns, handshake={"timeoutSeconds": 30}),
     )
-    token = tmp_path / "token"
-    token.write_text("liveness-token\n")
+    token = Credentials.beside(tmp_path / "token").operator_key
     port = free_port()
     args = launch.operator_args(
         ns,

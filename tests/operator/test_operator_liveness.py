@@ -205,7 +205,7 @@ async def test_request_timeouts_end_a_round_against_an_api_server_that_never_ans
 def test_the_liveness_flags(tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("t\n")
-    base = ["--namespace", "ns", "--worker-token-file", str(token)]
+    base = ["--namespace", "ns", "--worker-key-file", str(token)]
     args = parse_args(base)
     assert args.relist_seconds == 60.0 and args.stuck_after_seconds is None
     args = parse_args([*base, "--relist-seconds", "0", "--stuck-after-seconds", "30"])

@@ -207,7 +207,7 @@ def test_the_gather_forgets_an_unhealthy_mark_once_the_operators_add_succeeded()
     views = {"d0": mesh(d0={"P0": "dropped: x"})["d0"]}
 
     async def read(
-        endpoint: str, timeout_s: float, known: WorkerView | None = None
+        endpoint: str, timeout_s: float, known: WorkerView | None = None, pod_uid: str = ""
     ) -> WorkerView | WorkerUnreachable:
         return views["d0"]
 

@@ -1,5 +1,7 @@
-"""The operator's worker client: batched peer changes, whole-call failures, and the worker
-token read from its file. Real aiohttp servers on loopback."""
+"""The operator's worker client: batched peer changes, whole-call failures, calls signed for
+the challenge a worker answers (and only for the pod it must be), tickets, and the
+operator's key read from its file. Real aiohttp servers on loopback, checking signatures with
+the worker's own guard (`kvtopo_worker.signing.CallGuard`)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,51 @@ from kvtopo_operator.model import (
 )
 from kvtopo_operator.workers import CallResult, PeerAdd, WorkerClient
 from kvtopo_worker.credentials import TokenError
+from kvtopo_worker.signing import (
+    CallGuard,
+    PrivateKeys,
+    PublicKeys,
+    new_private_key,
+    private_pem,
+)
+
+OPERATOR = new_private_key()
+
+
+def client_of(key=OPERATOR) -> WorkerClient:  # type: ignore[no-untyped-def]
+    return WorkerClient(None, PrivateKeys(keys=[key]))
+
+
+def guarded(guard: CallGuard, signed: list[str] | None = None) -> web.Application:
+    """An app whose routes take only calls the operator signed for `guard` (401 with its
+    challenge otherwise), as a worker's admin routes do; `signed` collects what verified."""
+
+    @web.middleware
+    async def auth(request: web.Request, handler):  # type: ignore[no-untyped-def]
+        host = request.host
+        which = guard.accepts(
+            "operator",
+            request.headers.get("Authorization", ""),
+            request.method,
+            request.path_qs,
+            [host],
+            await request.read(),
+        )
+        if which is None:
+            return web.json_response(
+                {"error": "unauthorized", "message": "sign"},
+                status=401,
+                headers={"WWW-Authenticate": guard.challenge("operator")},
+            )
+        if signed is not None:
+            signed.append(f"{request.method} {request.path}")
+        return await handler(request)
+
+    return web.Application(middlewares=[auth])
+
+
+def new_guard(uid: str = "") -> CallGuard:
+    return CallGuard({"operator": PublicKeys(keys=[OPERATOR.public_key()])}, pod_uid=uid)
 
 
 async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
@@ -42,7 +89,7 @@ def read_state(state: dict[str, object], timeout_s: float = 5.0) -> object:
 
         app.router.add_get("/v1/state", get)
         runner, endpoint = await serve(app)
-        client = WorkerClient(None, token="tok")
+        client = client_of()
         try:
             return await client.state(endpoint, timeout_s)
         finally:
@@ -56,11 +103,11 @@ def run(body: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(body())
 
 
-def test_a_batch_carries_the_token_and_gives_each_item_its_outcome() -> None:
+def test_a_batch_is_signed_for_the_worker_and_gives_each_item_its_outcome() -> None:
     seen: list[dict[str, object]] = []
+    signed: list[str] = []
 
     async def patch(request: web.Request) -> web.Response:
-        assert request.headers["Authorization"] == "Bearer tok"
         body = json.loads(await request.read())
         seen.append(body)
         return web.json_response(
@@ -80,10 +127,10 @@ def test_a_batch_carries_the_token_and_gives_each_item_its_outcome() -> None:
         )
 
     async def body() -> None:
-        app = web.Application()
+        app = guarded(new_guard(), signed)
         app.router.add_patch("/v1/peers", patch)
         runner, endpoint = await serve(app)
-        client = WorkerClient(None, token="tok")
+        client = client_of()
         try:
             got = await client.change_peers(
                 endpoint,
@@ -108,43 +155,131 @@ def test_a_batch_carries_the_token_and_gives_each_item_its_outcome() -> None:
                 "evict": ["p0"],
             }
         ]
+        assert signed == ["PATCH /v1/peers"]  # asked once unsigned (401 + challenge), then signed
 
     run(body)
 
 
-def test_an_empty_token_file_fails_the_calls_naming_it(tmp_path: Path) -> None:
-    token_file = tmp_path / "token"
-    token_file.write_text("\n")
-    with pytest.raises(TokenError, match=f"worker token file {token_file} is empty"):
-        WorkerClient(token_file)
-    calls: list[str] = []
+def test_an_empty_key_file_fails_the_calls_naming_it(tmp_path: Path) -> None:
+    key_file = tmp_path / "operator.key"
+    key_file.write_text("\n")
+    with pytest.raises(TokenError, match=f"private key file {key_file} holds no PEM block"):
+        WorkerClient(key_file)
+    signed: list[str] = []
 
     async def patch(request: web.Request) -> web.Response:
-        calls.append(request.headers.get("Authorization", ""))
         return web.json_response({"results": []})
 
     async def body() -> None:
-        token_file.write_text("tok\n")
-        client = WorkerClient(token_file)
-        app = web.Application()
+        key_file.write_text(private_pem(OPERATOR))
+        client = WorkerClient(key_file)
+        app = guarded(new_guard(), signed)
         app.router.add_patch("/v1/peers", patch)
         app.router.add_get("/v1/state", patch)
         runner, endpoint = await serve(app)
         try:
             await client.change_peers(endpoint, [], ["p0"], 1.0)
-            assert calls == ["Bearer tok"]
-            token_file.write_text("  ")  # rotated to nothing: the file is read again
-            later = token_file.stat().st_mtime_ns + 5_000_000_000
-            os.utime(token_file, ns=(later, later))
+            assert signed == ["PATCH /v1/peers"]
+            key_file.write_text("  ")  # rotated to nothing: the file is read again
+            later = key_file.stat().st_mtime_ns + 5_000_000_000
+            os.utime(key_file, ns=(later, later))
             got = await client.change_peers(endpoint, [], ["p0"], 1.0)
             state = await client.state(endpoint, 1.0)
         finally:
             await client.close()
             await runner.cleanup()
-        assert calls == ["Bearer tok"]  # nothing was sent without a token
+        assert signed == ["PATCH /v1/peers"]  # nothing was signed without a key
         (result,) = got.values()
-        assert not result.ok and f"worker token file {token_file} is empty" in result.message
-        assert isinstance(state, WorkerUnreachable) and str(token_file) in state.message
+        assert not result.ok and f"private key file {key_file}" in result.message
+        assert isinstance(state, WorkerUnreachable) and str(key_file) in state.message
+
+    run(body)
+
+
+def test_nothing_is_signed_for_an_endpoint_whose_challenge_names_another_pod() -> None:
+    """A selected pod whose endpoint answers with another pod's uid (a spy, or a worker
+    started without its identity) gets no signed call: the read fails as an identity
+    mismatch, and the spy sees only unsigned requests."""
+    seen: list[str] = []
+    guard = new_guard(uid="uid-of-another-pod")
+
+    @web.middleware
+    async def spy(request: web.Request, handler):  # type: ignore[no-untyped-def]
+        seen.append(request.headers.get("Authorization", ""))
+        return web.json_response(
+            {"error": "unauthorized"},
+            status=401,
+            headers={"WWW-Authenticate": guard.challenge("operator")},
+        )
+
+    async def body() -> None:
+        runner, endpoint = await serve(web.Application(middlewares=[spy]))
+        client = client_of()
+        try:
+            state = await client.state(endpoint, 1.0, pod_uid="uid-of-this-pod")
+            got = await client.change_peers(endpoint, [], ["p0"], 1.0, pod_uid="uid-of-this-pod")
+        finally:
+            await client.close()
+            await runner.cleanup()
+        assert isinstance(state, WorkerUnreachable) and state.identity_mismatch
+        assert "uid-of-another-pod" in state.message and "uid-of-this-pod" in state.message
+        (result,) = got.values()
+        assert not result.ok and "no signed call" in result.message
+        # Each call asked the endpoint afresh (a pod IP may have passed to another pod),
+        # unsigned; nothing signed reached it.
+        assert seen == ["", ""]
+
+    run(body)
+
+
+def test_each_add_carries_a_ticket_its_peer_verifies_for_the_fetching_engine() -> None:
+    peer_guard = new_guard(uid="uid-p1")
+    received: list[dict[str, object]] = []
+
+    async def state(request: web.Request) -> web.Response:
+        return web.json_response({"engine_id": "p1", "role": "prefill", "compat_hash": "h"})
+
+    async def patch(request: web.Request) -> web.Response:
+        received.append(json.loads(await request.read()))
+        return web.json_response({"results": []})
+
+    async def body() -> None:
+        peer_app = guarded(peer_guard)
+        peer_app.router.add_get("/v1/state", state)
+        worker_app = guarded(new_guard(uid="uid-d0"))
+        worker_app.router.add_patch("/v1/peers", patch)
+        peer_runner, peer = await serve(peer_app)
+        worker_runner, worker = await serve(worker_app)
+        client = client_of()
+        try:
+            assert isinstance(await client.state(peer, 1.0, pod_uid="uid-p1"), WorkerView)
+            await client.change_peers(
+                worker,
+                [PeerAdd("p1", peer, "prefill", "uid-p1", "inc-p1")],
+                [],
+                1.0,
+                pod_uid="uid-d0",
+                fetcher=("d0", "inc-d0"),
+            )
+        finally:
+            await client.close()
+            await peer_runner.cleanup()
+            await worker_runner.cleanup()
+        (item,) = received[0]["add"]  # type: ignore[misc]
+        ticket = str(item["ticket"])
+        from kvtopo_worker.signing import ticket_authorization
+
+        def verifies(fetcher: str, incarnation: str) -> bool:
+            header = ticket_authorization(ticket, "GET", "/v1/metadata?rank=0", peer)
+            return (
+                peer_guard.accepts_ticket(
+                    header, fetcher, incarnation, "GET", "/v1/metadata?rank=0", [peer], b""
+                )
+                is not None
+            )
+
+        assert verifies("d0", "inc-d0")
+        assert not verifies("d0", "inc-restarted") and not verifies("d1", "inc-d0")
 
     run(body)
 
@@ -157,7 +292,7 @@ def test_a_failed_batch_fails_every_item_with_its_reason() -> None:
         return web.json_response({"results": []})
 
     async def body() -> None:
-        client = WorkerClient(None, token="tok")
+        client = client_of()
         try:
             with socket.socket() as s:  # a port nobody listens on
                 s.bind(("127.0.0.1", 0))
@@ -203,7 +338,7 @@ def test_a_batch_with_adds_carries_the_handshake_deadline_it_is_given() -> None:
         app = web.Application()
         app.router.add_patch("/v1/peers", patch)
         runner, endpoint = await serve(app)
-        client = WorkerClient(None, token="tok")
+        client = client_of()
         add = PeerAdd("p1", "10.0.0.1:1", "prefill")
         try:
             await client.change_peers(endpoint, [add], [], 7.0, handshake_timeout_s=7.0)
@@ -227,14 +362,14 @@ def test_the_idle_ttl_is_set_with_put_settings_and_confirmed_by_the_answer() -> 
     answers: list[web.Response] = []
 
     async def put(request: web.Request) -> web.Response:
-        seen.append((request.headers["Authorization"], json.loads(await request.read())))
+        seen.append((request.headers["Authorization"][:10], json.loads(await request.read())))
         return answers.pop(0)
 
     async def body() -> None:
-        app = web.Application()
+        app = guarded(new_guard())
         app.router.add_put("/v1/settings", put)
         runner, endpoint = await serve(app)
-        client = WorkerClient(None, token="tok")
+        client = client_of()
         answers.extend(
             [
                 web.json_response({"idle_ttl_s": 30.0}),
@@ -251,7 +386,7 @@ def test_the_idle_ttl_is_set_with_put_settings_and_confirmed_by_the_answer() -> 
         finally:
             await client.close()
             await runner.cleanup()
-        assert seen == [("Bearer tok", {"idle_ttl_s": 30.0})] * 3
+        assert seen == [("KVTopo-Sig", {"idle_ttl_s": 30.0})] * 3
         assert got[0] == CallResult(True, 200, "")
         assert got[1] == CallResult(False, 400, "bad_request: no")
         assert not got[2].ok and "holds idle_ttl_s 0.0" in got[2].message
@@ -282,7 +417,7 @@ def test_the_state_says_which_settings_the_worker_takes() -> None:
         app = web.Application()
         app.router.add_get("/v1/state", state)
         runner, endpoint = await serve(app)
-        client = WorkerClient(None, token="tok")
+        client = client_of()
         try:
             new, old = [await client.state(endpoint, 1.0) for _ in range(2)]
         finally:

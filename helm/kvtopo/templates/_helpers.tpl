@@ -72,17 +72,15 @@ app.kubernetes.io/component: operator
 {{- end }}
 
 {{/*
-The worker token Secret: the chart's own ("<fullname>-worker-token") or an existing one.
+The operator's private key Secret (release namespace) and its public key ConfigMap (every
+engine namespace): the chart's own ("<fullname>-operator-key") or existing ones.
 */}}
-{{- define "kvtopo.workerTokenSecretName" -}}
-{{- default (printf "%s-worker-token" (include "kvtopo.fullname" .)) .Values.workerToken.existingSecret }}
+{{- define "kvtopo.operatorKeySecretName" -}}
+{{- default (printf "%s-operator-key" (include "kvtopo.fullname" .)) .Values.operatorKey.existingSecret }}
 {{- end }}
 
-{{/*
-The peer token Secret: the chart's own ("<fullname>-peer-token") or an existing one.
-*/}}
-{{- define "kvtopo.peerTokenSecretName" -}}
-{{- default (printf "%s-peer-token" (include "kvtopo.fullname" .)) .Values.peerToken.existingSecret }}
+{{- define "kvtopo.operatorKeyConfigMapName" -}}
+{{- default (printf "%s-operator-key" (include "kvtopo.fullname" .)) .Values.operatorKey.existingConfigMap }}
 {{- end }}
 
 {{- define "kvtopo.peeringName" -}}
@@ -100,7 +98,7 @@ The leader-election Lease, in the release namespace ("<fullname>-operator" by de
 The namespaces where engine pods run, as a JSON list (use with fromJsonArray): the values'
 engineNamespaces, else the release namespace. In namespace scope the operator watches
 exactly these and is granted Roles only there; in cluster scope it watches every namespace
-and these only say where the NetworkPolicy and the worker token Secret go.
+and these only say where the NetworkPolicy and the operator's public key ConfigMap go.
 */}}
 {{- define "kvtopo.engineNamespaces" -}}
 {{- if .Values.engineNamespaces }}
@@ -108,15 +106,6 @@ and these only say where the NetworkPolicy and the worker token Secret go.
 {{- else }}
 {{- list .Release.Namespace | toJson }}
 {{- end }}
-{{- end }}
-
-{{/*
-Where the chart's worker token Secret is written: the release namespace (the operator mounts
-it) and every engine namespace (engine pods mount it), each once.
-*/}}
-{{- define "kvtopo.tokenNamespaces" -}}
-{{- $engine := include "kvtopo.engineNamespaces" . | fromJsonArray }}
-{{- prepend $engine .Release.Namespace | uniq | toJson }}
 {{- end }}
 
 {{/*
@@ -197,6 +186,9 @@ operator never lists, watches, patches or deletes Leases.
 Rules that span several values (values.schema.json checks each value on its own).
 */}}
 {{- define "kvtopo.validate" -}}
+{{- if ne (empty .Values.operatorKey.existingSecret) (empty .Values.operatorKey.existingConfigMap) }}
+{{- fail "operatorKey.existingSecret and operatorKey.existingConfigMap go together (the private key and its public key), or neither (the chart generates both)" }}
+{{- end }}
 {{- if and .Values.metrics.serviceMonitor.enabled (not .Values.metrics.enabled) }}
 {{- fail "metrics.serviceMonitor.enabled=true needs metrics.enabled=true (the ServiceMonitor scrapes the metrics Service)" }}
 {{- end }}
