@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtopo_worker.endpoints import EndpointError, parse_endpoint
 from kvtopo_worker.signing import (
     CallerKey,
     Challenge,
@@ -44,6 +45,16 @@ MAX_ANSWER_BYTES = 64 << 20
 UNUSABLE_TICKET = "0" * 16 + ":" + "0" * 64
 """A well-formed ticket that opens no engine: what a peer add to an endpoint that answered no
 challenge carries (a crafted server in a test verifies nothing; a real engine refuses it)."""
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A redirect is an answer, never followed (as every kvtopo client of the control API)."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirects)
 
 
 def _write(path: Path, text: str, mode: int) -> None:
@@ -105,7 +116,7 @@ class ControlClient:
             raise ValueError(f"the control API is plain HTTP, not {url[:40]!r}")
         req = urllib.request.Request(url, data=data, method=method, headers=headers)  # noqa: S310
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 (http only)
+            with _OPENER.open(req, timeout=timeout) as resp:
                 return resp.status, resp.read(MAX_ANSWER_BYTES), dict(resp.headers)
         except urllib.error.HTTPError as err:
             return err.code, err.read(MAX_ANSWER_BYTES), dict(err.headers)
@@ -123,10 +134,12 @@ class ControlClient:
 
     def ticket(self, endpoint: str, fetcher: tuple[str, str]) -> str:
         """The ticket for `fetcher` to fetch the metadata of the engine at `endpoint`
-        (`UNUSABLE_TICKET` when that endpoint answers no challenge)."""
+        (`UNUSABLE_TICKET` when that endpoint is not ip:port, which is never dialled, or
+        answers no challenge)."""
         try:
+            parse_endpoint(endpoint)
             held = self.challenge(endpoint)
-        except OSError:
+        except (EndpointError, OSError):
             held = None
         if held is None:
             return UNUSABLE_TICKET

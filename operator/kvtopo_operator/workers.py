@@ -314,10 +314,10 @@ class WorkerClient:
             if held is not None and held.pod_uid != pod_uid:
                 if attempt == 1:  # the endpoint's own answer names another pod
                     raise IdentityMismatch(
-                        f"the worker at {endpoint} says it runs in pod uid "
-                        f"{held.pod_uid or '(none)'}, the pod's is {pod_uid}; no signed call "
-                        "was sent; start the worker with its pod identity (--pod-uid, from "
-                        "the downward API)"
+                        f"the worker at {endpoint} is not this pod's: it says it runs in pod "
+                        f"uid {held.pod_uid or '(none)'}, the pod's is {pod_uid}; nothing "
+                        "signed was sent; start the worker with its pod identity (--pod-uid, "
+                        "from the downward API)"
                     )
                 # Held for another pod that had this address (a pod IP is reused): ask the
                 # endpoint afresh, unsigned.

@@ -5,8 +5,9 @@ points elsewhere (paths, queries, fragments, userinfo, foreign hosts, IPv6 forms
 refused, reported and never dialled, which a sink HTTP server listening at those places
 proves by receiving no request at all; a pod that claims another pod's IP is not acted on
 (the worker there reports another pod's identity); a worker asked to fetch a peer's
-metadata from such an endpoint refuses; and a pod whose IP is IPv6 is reached at its
-bracketed address.
+metadata from such an endpoint refuses; a pod whose IP is IPv6 is reached at its
+bracketed address; and what the operator sends a selected pod's endpoint (a spy) opens
+nothing at any other engine.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.kube import create_engine_pod, loopback_pod_ip, mark_pod_ready
+from tests.cluster.kube import CONTROL_PORT, create_engine_pod, loopback_pod_ip, mark_pod_ready
 from tests.e2e.env import Env, peers, ready_status
 
 pytestmark = pytest.mark.nixl
@@ -174,7 +175,10 @@ def test_a_worker_refuses_to_fetch_from_an_endpoint_that_is_not_ip_port(
         "PUT", "/v1/peers/p-evil", {"endpoint": f"127.0.0.1:{sink.port}", "role": "prefill"}
     )
     assert status == 502 and "HTTP 302" in body["message"], body
-    assert [(m, p) for m, p, _ in sink.requests] == [("GET", "/v1/metadata?rank=0")]
+    # (The test's own client, acting as the operator, first asked the sink for its challenge
+    # to mint the add's ticket: one unsigned state read, its redirect not followed either.)
+    fetched = [(m, p) for m, p, _ in sink.requests if p != "/v1/state"]
+    assert fetched == [("GET", "/v1/metadata?rank=0")], sink.requests
 
 
 def test_a_pod_claiming_another_pods_ip_is_not_acted_on(env: Env) -> None:
@@ -225,3 +229,111 @@ def test_an_ipv6_pod_is_reached_at_its_bracketed_address(env: Env) -> None:
     e = engine_of(st, "d6")
     assert e is not None and e["endpoint"] == f"[::1]:{port}" and e["state"] == "Connected"
     assert peers(env.workers["p0"]) == {d6.engine_id}
+
+
+@dataclass
+class Spy:
+    """A selected pod's endpoint that is no worker: it answers as an engine would, 401 with a
+    challenge naming its own pod's uid (and, to make the most of what it gets, claiming the
+    victim engine's public key), records the `Authorization` of every request the operator
+    sends it, and answers a signed one 500."""
+
+    ip: str
+    victim: str  # the victim worker's endpoint, whose challenge the spy copies
+    uid: str = ""
+    seen: list[tuple[str, str, str]] = field(default_factory=list)  # (method, path, auth)
+    server: http.server.ThreadingHTTPServer | None = None
+
+    def challenge(self) -> str:
+        """The victim's challenge with the spy's own pod uid ("" when the victim gives none)."""
+        import base64
+        import urllib.error
+        import urllib.request
+
+        try:
+            urllib.request.urlopen(f"http://{self.victim}/v1/state", timeout=5)
+        except urllib.error.HTTPError as err:
+            header = err.headers.get("WWW-Authenticate", "")
+        else:
+            return ""
+        uid = base64.urlsafe_b64encode(self.uid.encode()).rstrip(b"=").decode()
+        return ",".join(
+            f"uid={uid}" if part.startswith("uid=") else part for part in header.split(",")
+        )
+
+    def start(self) -> None:
+        spy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                auth = self.headers.get("Authorization", "")
+                spy.seen.append((self.command, self.path, auth))
+                self.send_response(500 if auth else 401)
+                if not auth and (challenge := spy.challenge()):
+                    self.send_header("WWW-Authenticate", challenge)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            do_GET = do_PUT = do_PATCH = do_DELETE = do_POST = _answer  # noqa: N815
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer((self.ip, CONTROL_PORT), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+
+
+def replay(endpoint: str, method: str, path: str, auth: str) -> int:
+    """The status a worker at `endpoint` answers to a request carrying `auth`."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"http://{endpoint}{path}", method=method)
+    req.add_header("Authorization", auth)
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as err:
+        return int(err.code)
+
+
+def test_what_the_operator_sends_a_spy_pod_opens_nothing_at_another_engine(env: Env) -> None:
+    """Defect 10 (9cfedae sent its bearer token to any selected pod on the first state
+    read, and every engine took it): a spy pod is selected by the topology, gets everything
+    the operator sends it, and replays each credential to a real decode: reading its state,
+    and evicting its prefill. Every replay is refused, and the pair stays connected."""
+    p0 = env.pod("p0", "prefill", env.worker("prefill"))
+    d0 = env.pod("d0", "decode", env.worker("decode"))
+    spy = Spy(ip=loopback_pod_ip(), victim=d0.endpoint)
+    spy.uid = create_engine_pod(env.cluster, env.namespace, "spy", "decode", {"version": "v1"})
+    spy.start()
+    try:
+        mark_pod_ready(env.cluster, env.namespace, "spy", [spy.ip])
+        env.topology()
+        env.start_operator()
+        env.wait(
+            "the operator has called the spy, signed, and the pair is connected",
+            lambda: (
+                any(auth for _, _, auth in spy.seen)
+                and peers(d0) == {p0.engine_id}
+                and peers(p0) == {d0.engine_id}
+            ),
+            timeout=60,
+        )
+        got = [(m, p, a) for m, p, a in spy.seen if a]
+        assert got, spy.seen
+        for method, path, auth in got:
+            # The same request at the victim, and an eviction of its prefill.
+            assert replay(d0.endpoint, method, path, auth) == 401, (method, path, auth[:40])
+            evict = f"/v1/peers/{p0.engine_id}"
+            assert replay(d0.endpoint, "DELETE", evict, auth) == 401, auth[:40]
+            assert replay(p0.endpoint, "GET", "/v1/state", auth) == 401, auth[:40]
+        assert peers(d0) == {p0.engine_id} and peers(p0) == {d0.engine_id}
+    finally:
+        spy.stop()

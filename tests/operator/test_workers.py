@@ -224,7 +224,7 @@ def test_nothing_is_signed_for_an_endpoint_whose_challenge_names_another_pod() -
         assert isinstance(state, WorkerUnreachable) and state.identity_mismatch
         assert "uid-of-another-pod" in state.message and "uid-of-this-pod" in state.message
         (result,) = got.values()
-        assert not result.ok and "no signed call" in result.message
+        assert not result.ok and "nothing signed was sent" in result.message
         # Each call asked the endpoint afresh (a pod IP may have passed to another pod),
         # unsigned; nothing signed reached it.
         assert seen == ["", ""]
