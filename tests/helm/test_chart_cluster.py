@@ -7,7 +7,7 @@ nodes (two replicas, leader election) and prints NOTES that tell the user what t
 namespace-scoped (nothing on Secrets, pod writes, nodes or other namespaces; the one Lease)
 and, after `helm upgrade` to cluster scope with peering (one replica, no leader election)
 and other changed values, cluster-wide reads of pods and KVTopologies but still
-no Secrets; the upgrade rolls the Deployment and keeps the generated worker token; and
+no Secrets; the upgrade rolls the Deployment and keeps the generated operator key; and
 `helm uninstall` leaves nothing behind but the CRD that Helm's CRD policy keeps.
 """
 
@@ -110,7 +110,8 @@ def test_default_and_full_renders_pass_a_server_side_dry_run(
         ):
             assert f"{what} created (server dry run)" in out, out
         assert out.count("role.rbac.authorization.k8s.io/kvt-full-operator created") == 2
-        assert out.count("secret/kvt-full-worker-token created") == 3
+        assert out.count("secret/kvt-full-operator-key created") == 1  # the operator's only
+        assert out.count("configmap/kvt-full-operator-key created") == len(engines)
         # A dry run creates nothing.
         assert not get_json(cluster, "deployments", "-n", ops)["items"]
     finally:
@@ -209,7 +210,7 @@ def test_install_grants_exactly_the_namespaced_permissions(
             f"only in: {ns}",
             f"kubectl -n {ns} rollout status deployment/kvt-kvtopo-operator",
             "kvtopo.dev/role: prefill",
-            'Secret "kvt-kvtopo-worker-token", key "token"',
+            'ConfigMap "kvt-kvtopo-operator-key"',
             "kvtopo.dev/control-endpoint",
             "port 8975",
             "get kvt",
@@ -241,7 +242,7 @@ def test_install_grants_exactly_the_namespaced_permissions(
         denied = [
             ("get", "secrets", *n),
             ("list", "secrets", *n),
-            ("get", f"secret/{name}-kvtopo-worker-token", *n),
+            ("get", f"secret/{name}-kvtopo-operator-key", *n),
             ("list", "secrets", "-A"),
             ("create", "pods", *n),
             ("delete", "pods", *n),
@@ -281,14 +282,26 @@ def test_install_grants_exactly_the_namespaced_permissions(
         cluster.kubectl("delete", "namespace", other, "--wait=false", check=False)
 
 
+def public_key_id(config_map: dict[str, Any]) -> str:
+    """The id of the public key a ConfigMap's certificate carries (a re-rendered certificate
+    differs in its dates and serial, not in its key)."""
+    from cryptography import x509
+
+    from kvtopo_worker.signing import key_id
+
+    cert = x509.load_pem_x509_certificate(config_map["data"]["operator.pem"].encode())
+    return key_id(cert.public_key())  # type: ignore[arg-type]
+
+
 def test_upgrade_and_uninstall(cluster: LocalCluster, helm: Helm, release: tuple[str, str]) -> None:
     name, ns = release
     fullname = f"{name}-kvtopo"
     helm.run("install", name, str(CHART), "-n", ns, *values_args(KWOK_PLACEMENT))
     before = deployment_available(cluster, ns, f"{fullname}-operator")
-    secret = get_json(cluster, "secret", f"{fullname}-worker-token", "-n", ns)
-    token = base64.b64decode(secret["data"]["token"]).decode()
-    assert len(token) == 48
+    secret = get_json(cluster, "secret", f"{fullname}-operator-key", "-n", ns)
+    key = base64.b64decode(secret["data"]["operator.key"]).decode()
+    assert "BEGIN EC PRIVATE KEY" in key
+    public = get_json(cluster, "configmap", f"{fullname}-operator-key", "-n", ns)
 
     # Changed values: cluster scope, peering (so one replica, no leader election), a
     # different resync period and resources.
@@ -314,9 +327,12 @@ def test_upgrade_and_uninstall(cluster: LocalCluster, helm: Helm, release: tuple
     pods = get_json(cluster, "pods", "-n", ns, "-l", "app.kubernetes.io/instance=kvt")["items"]
     live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
     assert [p["metadata"]["annotations"]["example.com/upgraded"] for p in live] == ["yes"]
-    # The token survives the upgrade (looked up, not regenerated).
-    secret = get_json(cluster, "secret", f"{fullname}-worker-token", "-n", ns)
-    assert base64.b64decode(secret["data"]["token"]).decode() == token
+    # The key survives the upgrade (looked up, not regenerated), and the public key the
+    # engines hold with it.
+    secret = get_json(cluster, "secret", f"{fullname}-operator-key", "-n", ns)
+    assert base64.b64decode(secret["data"]["operator.key"]).decode() == key
+    again = get_json(cluster, "configmap", f"{fullname}-operator-key", "-n", ns)
+    assert public_key_id(again) == public_key_id(public)
     # The Role became a ClusterRole; the peering object exists.
     assert not get_json(cluster, "roles", "-n", ns)["items"]
     get_json(cluster, "clusterrole", f"{fullname}-operator")

@@ -4,7 +4,7 @@ Covers `helm lint` (default values and a values file that sets every option), th
 CRD being the checked-in `crds/kvtopology.yaml`, what the templates render for each option
 (least-privilege RBAC in both scopes, the leader-election Role on one Lease, the hardened
 operator Deployment of two replicas with leader election (or one, Recreate, without) whose
-arguments the real `kvtopo-operator` parser accepts, the worker token Secret, the engines'
+arguments the real `kvtopo-operator` parser accepts, the operator key pair, the engines'
 NetworkPolicy, the operator's NetworkPolicy that admits /metrics only from the monitoring
 namespace, metrics and peering objects), and that bad values are refused with a message
 naming the offending value (values.schema.json, plus template checks for rules that span
@@ -14,7 +14,6 @@ several values).
 from __future__ import annotations
 
 import base64
-import re
 from pathlib import Path
 from typing import Any
 
@@ -156,7 +155,7 @@ def test_default_objects(default_docs: list[dict[str, Any]]) -> None:
             "NetworkPolicy",
             "NetworkPolicy",
             "Secret",
-            "Secret",
+            "ConfigMap",
         ]
     )
     assert {d["metadata"]["namespace"] for d in default_docs} == {"llm"}
@@ -166,22 +165,25 @@ def test_default_objects(default_docs: list[dict[str, Any]]) -> None:
         assert labels["app.kubernetes.io/managed-by"] == "Helm"
     # The names the examples and docs use for release "kvtopo".
     assert {s["metadata"]["name"] for s in objects(default_docs, "Secret")} == {
-        "kvtopo-worker-token",
-        "kvtopo-peer-token",
+        "kvtopo-operator-key"
+    }
+    assert {c["metadata"]["name"] for c in objects(default_docs, "ConfigMap")} == {
+        "kvtopo-operator-key"
     }
     assert one(default_docs, "Deployment")["metadata"]["name"] == "kvtopo-operator"
 
 
-def test_examples_use_the_default_token_secret_and_control_port(
+def test_examples_use_the_default_public_key_and_control_port(
     default_docs: list[dict[str, Any]],
 ) -> None:
-    secrets = sorted(s["metadata"]["name"] for s in objects(default_docs, "Secret"))
+    [public] = objects(default_docs, "ConfigMap")
     policy = worker_policy(default_docs)
     port = policy["spec"]["ingress"][0]["ports"][0]["port"]
     for name in ("prefill-deployment.yaml", "decode-deployment.yaml"):
         pod = yaml.safe_load((ROOT / "examples" / name).read_text())["spec"]["template"]["spec"]
-        mounted = sorted(v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v)
-        assert mounted == secrets, name
+        assert not [v for v in pod["volumes"] if "secret" in v], f"{name}: engines hold no Secret"
+        maps = [v["configMap"]["name"] for v in pod["volumes"] if "configMap" in v]
+        assert maps == [public["metadata"]["name"]], name
         ports = {p["name"]: p["containerPort"] for p in pod["containers"][0]["ports"]}
         assert ports["kvtopo-control"] == port, name
 
@@ -223,15 +225,15 @@ def test_deployment_is_hardened_with_a_hot_standby(default_docs: list[dict[str, 
     service = one(default_docs, "Service")
     assert service["spec"]["ports"][0]["targetPort"] == "metrics"
     assert service["spec"]["selector"].items() <= pod_labels(deploy).items()
-    # The token file the operator reads is the mounted Secret's key.
-    token_arg = next(a for a in c["args"] if a.startswith("--worker-token-file="))
-    mount = next(m for m in c["volumeMounts"] if m["name"] == "worker-token")
+    # The key file the operator reads is the mounted Secret's key.
+    key_arg = next(a for a in c["args"] if a.startswith("--worker-key-file="))
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "operator-key")
     assert mount["readOnly"] is True
-    assert token_arg == f"--worker-token-file={mount['mountPath']}/token"
-    volume = next(v for v in pod["volumes"] if v["name"] == "worker-token")
+    assert key_arg == f"--worker-key-file={mount['mountPath']}/operator.key"
+    volume = next(v for v in pod["volumes"] if v["name"] == "operator-key")
     assert (
         volume["secret"]["secretName"]
-        == named(default_docs, "Secret", "kvtopo-worker-token")["metadata"]["name"]
+        == named(default_docs, "Secret", "kvtopo-operator-key")["metadata"]["name"]
     )
     # A read-only root filesystem still needs a writable /tmp.
     assert any(m["mountPath"] == "/tmp" for m in c["volumeMounts"])
@@ -282,7 +284,7 @@ def test_operator_accepts_the_rendered_arguments(helm: Helm, values: dict[str, A
         # The Lease is in the release namespace, not the first engine namespace.
         assert args.leader_elect and args.leader_elect_namespace == "kvtopo-system"
     assert args.verbose == bool(values.get("operator", {}).get("verbose"))
-    assert str(args.worker_token_file) == "/var/run/kvtopo/token"
+    assert str(args.worker_key_file) == "/var/run/kvtopo/operator.key"
     assert args.resync_seconds == 2.0 and args.state_reads_per_second == 100.0
 
 
@@ -320,7 +322,7 @@ def test_the_full_values_render_every_option(full_docs: list[dict[str, Any]]) ->
     assert all(
         r["metadata"]["name"] != "kvt-full-leader-election" for r in objects(full_docs, "Role")
     )
-    assert str(args.worker_token_file) == "/var/run/kvtopo/bearer"
+    assert str(args.worker_key_file) == "/var/run/kvtopo/signing.key"
     assert (args.metrics_port, c["ports"][1]["containerPort"]) == (9090, 9091)
     sm = one(full_docs, "ServiceMonitor")
     assert sm["metadata"]["labels"]["release"] == "prometheus"
@@ -544,42 +546,66 @@ def named(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
     return found
 
 
-# --- the worker token --------------------------------------------------------------------------
+# --- the operator's key pair --------------------------------------------------------------------
 
 
-def test_token_secret_is_generated_into_every_namespace_that_needs_it(helm: Helm) -> None:
+def test_the_key_pair_is_generated_the_private_half_only_where_the_operator_is(
+    helm: Helm, tmp_path: Path
+) -> None:
+    from kvtopo_worker.signing import key_id, load_private_keys, load_public_keys
+
     docs = render(helm, {"engineNamespaces": ["llm-a", "llm-b"]}, namespace="ops")
-    worker = [s for s in objects(docs, "Secret") if s["metadata"]["name"] == "kvtopo-worker-token"]
-    peer = [s for s in objects(docs, "Secret") if s["metadata"]["name"] == "kvtopo-peer-token"]
-    # The worker token where the operator and the engines are; the peer token only where
-    # engines are (the operator never holds it).
-    assert sorted(s["metadata"]["namespace"] for s in worker) == ["llm-a", "llm-b", "ops"]
-    assert sorted(s["metadata"]["namespace"] for s in peer) == ["llm-a", "llm-b"]
-    tokens = {base64.b64decode(s["data"]["token"]).decode() for s in worker}
-    peer_tokens = {base64.b64decode(s["data"]["token"]).decode() for s in peer}
-    assert len(tokens) == 1 and len(peer_tokens) == 1, "every copy holds the same token"
-    token = tokens.pop()
-    assert re.fullmatch(r"[A-Za-z0-9]{48}", token) and peer_tokens.pop() != token
-    # No cluster to look the Secret up in: `helm template` shows a fresh value every time
+    [secret] = objects(docs, "Secret")
+    maps = objects(docs, "ConfigMap")
+    # The private key in the release namespace only; the public key where engines are.
+    assert secret["metadata"]["namespace"] == "ops"
+    assert sorted(m["metadata"]["namespace"] for m in maps) == ["llm-a", "llm-b"]
+    key_file = tmp_path / "operator.key"
+    key_file.write_bytes(base64.b64decode(secret["data"]["operator.key"]))
+    [private] = load_private_keys(key_file)
+    for m in maps:
+        assert "PRIVATE" not in m["data"]["operator.pem"]
+        pem = tmp_path / f"{m['metadata']['namespace']}.pem"
+        pem.write_text(m["data"]["operator.pem"])
+        [public] = load_public_keys(pem)
+        assert key_id(public) == key_id(private.public_key()), "the ConfigMap is the key's"
+    # No cluster to look the Secret up in: `helm template` shows a fresh key every time
     # (documented); installs and upgrades keep the first one (tests/helm/test_chart_cluster).
     again = objects(render(helm, {"engineNamespaces": ["llm-a"]}, namespace="ops"), "Secret")
-    assert base64.b64decode(again[0]["data"]["token"]).decode() != token
+    assert again[0]["data"]["operator.key"] != secret["data"]["operator.key"]
 
 
-def test_existing_token_secret_is_mounted_not_created(helm: Helm) -> None:
+def test_an_existing_key_pair_is_mounted_not_created(helm: Helm) -> None:
     docs = render(
         helm,
         {
-            "workerToken": {"existingSecret": "my-token", "key": "tok"},
-            "peerToken": {"existingSecret": "my-peer-token"},
+            "operatorKey": {
+                "existingSecret": "my-key",
+                "existingConfigMap": "my-public-key",
+                "key": "k",
+            },
         },
     )
-    assert not objects(docs, "Secret")
+    assert not objects(docs, "Secret") and not objects(docs, "ConfigMap")
     pod = one(docs, "Deployment")["spec"]["template"]["spec"]
-    volume = next(v for v in pod["volumes"] if v["name"] == "worker-token")
-    assert volume["secret"]["secretName"] == "my-token"
-    assert volume["secret"]["items"] == [{"key": "tok", "path": "tok"}]
-    assert "--worker-token-file=/var/run/kvtopo/tok" in container(docs)["args"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "operator-key")
+    assert volume["secret"]["secretName"] == "my-key"
+    assert volume["secret"]["items"] == [{"key": "k", "path": "k"}]
+    assert "--worker-key-file=/var/run/kvtopo/k" in container(docs)["args"]
+
+
+def test_an_existing_secret_without_its_configmap_is_refused(helm: Helm) -> None:
+    result = helm.run(
+        "template",
+        "kvtopo",
+        str(CHART),
+        "--kube-version",
+        "1.36.0",
+        "--set",
+        "operatorKey.existingSecret=my-key",
+        check=False,
+    )
+    assert result.returncode != 0 and "go together" in result.stderr, result.stderr
 
 
 # --- the NetworkPolicy -------------------------------------------------------------------------
@@ -741,8 +767,9 @@ BAD_VALUES = [
     ({"leaderElection": {"retryPeriodSeconds": 0}}, "at '/leaderElection/retryPeriodSeconds'"),
     ({"leaderElection": {"leaseName": "Bad Name"}}, "at '/leaderElection/leaseName'"),
     ({"operator": {"extraArgs": ["-v"]}}, "at '/operator/extraArgs/0'"),
-    ({"workerToken": {"length": 8}}, "at '/workerToken/length': minimum: got 8, want 32"),
-    ({"workerToken": {"existingSecret": "Not A Name"}}, "at '/workerToken/existingSecret'"),
+    ({"operatorKey": {"key": "a/b"}}, "at '/operatorKey/key'"),
+    ({"operatorKey": {"existingSecret": "Not A Name"}}, "at '/operatorKey/existingSecret'"),
+    ({"workerToken": {"key": "token"}}, "additional properties 'workerToken' not allowed"),
     (
         {"metrics": {"serviceMonitor": {"interval": "soon"}}},
         "at '/metrics/serviceMonitor/interval'",
@@ -852,7 +879,7 @@ def test_install_doc_covers_every_option_and_the_opt_in_contract() -> None:
         "kvtopo.dev/role: prefill",
         "kvtopo.dev/control-endpoint",
         "kvtopo-control",
-        "--token-file",
+        "--operator-key-file",
         "## Upgrade",
         "## Uninstall",
         "kubectl delete crd kvtopologies.kvtopo.dev",

@@ -5,7 +5,8 @@ default values (namespace scope, leader election). A token for the chart's Servi
 minted through the TokenRequest API (`kubectl create token`), and `kvtopo-operator` runs as a
 local process with a kubeconfig holding only that token and exactly the arguments of the
 chart's Deployment (`--leader-elect` included; local paths and loopback ports swapped in),
-reading the worker token from the chart's generated Secret.
+signing with the private key of the chart's generated Secret, and its workers verifying
+with the public key of the chart's ConfigMap.
 
 Every verb used is granted: the operator creates the absent Lease and renews it, two engine
 pods backed by real `kvtopo-worker` processes get connected (Ready=True, pairs 1/1), and
@@ -38,6 +39,7 @@ from kvtopo import launch
 from kvtopo.cluster.deadlines import wait_until
 from kvtopo.cluster.local_cluster import LocalCluster
 from kvtopo.drill import manifests
+from kvtopo.localkeys import OPERATOR_KEY, OPERATOR_PUBLIC, Credentials
 from tests.cluster.kube import apply, create_namespace, get_json
 from tests.e2e.harness import OperatorHarness
 from tests.helm.chart import CHART, Helm, binary, can_i, parse, rules_set
@@ -47,7 +49,8 @@ pytestmark = pytest.mark.nixl
 
 RELEASE = "kvtopo"
 SERVICE_ACCOUNT = "kvtopo"  # the chart's default: the full name, "kvtopo" for this release
-TOKEN_SECRET = "kvtopo-worker-token"
+TOKEN_SECRET = "kvtopo-operator-key"  # the operator's private key (Secret); the public key
+# is the ConfigMap of the same name
 GRACE = 1
 # The operator turns kopf's cluster-wide scanning of namespaces and CRDs off, so with the
 # chart's grants it meets no refusal at all.
@@ -114,11 +117,16 @@ class Installed(OperatorHarness):
         path.chmod(0o600)
         return path
 
-    def worker_token_file(self) -> Path:
+    def chart_credentials(self) -> Credentials:
+        """The chart's key pair as files: the Secret's private key (for the operator) and
+        the ConfigMap's public key (for the workers), beside a client token."""
         secret = get_json(self.cluster, "secret", TOKEN_SECRET, "-n", self.namespace)
-        path = self.tmp / "worker-token"
-        path.write_bytes(base64.b64decode(secret["data"]["token"]))
-        return path
+        public = get_json(self.cluster, "configmap", TOKEN_SECRET, "-n", self.namespace)
+        folder = self.tmp / "chart-keys"
+        folder.mkdir(exist_ok=True)
+        (folder / OPERATOR_KEY).write_bytes(base64.b64decode(secret["data"]["operator.key"]))
+        (folder / OPERATOR_PUBLIC).write_text(public["data"]["operator.pem"])
+        return Credentials.beside(folder / "token")  # keeps the two files written above
 
     def manifest(self) -> list[dict[str, Any]]:
         return parse(self.helm.run("get", "manifest", RELEASE, "-n", self.namespace).stdout)
@@ -228,9 +236,10 @@ def test_operator_as_the_chart_service_account_reconciles_end_to_end(
     # Exactly the chart's arguments, with local paths and loopback ports swapped in.
     chart_args = env.deployment_args()
     liveness_port = free_port()
-    token_file = env.worker_token_file()
+    creds = env.chart_credentials()
+    token_file = creds.client_token
     swapped = {
-        "--worker-token-file": str(token_file),
+        "--worker-key-file": str(creds.operator_key),
         "--liveness": f"http://127.0.0.1:{liveness_port}/healthz",
         "--metrics-port": "0",
     }
