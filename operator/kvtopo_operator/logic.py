@@ -820,7 +820,11 @@ def engine_statuses(
     for pod, message, why in sorted(engines.unusable.values(), key=lambda pr: pr[0].name):
         prev_for_pod = prev_by_pod.get(pod.name)
         told = prev_for_pod is not None and prev_for_pod.message == message[:512]
-        if why != Reason.WORKER_UNREACHABLE and not told:
+        # An unreachable worker is said in the status only (restarts make them common); one
+        # that refuses the operator's key (401: its key file lacks the operator's key) is a
+        # misconfiguration to act on, said once by an Event too.
+        refused = why == Reason.WORKER_UNREACHABLE and "HTTP 401" in message
+        if (why != Reason.WORKER_UNREACHABLE or refused) and not told:
             events.append(Event("Warning", why.value, f"{pod.name}: {message}"))
         statuses.append(
             EngineStatus(

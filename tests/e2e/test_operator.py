@@ -259,7 +259,7 @@ def test_operator_help_mentions_scope() -> None:
         env={**os.environ},
     )
     assert (
-        out.returncode == 0 and "--namespace" in out.stdout and "--worker-token-file" in out.stdout
+        out.returncode == 0 and "--namespace" in out.stdout and "--worker-key-file" in out.stdout
     )
 
 

@@ -490,7 +490,10 @@ class ControlServer:
         if which is not None:
             self.metrics.authenticated_total.labels("operator", which).inc()
             return None
-        if not self.guard.stale(request.headers.get("Authorization", "")):
+        header = request.headers.get("Authorization", "")
+        if self.guard.unknown_key("operator", header):
+            self.metrics.rejected_total.labels("unknown_key").inc()
+        elif not self.guard.stale(header):
             self.metrics.reject("control_auth")  # a bad signature (a stale one is no fault)
         resp = _error(
             401,

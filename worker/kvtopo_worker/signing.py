@@ -450,6 +450,17 @@ class CallGuard:
         f = _fields(header, SCHEME)
         return not header or (f is not None and f.get("ek") != self.key.id)
 
+    def unknown_key(self, role: str, header: str) -> bool:
+        """Whether `header` is signed with a caller key this engine does not know (a key
+        file not rotated yet, or rotated wrong): answered with our challenge, which lists
+        the keys we know; counted apart from bad signatures."""
+        f = _fields(header, SCHEME)
+        try:
+            known = {kid for kid, _ in self._role_keys(role)}
+        except TokenError:
+            return False
+        return f is not None and f.get("kid") not in known
+
     def challenge(self, role: str) -> str:
         """The `WWW-Authenticate` value of a 401 on a route of `role`."""
         try:
