@@ -23,23 +23,24 @@ Owns the aiohttp server that runs inside the engine process on its own thread an
                                    counters moved (`protocol.state_tag`)
     POST   /v1/introductions       Introduction (msgpack): a peer handshaking lazily (no
                                    operator) introduces itself with its metadata; its agents
-                                   are added and our metadata answered (peer credential,
+                                   are added and our metadata answered (peer token,
                                    signed; an engine id held by another live process, or
                                    evicted by the operator, is refused; 403 unless the
                                    engine takes lazy handshakes: `introductions`)
     GET    /metrics                Prometheus text (no token)
     GET    /healthz                liveness (no token)
 
-Every other route needs the right credential (`kvtopo_worker.credentials`): the peer routes
-(`GET /v1/metadata`, `POST /v1/introductions`) a request signed with the peer credential
-(`KVTopo-Peer`: the token itself never leaves an engine, and a signature is good only for
-the endpoint it was made for, once; `GET /v1/metadata` also takes the token as a bearer, for
-tools), every other route `Authorization: Bearer <token>` of the operator credential; each
-accepts its current and previous token, so a rotation never locks a caller out. Both come
-from files (mounted Secrets), re-read when they change; while a file holds no token its
-routes answer 503. Peer endpoints are checked (`kvtopo_worker.endpoints`: ip:port only)
-before anything is dialled, no redirect is followed, and a peer add may name the pod uid and
-incarnation the peer must have. Bad bodies
+Every other route needs the right credential (`kvtopo_worker.signing.route_kind`): the
+admin routes (state, peers, settings) a call signed with the operator's key for this engine
+(`KVTopo-Sig`; an unsigned or stale call is answered 401 with our challenge, which the
+operator derives the call key from; this engine holds only the operator's public key);
+`GET /v1/metadata` a request signed with the ticket the operator gave the fetching engine
+(`KVTopo-Ticket`), or, only where lazy handshakes are on, with the shared peer token
+(`KVTopo-Peer`, as `POST /v1/introductions`); the traffic routes a bearer client token. Each
+key or token file may hold the previous key or token during a rotation, and is re-read when
+it changes; while a file holds nothing usable its routes answer 503. Peer endpoints are
+checked (`kvtopo_worker.endpoints`: ip:port only) before anything is dialled, no redirect is
+followed, and a peer add may name the pod uid and incarnation the peer must have. Bad bodies
 get a 4xx with an `ErrorBody`; peers' bytes are decoded in two phases and never reach NIXL
 unchecked. NIXL handshakes run on one single-thread executor, at most one per engine (the
 registry's handshake futures). Used by `emulated` and by real engines embedding kvtopo.
