@@ -62,6 +62,7 @@ from kvtopo_worker.protocol import (
     WorkerState,
     tag_matches,
 )
+from kvtopo_worker.signing import CallGuard, PublicKeys
 
 SIZES = ((16, 64), (32, 1000), (64, 2000))
 CONTROL_PORT = 8975
@@ -93,6 +94,9 @@ class FakeWorker:
     # changed (as a real worker, it answers 304 to its tag while nothing changed).
     answer: tuple[bytes, str] | None = None
     generation: int = 0
+    # Its guard of the operator's signed calls (None: it takes any call, for an operator
+    # tree that predates signing, `--baseline-tree`).
+    guard: CallGuard | None = None
 
     def changed(self) -> None:
         self.generation += 1
@@ -100,10 +104,14 @@ class FakeWorker:
 
 
 class FakeFleet:
-    """Many fake worker control servers, one per pod IP, on one aiohttp runner."""
+    """Many fake worker control servers, one per pod IP, on one aiohttp runner. With
+    `operator_keys`, each worker takes only calls the operator signed for it (a key and a
+    challenge of its own, as a real worker), so the operator's signing is in the figures."""
 
-    def __init__(self, namespace: str) -> None:
+    def __init__(self, namespace: str, operator_keys: PublicKeys | None = None) -> None:
         self.namespace = namespace
+        self.operator_keys = operator_keys
+        self.adds_without_ticket = 0
         self.by_ip: dict[str, FakeWorker] = {}
         self.by_engine: dict[str, FakeWorker] = {}
         app = web.Application()
@@ -129,6 +137,8 @@ class FakeFleet:
         site = web.TCPSite(self.runner, ip, CONTROL_PORT)
         await site.start()
         w = FakeWorker(f"fake-{pod}", role, pod, uid, ip, 0.0, site)
+        if self.operator_keys is not None:
+            w.guard = CallGuard({"operator": self.operator_keys}, pod_uid=uid)
         self.by_ip[ip] = w
         self.by_engine[w.engine_id] = w
         return w
@@ -150,10 +160,26 @@ class FakeFleet:
             raise web.HTTPServiceUnavailable(text="no worker listens here any more")
         return w
 
-    async def _hostile(self, w: FakeWorker) -> web.Response | None:
-        """What a hostile worker answers (None: it is not hostile)."""
-        if not w.hostile:
+    async def _refused(self, w: FakeWorker, request: web.Request) -> web.Response | None:
+        """401 with the worker's challenge unless the call is signed for it (None: it is)."""
+        if w.guard is None:
             return None
+        accepted = w.guard.accepts(
+            "operator",
+            request.headers.get("Authorization", ""),
+            request.method,
+            request.path_qs,
+            [f"{w.ip}:{CONTROL_PORT}"],
+            await request.read(),
+        )
+        if accepted is not None:
+            return None
+        return web.Response(status=401, headers={"WWW-Authenticate": w.guard.challenge("operator")})
+
+    async def _hostile(self, w: FakeWorker, request: web.Request) -> web.Response | None:
+        """What a hostile worker answers, or a refusal of an unsigned call (None: neither)."""
+        if not w.hostile:
+            return await self._refused(w, request)
         self.hostile_calls += 1
         if w.hostile == "hung":
             await self.never.wait()
@@ -166,7 +192,7 @@ class FakeFleet:
     async def _state(self, request: web.Request) -> web.Response:
         self.requests += 1
         w = self._worker(request)
-        if (answer := await self._hostile(w)) is not None:
+        if (answer := await self._hostile(w, request)) is not None:
             return answer
         if w.answer is None:
             w.answer = (self._encode_state(w), f'"{w.engine_id}-{w.generation}"')
@@ -207,7 +233,7 @@ class FakeFleet:
     async def _put(self, request: web.Request) -> web.Response:
         self.requests += 1
         w = self._worker(request)
-        if (answer := await self._hostile(w)) is not None:
+        if (answer := await self._hostile(w, request)) is not None:
             return answer
         body = msgspec.json.decode(await request.read(), type=PeerAddRequest)
         eid = request.match_info["engine_id"]
@@ -220,7 +246,7 @@ class FakeFleet:
     async def _delete(self, request: web.Request) -> web.Response:
         self.requests += 1
         w = self._worker(request)
-        if (answer := await self._hostile(w)) is not None:
+        if (answer := await self._hostile(w, request)) is not None:
             return answer
         eid = request.match_info["engine_id"]
         result = "evicted" if eid in w.peers else "absent"
@@ -231,11 +257,13 @@ class FakeFleet:
     async def _patch(self, request: web.Request) -> web.Response:
         self.requests += 1
         w = self._worker(request)
-        if (answer := await self._hostile(w)) is not None:
+        if (answer := await self._hostile(w, request)) is not None:
             return answer
         changes = msgspec.json.decode(await request.read(), type=PeerChanges)
         results = []
         for item in changes.add:
+            if w.guard is not None and not item.ticket:
+                self.adds_without_ticket += 1
             result = "present" if item.engine_id in w.peers else "added"
             w.peers.add(item.engine_id)
             w.peer_incarnations[item.engine_id] = item.incarnation
@@ -566,7 +594,23 @@ class SizeRun:
         await asyncio.to_thread(self.core.delete_namespace, ns)
         return took
 
+    def _operator_args(self, token_file: Path) -> list[str]:
+        """The operator's arguments: its private key beside `token_file`; an operator tree
+        that predates signed calls (`--baseline-tree` at an older commit) is given the
+        token file itself, as it was then."""
+        args = launch.operator_args(
+            self.ns, self.cluster.kubeconfig, Credentials.beside(token_file).operator_key, 2
+        )
+        main = (self.operator_tree or Path()) / "operator" / "kvtopo_operator" / "main.py"
+        if self.operator_tree is not None and "--worker-key-file" not in main.read_text():
+            i = args.index("--worker-key-file")
+            args[i : i + 2] = ["--worker-token-file", str(token_file)]
+        return args
+
     async def run(self, token_file: Path, log_dir: Path) -> dict[str, Any]:
+        if self.operator_tree is None:  # an operator that signs: the workers check it
+            public = Credentials.beside(token_file).operator_public
+            self.fleet.operator_keys = PublicKeys(path=public)
         await self.fleet.start()
         bare_s = await self.bare_rollout()
         self.log(f"  the control plane alone rolls the {self.decode} decodes out in {bare_s:.1f} s")
@@ -612,12 +656,7 @@ class SizeRun:
         self.operator = await asyncio.to_thread(
             functools.partial(
                 launch.start_operator,
-                launch.operator_args(
-                    self.ns,
-                    self.cluster.kubeconfig,
-                    Credentials.beside(token_file).operator_key,
-                    resync_s=2,
-                ),
+                self._operator_args(token_file),
                 log_dir / f"operator-{self.ns}.log",
                 wrapper=wrap,
                 env=env,
@@ -716,6 +755,7 @@ class SizeRun:
                 "size": f"{self.prefill}x{self.decode}",
                 "hostile": self.hostile,
                 "hostile_calls": self.fleet.hostile_calls,
+                "adds_without_ticket": self.fleet.adds_without_ticket,
                 "pods": self.prefill + self.decode,
                 "ready_to_connected_p50_s": round(_pct(ready, 0.5), 3),
                 "ready_to_connected_p99_s": round(_pct(ready, 0.99), 3),
