@@ -568,12 +568,14 @@ def test_example_deployments_are_selected_by_their_role(deployment: dict[str, An
         "KVTOPO_POD_NAME": "metadata.name",
         "KVTOPO_POD_UID": "metadata.uid",
     }
+    # The operator's public key (the chart's ConfigMap) and no Secret: the pod holds nothing
+    # that could sign a call or open another engine.
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
-    secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"]}
-    by_flag = {"--token-file": "kvtopo-worker-token", "--peer-token-file": "kvtopo-peer-token"}
-    for flag, secret in by_flag.items():
-        [volume] = [name for name, s in secrets.items() if s == secret]
-        assert flags[flag] == f"{mounts[volume]}/token", flag
+    assert all("secret" not in v for v in pod["volumes"]), pod["volumes"]
+    maps = {v["name"]: v["configMap"]["name"] for v in pod["volumes"]}
+    [volume] = [name for name, m in maps.items() if m == "kvtopo-operator-key"]
+    assert flags["--operator-key-file"] == f"{mounts[volume]}/operator.pem"
+    assert "--token-file" not in flags and "--peer-token-file" not in flags
     # Generic for real clusters: nothing of the local kwok drill.
     assert "nodeSelector" not in pod
     assert "tolerations" not in pod
