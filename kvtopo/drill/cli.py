@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvtopo.drill.ledger import invariants_hold
+from kvtopo.drill.ledger import invariants_hold, targets
 from kvtopo.drill.report import progress_view, render_plot, render_table
 from kvtopo.drill.run import LEASE_S, Drill, DrillOptions
 
@@ -104,6 +104,13 @@ def add_drill_parser(verbs: Any) -> None:
         "--no-live", action="store_true", help="plain progress lines instead of a live view"
     )
     p.add_argument(
+        "--strict-targets",
+        action="store_true",
+        help="also exit non-zero (3) when a latency target is missed (the gate's p99, a "
+        "take-over, a lost node's eviction, convergence under a hung decode); by default "
+        "a missed target is reported, and only a broken invariant fails the drill",
+    )
+    p.add_argument(
         "--timeout",
         type=float,
         help="give up after this many seconds (default: 600; 2400 with --engine vllm, whose "
@@ -114,10 +121,11 @@ def add_drill_parser(verbs: Any) -> None:
 
 def run_drill(args: argparse.Namespace) -> int:
     """Runs a drill from parsed flags; 0 when every invariant held, 1 when one broke, 2 when
-    the drill could not finish."""
+    the drill could not finish, 3 when (with --strict-targets) a latency target was missed."""
     from rich.console import Console
 
     console = Console()
+    strict_targets = bool(args.strict_targets)
     opts = DrillOptions(
         prefill=args.prefill,
         decode=args.decode,
@@ -173,6 +181,7 @@ def run_drill(args: argparse.Namespace) -> int:
         report["lease_s"] = LEASE_S
     report["tp"] = opts.tp
     report["engine"] = opts.engine
+    report["targets"] = targets(report)
     console.print(render_table(report))
     if opts.json_path is not None:
         opts.json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -181,8 +190,16 @@ def run_drill(args: argparse.Namespace) -> int:
     if opts.plot_path is not None:
         render_plot(drill.ledger, report, opts.plot_path)
         console.print(f"timeline plot: {opts.plot_path}")
+    missed = [t for t in report["targets"] if not t["met"]]
+    for t in missed:
+        console.print(
+            f"[yellow]target missed[/yellow]: {t['name']} {t['measured']:g} > {t['limit']:g}"
+        )
     if not invariants_hold(report):
         console.print("[red]an invariant broke[/red]; offending requests:")
         console.print(json.dumps(report["offending_requests"], indent=1))
         return 1
+    if missed and strict_targets:
+        console.print("[red]a latency target was missed[/red] (--strict-targets)")
+        return 3
     return 0

