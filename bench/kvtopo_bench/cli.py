@@ -158,6 +158,15 @@ def add_bench_parser(
                 "answers garbage and one hangs, all along. The report's hostile section "
                 "compares the healthy engines' ready -> connected p99 (target: within 1.2x)",
             )
+        if name == "registry":
+            kind.add_argument(
+                "--baseline-tree",
+                type=Path,
+                metavar="DIR",
+                help="also measure the registry of this source tree (a checkout of another "
+                "commit): the 64-rank critical sections and the writer under churn, each tree "
+                "in processes of its own, alternating A B B A; the report's side_by_side",
+            )
         if name == "push":
             kind.add_argument(
                 "--device",

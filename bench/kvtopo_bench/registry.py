@@ -10,11 +10,19 @@ Owns three measurements on a registry of 1,000 engines:
   rollout of a large fleet causes, far above what Kubernetes produces), in alternating
   100 ms segments of one run, and their ratio (the median over adjacent pairs).
 The transport is a null one: the benchmark isolates the registry and the writer's path.
+
+With `--baseline-tree DIR` (a checkout of another commit), the 64-rank critical sections and
+the writer under churn are also measured with that tree's own registry and benchmark code,
+each in a process of its own, the two trees alternating A B B A, and reported side by side.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -197,7 +205,79 @@ def writer_under_churn(seconds: float, churn_per_s: float, segment_s: float) -> 
     )
 
 
-def run(json_path: Path | None, quick: bool, log: Callable[[str], None] = print) -> dict[str, Any]:
+_ONE_RUN = """
+import dataclasses, json, sys
+from kvtopo_bench.registry import critical_sections, writer_under_churn
+calls, seconds = int(sys.argv[1]), float(sys.argv[2])
+section = critical_sections(64, calls)
+writer = writer_under_churn(seconds, 1000.0, 0.1)
+print(json.dumps({"section": section, "writer": dataclasses.asdict(writer)}))
+"""
+
+
+def _tree_run(tree: Path, calls: int, seconds: float) -> dict[str, Any]:
+    """One measurement with `tree`'s registry and benchmark code, in a process of its own."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(str(tree / d) for d in ("worker", "bench", "."))
+    out = subprocess.run(
+        [sys.executable, "-c", _ONE_RUN, str(calls), str(seconds)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tree,
+        timeout=600,
+        check=False,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"registry run in {tree} failed: {out.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def side_by_side(
+    baseline: Path, calls: int, seconds: float, log: Callable[[str], None]
+) -> dict[str, Any]:
+    """This tree and `baseline`, A B B A, each run in a process of its own: the medians of
+    the 64-rank snapshot p99, the writer alone, under churn, and the churn ratio."""
+    this = Path(__file__).resolve().parents[2]
+    runs: dict[str, list[dict[str, Any]]] = {"this": [], "baseline": []}
+    for which in ("this", "baseline", "baseline", "this"):
+        tree = this if which == "this" else baseline
+        res = _tree_run(tree, calls, seconds)
+        runs[which].append(res)
+        log(
+            f"  {which:>8}: snapshot p99 {res['section']['snapshot_p99_us']:.2f} us, writer "
+            f"{res['writer']['rps_alone']:.0f}/s alone, {res['writer']['rps_under_churn']:.0f}/s "
+            f"under churn (ratio {res['writer']['churn_ratio']:.3f})"
+        )
+
+    def medians(rs: list[dict[str, Any]]) -> dict[str, float]:
+        return {
+            "snapshot_p99_us": round(
+                statistics.median(r["section"]["snapshot_p99_us"] for r in rs), 3
+            ),
+            "writer_rps": round(statistics.median(r["writer"]["rps_alone"] for r in rs)),
+            "writer_rps_under_churn": round(
+                statistics.median(r["writer"]["rps_under_churn"] for r in rs)
+            ),
+            "churn_ratio": round(statistics.median(r["writer"]["churn_ratio"] for r in rs), 3),
+        }
+
+    return {
+        "baseline_tree": str(baseline),
+        "order": "A B B A (this, baseline, baseline, this)",
+        "this": medians(runs["this"]),
+        "baseline": medians(runs["baseline"]),
+        "runs": runs,
+    }
+
+
+def run(
+    json_path: Path | None,
+    quick: bool,
+    log: Callable[[str], None] = print,
+    baseline_tree: Path | None = None,
+) -> dict[str, Any]:
     calls = 20_000 if quick else 100_000
     seconds = 6.0 if quick else 30.0
     churn_rate = 1000.0
@@ -227,6 +307,9 @@ def run(json_path: Path | None, quick: bool, log: Callable[[str], None] = print)
         f"{report['writer_rps_under_churn']} under {report['churn_evictions_per_s']} "
         f"evictions/s (ratio {report['churn_ratio']})"
     )
+    if baseline_tree is not None:
+        log(f"  side by side with {baseline_tree} (A B B A, a process each)")
+        report["side_by_side"] = side_by_side(baseline_tree, calls, seconds, log)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report, indent=2) + "\n")

@@ -213,3 +213,34 @@ def test_an_agent_belongs_to_one_engine_until_its_teardown_ends() -> None:
     assert reg.agent_owner("shared") is None
     reg.add_engine("e2", {0: "shared"})  # torn down: free to be another engine's
     assert reg.owner_of("shared") == ("e2", 0)
+
+
+def test_a_handshake_waits_for_the_teardown_of_an_agent_it_would_load_again() -> None:
+    """An agent popped by an eviction is reserved until its teardown has removed it from
+    NIXL: `wait_released` blocks until then (the Event is made only when someone waits),
+    times out while the teardown hangs, and returns at once for an agent not being torn
+    down."""
+    in_teardown = threading.Event()
+    finish = threading.Event()
+
+    def remove(name: str) -> None:
+        in_teardown.set()
+        finish.wait(10)
+
+    registry = EngineRegistry(remove_agent=remove)
+    registry.add_engine("e1", {0: "a0", 1: "a1"})
+    assert registry.wait_released("a0", 0.01)  # not popped: nothing to wait for
+    evicting = threading.Thread(target=registry.evict, args=("e1",))
+    evicting.start()
+    assert in_teardown.wait(5)
+    assert not registry.wait_released("a1", 0.05)  # still being torn down
+    waited: list[bool] = []
+    waiter = threading.Thread(target=lambda: waited.append(registry.wait_released("a1", 10)))
+    waiter.start()
+    finish.set()
+    evicting.join(10)
+    waiter.join(10)
+    assert waited == [True]
+    assert registry.wait_released("a0", 0.01) and registry.wait_released("a1", 0.01)
+    registry.add_engine("e1", {0: "a0", 1: "a1"})  # loadable again
+    assert registry.snapshot("e1") == {0: "a0", 1: "a1"}

@@ -103,7 +103,10 @@ class EngineRegistry:
         self._handshakes: dict[str, Future[dict[int, str]]] = {}
         # agent name -> (engine id, rank), from its add until its teardown has finished
         self._owners: dict[str, tuple[str, int]] = {}
-        self._releasing: dict[str, threading.Event] = {}  # agents popped, not torn down yet
+        # Agents popped and not torn down yet; the Event is made only for a handshake that
+        # waits on one (`wait_released`): an eviction of 8 ranks used to make 8 Events
+        # (a Condition and a lock each) nobody waited on, the churn benchmark's main cost.
+        self._releasing: dict[str, threading.Event | None] = {}
         self._former: OrderedDict[str, tuple[str, int]] = OrderedDict()  # torn down, recent
         self._remove_agent = remove_agent
         self._on_evicted = on_evicted
@@ -170,8 +173,12 @@ class EngineRegistry:
     def wait_released(self, agent_name: str, timeout: float) -> bool:
         """Waits until a popped agent's teardown has finished; False on timeout."""
         with self.lock:
-            event = self._releasing.get(agent_name)
-        return event is None or event.wait(timeout)
+            if agent_name not in self._releasing:
+                return True
+            event = self._releasing[agent_name]
+            if event is None:
+                event = self._releasing[agent_name] = threading.Event()
+        return event.wait(timeout)
 
     def incarnation(self, engine_id: str) -> str | None:
         """The incarnation the engine's agents were added under; None when it is absent."""
@@ -422,7 +429,7 @@ class EngineRegistry:
         `_teardown` has removed them from NIXL."""
         agents = self._engines.pop(engine_id).agents
         for name in agents.values():
-            self._releasing.setdefault(name, threading.Event())
+            self._releasing.setdefault(name, None)
         return agents
 
     def _pop_ranks(self, eng: _Engine, ranks: set[int]) -> dict[int, str]:
@@ -430,21 +437,25 @@ class EngineRegistry:
         popped = {r: eng.agents.pop(r) for r in sorted(ranks) if r in eng.agents}
         eng.ranks_pending.difference_update(ranks)
         for name in popped.values():
-            self._releasing.setdefault(name, threading.Event())
+            self._releasing.setdefault(name, None)
         return popped
 
     def _teardown(self, engine_id: str, agents: dict[int, str]) -> None:
         self.evictions += 1
-        for agent_name in agents.values():
-            try:
-                self._remove_agent(agent_name)
-            except Exception:
-                # The agent is gone from the registry either way; a failed teardown leaks
-                # at most the NIXL connection, which the peer's death closes anyway.
-                self.teardown_errors += 1
-                log.exception("removing agent %s of engine %s failed", agent_name, engine_id)
-            finally:
-                with self.lock:
+        try:
+            for agent_name in agents.values():
+                try:
+                    self._remove_agent(agent_name)
+                except Exception:
+                    # The agent is gone from the registry either way; a failed teardown
+                    # leaks at most the NIXL connection, which the peer's death closes.
+                    self.teardown_errors += 1
+                    log.exception("removing agent %s of engine %s failed", agent_name, engine_id)
+        finally:
+            # One pass under the lock for all of the engine's agents (not one per agent).
+            waiting: list[threading.Event] = []
+            with self.lock:
+                for agent_name in agents.values():
                     owner = self._owners.get(agent_name)
                     if owner is not None and owner[0] == engine_id:
                         del self._owners[agent_name]
@@ -453,8 +464,10 @@ class EngineRegistry:
                         if len(self._former) > FORMER_AGENTS_KEPT:
                             self._former.popitem(last=False)
                     released = self._releasing.pop(agent_name, None)
-                if released is not None:
-                    released.set()
+                    if released is not None:
+                        waiting.append(released)
+            for released in waiting:
+                released.set()
         if self._on_evicted is not None:
             self._on_evicted(engine_id, agents)
         self._tell(False, engine_id, agents)
