@@ -258,9 +258,7 @@ def test_operator_help_mentions_scope() -> None:
         timeout=60,
         env={**os.environ},
     )
-    assert (
-        out.returncode == 0 and "--namespace" in out.stdout and "--worker-key-file" in out.stdout
-    )
+    assert out.returncode == 0 and "--namespace" in out.stdout and "--worker-key-file" in out.stdout
 
 
 def test_deleting_a_topology_leaves_its_engines_connected(env: Env) -> None:
