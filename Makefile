@@ -62,7 +62,7 @@ lint: $(UV)
 	$(VENV)/bin/deptry .
 
 test: lint toolchain
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra --durations=10 $(PYTEST_ARGS)
 
 test-fast: lint
 	$(PY) -m pytest -q -ra -m "not cluster" $(PYTEST_ARGS)
