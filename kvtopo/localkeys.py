@@ -135,9 +135,11 @@ class ControlClient:
     def ticket(self, endpoint: str, fetcher: tuple[str, str]) -> str:
         """The ticket for `fetcher` to fetch the metadata of the engine at `endpoint`
         (`UNUSABLE_TICKET` when that endpoint is not ip:port, which is never dialled, or
-        answers no challenge)."""
+        answers no challenge). The endpoint's challenge is asked afresh: the process there
+        may have restarted since it was last asked."""
         try:
             parse_endpoint(endpoint)
+            self.challenges.pop(endpoint, None)
             held = self.challenge(endpoint)
         except (EndpointError, OSError):
             held = None

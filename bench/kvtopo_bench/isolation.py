@@ -5,18 +5,21 @@ stream of verified requests (one at a time; each one's latency from submit to D'
 while, in alternate phases measured side by side in one run (quiet, hostile, hostile,
 quiet for each kind), P is attacked:
 
-- `stranger_flood`: a NIXL agent P never added (any process that read P's metadata) sends
-  registrations of 65,536 blocks each as fast as it can; P must drop them unkept.
+- `stranger_flood`: a NIXL agent P never added (any process that read P's metadata: here
+  with a ticket this benchmark, acting as the operator, minted) sends registrations of
+  65,536 blocks each as fast as it can; P must drop them unkept.
 - `garbage_flood`: the same agent sends garbage notifications.
 - `paired_flood`: a second decode H that P holds registers requests nobody prefilled, as
   fast as its control API takes them; P keeps them (bounded per peer) until their lease.
 - `huge_handshake`: D is told to add a "prefill" whose metadata (served by a process of
-  its own, holding the peer credential) claims 2^24 blocks, again and again; D must refuse
-  it at once, off the data path's lock.
+  its own, to any request) claims 2^24 blocks, again and again; D must refuse it at once,
+  off the data path's lock.
 
 For each kind: D's request latency p50/p99 in the quiet and the hostile phases, and the
-delay (hostile p99 - quiet p99), with the target (<= 100 ms). Owns nothing else; imports
-the worker's transport and protocol for the rogue agent only.
+delay (hostile p99 - quiet p99), with the target (<= 100 ms). The benchmark acts as the
+operator and as the workers' client (`kvtopo.localkeys`: admin calls signed with the
+operator's key made beside the client token, peer adds with tickets). Owns nothing else;
+imports the worker's transport and protocol for the rogue agent only.
 """
 
 from __future__ import annotations
@@ -27,39 +30,42 @@ import secrets
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kvtopo import launch
+from kvtopo.localkeys import ControlClient, Credentials
 
 DELAY_TARGET_S = 0.100
 KINDS = ("stranger_flood", "garbage_flood", "paired_flood", "huge_handshake")
 
 
 class _Worker:
-    """A started worker and a small client of its control API (operator credential)."""
+    """A started worker and a small client of its control API: as the operator on the
+    admin routes (signed with its key; a peer add given a ticket minted for this worker),
+    with the client token on the traffic routes."""
 
-    def __init__(self, started: launch.StartedWorker, token: str, role: str) -> None:
+    def __init__(self, started: launch.StartedWorker, client: ControlClient, role: str) -> None:
         self.started = started
         self.role = role
-        self.token = token
+        self.client = client
         self.engine_id = started.engine_id
         self.endpoint = started.endpoint
 
     def call(self, method: str, path: str, body: object = None) -> tuple[int, Any]:
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(f"http://{self.endpoint}{path}", data=data, method=method)
-        req.add_header("Authorization", f"Bearer {self.token}")
-        try:
-            with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 (http only)
-                raw = resp.read()
-                ctype = resp.headers.get("Content-Type", "")
-                return resp.status, json.loads(raw or b"null") if "json" in ctype else raw
-        except urllib.error.HTTPError as err:
-            return err.code, err.read()
+        return self.client.call(
+            method,
+            self.endpoint,
+            path,
+            body,
+            30,
+            fetcher=(self.engine_id, self.started.incarnation),
+        )
+
+    def metadata(self) -> bytes:
+        """The worker's metadata (rank 0), read with a ticket as a peer it was paired with."""
+        return self.client.metadata(self.endpoint)
 
     def connect(self, peer: _Worker) -> None:
         status, body = self.call(
@@ -205,12 +211,12 @@ def _huge_peer(p: _Worker) -> tuple[Any, Any]:
     from kvtopo_worker.transport import NixlTransport
 
     _, state = p.call("GET", "/v1/state")
-    _, raw = p.call("GET", "/v1/metadata?rank=0")
-    meta = decode_metadata(bytes(raw), state["compat_hash"])
+    raw = p.metadata()
+    meta = decode_metadata(raw, state["compat_hash"])
     rogue = NixlTransport("kvtopo-bench-huge", progress_thread=False)
     rogue.register_kv_cache(torch.zeros((4, meta.block_len), dtype=torch.uint8))
     own = rogue.describe(engine_id="huge", role="prefill", compat=meta.compat)
-    envelope = msgspec.msgpack.decode(bytes(raw))
+    envelope = msgspec.msgpack.decode(raw)
     envelope["payload"].update(
         engine_id="huge",
         agent_name=own.agent_name,
@@ -245,10 +251,10 @@ def _rogue_agent(p: _Worker) -> tuple[Any, str]:
     from kvtopo_worker.transport import NixlTransport
 
     _, state = p.call("GET", "/v1/state")
-    _, raw = p.call("GET", "/v1/metadata?rank=0")
+    raw = p.metadata()
     rogue = NixlTransport("kvtopo-bench-rogue", progress_thread=False)
     rogue.register_kv_cache(torch.zeros((4, 64 * 1024), dtype=torch.uint8))
-    agent = rogue.add_remote_peer(decode_metadata(bytes(raw), state["compat_hash"]))
+    agent = rogue.add_remote_peer(decode_metadata(raw, state["compat_hash"]))
     return rogue, agent
 
 
@@ -262,9 +268,9 @@ def run(
     if phase_s is None:
         phase_s = 4.0 if quick else 10.0
     workdir = Path(tempfile.mkdtemp(prefix="kvtopo-bench-isolation-"))
-    token = secrets.token_hex(16)
-    token_file = workdir / "token"
-    token_file.write_text(token + "\n")
+    token_file = workdir / "token"  # the client token; the operator's key pair beside it
+    token_file.write_text(secrets.token_hex(16) + "\n")
+    creds = Credentials.beside(token_file)
     extra = ("--block-bytes", "16384", "--num-blocks", "4096")
     workers: list[_Worker] = []
     try:
@@ -274,7 +280,7 @@ def run(
             started = launch.start_worker(
                 role, token_file, log_path, *extra, "--engine-id", f"bench-{name}"
             )
-            return _Worker(started, token, role)
+            return _Worker(started, ControlClient.of(creds), role)
 
         with concurrent.futures.ThreadPoolExecutor(3) as pool:  # each imports torch and NIXL
             futures = [

@@ -9,8 +9,10 @@ the same request id on both). The variants, one after another in one run:
 
 - `nixl`: vLLM's NixlPushConnector (it handshakes on the request path);
 - `kvtopo`: KVTopoConnector with the operator's part done as the operator does it (the pair
-  connected when both engines serve; a replaced engine's new incarnation added);
-- `kvtopo_no_operator`: KVTopoConnector alone (lazy handshakes on the request path).
+  connected when both engines serve; a replaced engine's new incarnation added), the
+  engines holding the operator's public key and no peer token (no lazy handshakes);
+- `kvtopo_no_operator`: KVTopoConnector alone (lazy handshakes on the request path, with
+  the peer token the engines share; no operator key).
 
 Measured for each:
 
@@ -22,7 +24,10 @@ Measured for each:
   address; the time from its new process serving until a request succeeds again. None when
   none did within `replaced_limit_s`.
 
-Launches the engines by module name; imports neither vLLM nor the worker.
+Launches the engines by module name; imports neither vLLM nor the worker (only, through
+`kvtopo.localkeys`, the worker's pure signing module: this benchmark acts as the operator,
+its admin calls signed with the operator's key made beside the client token, its peer adds
+carrying tickets).
 """
 
 from __future__ import annotations
@@ -39,12 +44,12 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from kvtopo.localkeys import ControlClient, Credentials
 
 ENGINE_MODULE = "kvtopo_worker.vllm.engine"
 BLOCK_SIZE = 32  # vLLM's CPU attention backend (which NixlPushConnector's worker loads) needs n*32
@@ -65,17 +70,17 @@ class _Engine:
     endpoint: str
     incarnation: str
     proc: subprocess.Popen[str]
-    token: str
+    client: ControlClient  # the operator's key (admin routes, tickets), the client token
 
     def call(self, method: str, path: str, body: object = None, timeout: float = 10) -> Any:
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(f"http://{self.endpoint}{path}", data=data, method=method)
-        req.add_header("Authorization", f"Bearer {self.token}")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 (http only)
-                return json.loads(resp.read() or b"null")
-        except urllib.error.HTTPError as err:
-            raise RuntimeError(f"{method} {path}: HTTP {err.code}: {err.read()[:300]!r}") from None
+        """The answer to a call with the credential its route takes (a peer add given the
+        ticket the operator mints for this engine); RuntimeError for an HTTP error."""
+        status, answer = self.client.call(
+            method, self.endpoint, path, body, timeout, fetcher=(self.engine_id, self.incarnation)
+        )
+        if status >= 400:
+            raise RuntimeError(f"{method} {path}: HTTP {status}: {str(answer)[:300]!r}")
+        return answer
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc.poll() is None:
@@ -108,12 +113,15 @@ VARIANTS = (
 class _Pair:
     """A prefill and a decode engine of one connector."""
 
-    def __init__(self, variant: Variant, workdir: Path, token_file: Path, token: str) -> None:
+    def __init__(
+        self, variant: Variant, workdir: Path, creds: Credentials, peer_token_file: Path
+    ) -> None:
         self.variant = variant
         self.connector = variant.connector
         self.workdir = workdir
-        self.token_file = token_file
-        self.token = token
+        self.creds = creds
+        self.peer_token_file = peer_token_file
+        self.client = ControlClient.of(creds)
         self.ports = {role: (_free_port(), _free_port()) for role in ("prefill", "decode")}
         self.prefill: _Engine | None = None
         self.decode: _Engine | None = None
@@ -144,7 +152,7 @@ class _Pair:
             "--port",
             str(control),
             "--token-file",
-            str(self.token_file),
+            str(self.creds.client_token),
             "--connector",
             self.connector,
             "--block-size",
@@ -160,6 +168,10 @@ class _Pair:
             "--drain-timeout",
             "1",
         ]
+        if self.variant.operator:  # the admin routes take the operator's signed calls
+            argv += ["--operator-key-file", str(self.creds.operator_public)]
+        elif self.connector == "kvtopo":  # paired lazily, with the peer token
+            argv += ["--peer-token-file", str(self.peer_token_file)]
         with log.open("w") as err:
             proc = subprocess.Popen(
                 argv, stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=self.workdir
@@ -180,8 +192,11 @@ class _Pair:
             raise RuntimeError(f"the {self.variant.name} {role} engine did not start:\n{tail}")
         info = json.loads(line)
         engine = _Engine(
-            role, info["engine_id"], info["endpoint"], info["incarnation"], proc, self.token
+            role, info["engine_id"], info["endpoint"], info["incarnation"], proc, self.client
         )
+        # A new process at this address: the challenge held for the one before is stale
+        # (the next peer add's ticket must be minted from the new one's).
+        self.client.challenges.pop(engine.endpoint, None)
         if role == "prefill":
             self.prefill = engine
         else:
@@ -308,13 +323,13 @@ def _stream(pair: _Pair, n: int, blocks: int, in_flight: int) -> dict[str, Any]:
 def _run_variant(
     variant: Variant,
     workdir: Path,
-    token_file: Path,
-    token: str,
+    creds: Credentials,
+    peer_token_file: Path,
     sizes: tuple[int, int, int],
     log: Callable[[str], None],
 ) -> dict[str, Any]:
     n, blocks, in_flight = sizes
-    pair = _Pair(variant, workdir, token_file, token)
+    pair = _Pair(variant, workdir, creds, peer_token_file)
     out: dict[str, Any] = {"variant": variant.name, "connector": variant.connector}
     name = variant.name
     try:
@@ -363,14 +378,16 @@ def run(
     sizes = (24, 8, 2) if quick else (200, 16, 4)
     n, blocks, in_flight = sizes
     workdir = Path(tempfile.mkdtemp(prefix="kvtopo-bench-vllm-"))
-    token = secrets.token_hex(16)
-    token_file = workdir / "token"
-    token_file.write_text(token + "\n")
+    token_file = workdir / "token"  # the client token; the operator's key pair beside it
+    token_file.write_text(secrets.token_hex(16) + "\n")
+    creds = Credentials.beside(token_file)
+    peer_token_file = workdir / "peer-token"  # what the engines pairing lazily share
+    peer_token_file.write_text(secrets.token_hex(16) + "\n")
     log(
         f"kvtopo bench vllm: {n} requests of {blocks} blocks of {BLOCK_SIZE} tokens, "
         f"{in_flight} in flight, per variant; engine logs in {workdir}"
     )
-    runs = [_run_variant(v, workdir, token_file, token, sizes, log) for v in VARIANTS]
+    runs = [_run_variant(v, workdir, creds, peer_token_file, sizes, log) for v in VARIANTS]
     by = {r["variant"]: r for r in runs}
     report = {
         "block_size": BLOCK_SIZE,

@@ -347,13 +347,20 @@ class WorkerClient:
                 return resp.status, await read_bounded(resp.content, MAX_STATE_BYTES), tag
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def ticket(self, endpoint: str, pod_uid: str, fetcher: tuple[str, str]) -> str:
+    def ticket(
+        self, endpoint: str, pod_uid: str, fetcher: tuple[str, str], incarnation: str = ""
+    ) -> str:
         """The ticket that lets `fetcher` (engine id, incarnation) fetch the metadata of
         the engine at `endpoint` (of pod `pod_uid`); "" when its challenge is not held or
         names another pod (the add then fails at the fetch, and the next round reads the
         peer again)."""
         held = self._challenges.get(endpoint)
         if held is None or held.pod_uid != pod_uid or not fetcher[0]:
+            return ""
+        if incarnation and held.incarnation != incarnation:
+            # The challenge is of another process at that endpoint (the peer restarted since
+            # it was read): no ticket it would refuse; the round reads the peer again.
+            self.forget(endpoint)
             return ""
         try:
             return self.caller.ticket(held, fetcher[0], fetcher[1])
@@ -452,7 +459,7 @@ class WorkerClient:
                         role=a.role,  # type: ignore[arg-type]
                         pod_uid=a.pod_uid,
                         incarnation=a.incarnation,
-                        ticket=self.ticket(a.endpoint, a.pod_uid, fetcher),
+                        ticket=self.ticket(a.endpoint, a.pod_uid, fetcher, a.incarnation),
                     )
                     for a in adds
                 ],

@@ -64,8 +64,12 @@ def guarded(guard: CallGuard, signed: list[str] | None = None) -> web.Applicatio
     return web.Application(middlewares=[auth])
 
 
-def new_guard(uid: str = "") -> CallGuard:
-    return CallGuard({"operator": PublicKeys(keys=[OPERATOR.public_key()])}, pod_uid=uid)
+def new_guard(uid: str = "", incarnation: str = "") -> CallGuard:
+    return CallGuard(
+        {"operator": PublicKeys(keys=[OPERATOR.public_key()])},
+        pod_uid=uid,
+        incarnation=incarnation,
+    )
 
 
 async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
@@ -233,7 +237,7 @@ def test_nothing_is_signed_for_an_endpoint_whose_challenge_names_another_pod() -
 
 
 def test_each_add_carries_a_ticket_its_peer_verifies_for_the_fetching_engine() -> None:
-    peer_guard = new_guard(uid="uid-p1")
+    peer_guard = new_guard(uid="uid-p1", incarnation="inc-p1")
     received: list[dict[str, object]] = []
 
     async def state(request: web.Request) -> web.Response:
@@ -261,12 +265,24 @@ def test_each_add_carries_a_ticket_its_peer_verifies_for_the_fetching_engine() -
                 pod_uid="uid-d0",
                 fetcher=("d0", "inc-d0"),
             )
+            # An add of another incarnation of p1 (restarted since its challenge was read)
+            # carries no ticket its new process would refuse.
+            await client.change_peers(
+                worker,
+                [PeerAdd("p1", peer, "prefill", "uid-p1", "inc-p1-restarted")],
+                [],
+                1.0,
+                pod_uid="uid-d0",
+                fetcher=("d0", "inc-d0"),
+            )
         finally:
             await client.close()
             await peer_runner.cleanup()
             await worker_runner.cleanup()
         (item,) = received[0]["add"]  # type: ignore[misc]
         ticket = str(item["ticket"])
+        (restarted,) = received[1]["add"]  # type: ignore[misc]
+        assert "ticket" not in restarted
         from kvtopo_worker.signing import ticket_authorization
 
         def verifies(fetcher: str, incarnation: str) -> bool:

@@ -14,7 +14,13 @@ connector's finished_sending / finished_recving / failed_recving, and how vLLM f
     {"op": "state"}                      free blocks, requests held, peers, abort stages
     {"op": "quit"}
 
-Run: python -m tests.vllm.engine --role prefill --model-dir D --port P --token-file F ...
+Run: python -m tests.vllm.engine --role prefill --model-dir D --port P --token-file F
+         --operator-key-file K [--peer-token-file T] ...
+
+`--operator-key-file`: the operator's public key (the admin routes take calls signed with
+its private key); `--token-file`: the client token of the traffic routes;
+`--peer-token-file`: the token of lazy handshakes (on when given, unless `--no-lazy`). The
+ready line names the engine's incarnation, which the operator's tickets are minted for.
 """
 
 from __future__ import annotations
@@ -135,6 +141,8 @@ def main() -> int:
     p.add_argument("--model-dir", required=True)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--token-file", required=True)
+    p.add_argument("--operator-key-file", default="")
+    p.add_argument("--peer-token-file", default="")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--num-blocks", type=int, default=64)
     p.add_argument("--registration-timeout", type=float, default=30.0)
@@ -154,13 +162,15 @@ def main() -> int:
         model_dir=args.model_dir,
         port=args.port,
         token_file=args.token_file,
+        operator_key_file=args.operator_key_file,
+        peer_token_file=args.peer_token_file,
         tp_size=args.tp,
         num_blocks=args.num_blocks,
         registration_timeout_s=args.registration_timeout,
         kv_lease_s=args.kv_lease,
         transfer_timeout_s=args.transfer_timeout,
         failure_policy=args.failure_policy,
-        lazy_handshake=not args.no_lazy,
+        lazy_handshake=False if args.no_lazy else None,  # None: on with a peer token
         async_scheduling=not args.no_async_scheduling,
     )
     engine.start()
@@ -168,6 +178,7 @@ def main() -> int:
         "ready": True,
         "engine_id": args.engine_id,
         "endpoint": engine.endpoint,
+        "incarnation": engine.incarnation,
         "free_blocks": offline.free_block_count(engine.scheduler),
     }
     print(json.dumps(ready), file=answers, flush=True)

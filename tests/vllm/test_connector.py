@@ -2,8 +2,9 @@
 processes (`tests.vllm.engine`), the connector loaded by vLLM through
 `kv_connector_module_path`, real per-layer KV tensors and real NIXL (UCX) between them.
 
-The pair is connected the way the operator does it (`PUT /v1/peers` on both control APIs
-with the operator credential), or not at all (the connector then handshakes lazily).
+The pair is connected the way the operator does it (`PUT /v1/peers` on both control APIs,
+signed with the operator's key, each add carrying the ticket the operator mints for it), or
+not at all (the connector then handshakes lazily, with the peer token the engines share).
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from kvtopo.localkeys import ControlClient, Credentials
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.nixl
@@ -42,7 +43,8 @@ class EngineProc:
     role: str
     engine_id: str
     endpoint: str
-    token: str
+    incarnation: str
+    client: ControlClient  # the operator's key (admin routes, tickets), the client token
     proc: subprocess.Popen[str]
     free_blocks: int
     log: Path
@@ -78,14 +80,11 @@ class EngineProc:
         return self.ask({"op": "state"})
 
     def call(self, method: str, path: str, body: object = None) -> tuple[int, Any]:
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(f"http://{self.endpoint}{path}", data=data, method=method)
-        req.add_header("Authorization", f"Bearer {self.token}")
-        try:
-            with urllib.request.urlopen(req, timeout=15) as resp:
-                return resp.status, json.loads(resp.read() or b"null")
-        except urllib.error.HTTPError as err:
-            return err.code, json.loads(err.read() or b"null")
+        """A call to the engine's control API as the operator (a peer add given a ticket
+        minted for this engine)."""
+        return self.client.call(
+            method, self.endpoint, path, body, 15, fetcher=(self.engine_id, self.incarnation)
+        )
 
     def connect(self, peer: EngineProc) -> None:
         """What the operator does: add `peer` to this engine's registry."""
@@ -121,9 +120,12 @@ class Engines:
     def __init__(self, tmp: Path, model_dir: str) -> None:
         self.tmp = tmp
         self.model_dir = model_dir
-        self.token = secrets.token_hex(16)
-        self.token_file = tmp / "token"
-        self.token_file.write_text(self.token + "\n")
+        self.token_file = tmp / "token"  # the client token; the operator's keys beside it
+        self.token_file.write_text(secrets.token_hex(16) + "\n")
+        self.creds = Credentials.beside(self.token_file)
+        self.peer_token_file = tmp / "peer-token"  # what engines pairing lazily share
+        self.peer_token_file.write_text(secrets.token_hex(16) + "\n")
+        self.client = ControlClient.of(self.creds)
         self.procs: list[EngineProc] = []
 
     def _spawn(
@@ -145,6 +147,10 @@ class Engines:
             str(port),
             "--token-file",
             str(self.token_file),
+            "--operator-key-file",
+            str(self.creds.operator_public),
+            "--peer-token-file",
+            str(self.peer_token_file),
             "--tp",
             str(tp),
         ]
@@ -173,8 +179,16 @@ class Engines:
         assert line, f"{role} engine did not start: {log.read_text()[-3000:]}"
         ready = json.loads(line)
         engine = EngineProc(
-            role, engine_id, ready["endpoint"], self.token, proc, ready["free_blocks"], log
+            role,
+            engine_id,
+            ready["endpoint"],
+            ready["incarnation"],
+            self.client,
+            proc,
+            ready["free_blocks"],
+            log,
         )
+        self.client.challenges.pop(engine.endpoint, None)  # a new process there
         self.procs.append(engine)
         return engine
 

@@ -4,6 +4,7 @@ segments, what the settings accept, and what is refused with a clear error."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -67,3 +68,40 @@ def test_kv_both_needs_no_other_key_and_tp_ranks_must_share_a_process(
     assert KVTopoConnector(config, KVConnectorRole.SCHEDULER, None).engine_id
     with pytest.raises(ValueError, match="all its ranks in one process"):
         KVTopoConnector(config, KVConnectorRole.WORKER, None, tp_rank=1)
+
+
+@pytest.mark.parametrize(
+    ("extra", "lazy"),
+    [
+        ({}, False),  # the operator pairs the engines: no peer token, no lazy handshakes
+        ({"peer_token_file": "PEER"}, True),  # a peer token turns them on
+        ({"peer_token_file": "PEER", "lazy_handshake": False}, False),
+        ({"lazy_handshake": True}, True),  # asked for (the engine then needs the token)
+    ],
+)
+def test_lazy_handshakes_are_on_where_the_engine_has_the_peer_token(
+    model_dir: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    extra: dict[str, Any],
+    lazy: bool,
+) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    for name in ("KVTOPO_PEER_TOKEN_FILE", "KVTOPO_OPERATOR_KEY_FILE", "KVTOPO_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    peer = tmp_path / "peer-token"
+    peer.write_text("p\n")
+    config_extra = {"operator_key_file": str(tmp_path / "operator.pub")}
+    config_extra.update({k: str(peer) if v == "PEER" else v for k, v in extra.items()})
+    kvt = {
+        "kv_connector": "KVTopoConnector",
+        "kv_connector_module_path": "kvtopo_worker.vllm",
+        "kv_role": "kv_consumer",
+        "kv_connector_extra_config": config_extra,
+    }
+    config = offline.make_vllm_config(model_dir, kvt, num_blocks=16)
+    settings = KVTopoConnector(config, KVConnectorRole.SCHEDULER, None)._s
+    assert settings.lazy_handshake is lazy
+    assert settings.operator_key_file == str(tmp_path / "operator.pub")
+    assert settings.peer_token_file == (str(peer) if "peer_token_file" in extra else "")

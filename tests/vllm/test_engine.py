@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import signal
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -75,6 +77,25 @@ def test_requests_end_done_on_both_sides_with_every_byte_verified(
     state = decode.state()
     assert state["requests_done"] == len(rids) and state["requests_failed"] == 0
     assert [p["engine_id"] for p in state["peers"]] == ["p0"]
+    # The client token opens the traffic routes only: an admin route answers it 401 with
+    # the engine's challenge (only the operator's signature opens those).
+    assert with_client_token(decode, "GET", "/v1/drain")[0] == 200
+    for method, path in (("GET", "/v1/state"), ("DELETE", "/v1/peers/p0")):
+        status, challenge = with_client_token(decode, method, path)
+        assert status == 401 and challenge.startswith("KVTopo-Sig "), (path, status)
+    assert [p["engine_id"] for p in decode.state()["peers"]] == ["p0"]
+
+
+def with_client_token(worker: WorkerProcess, method: str, path: str) -> tuple[int, str]:
+    """A call with the client token as a bearer: its status and `WWW-Authenticate`."""
+    req = urllib.request.Request(
+        worker.url + path, method=method, headers={"Authorization": f"Bearer {worker.token}"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, ""
+    except urllib.error.HTTPError as err:
+        return err.code, err.headers.get("WWW-Authenticate", "")
 
 
 def test_a_drain_ends_what_it_held_and_refuses_more(

@@ -78,7 +78,9 @@ def add_engine(transport: FakeTransport, registry: EngineRegistry, engine_id: st
 
 @pytest.fixture
 def token_file(tmp_path: Path) -> Path:
-    """The control-API token file shared by a test's real worker processes."""
+    """The client token file shared by a test's real worker processes (their traffic
+    routes' bearer token); the operator's key pair, which their admin routes take calls
+    signed with, is made beside it (`kvtopo.localkeys.Credentials.beside`)."""
     f = tmp_path / "token"
     f.write_text("integration-token\n")
     return f

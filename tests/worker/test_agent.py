@@ -1,6 +1,9 @@
-"""The control API: auth, bad bodies, handshakes through a peer's metadata, eviction.
+"""The control API: credentials, bad bodies, handshakes through a peer's metadata, eviction.
 
-Two real ControlServers (real aiohttp, real registry) on loopback, with fake transports."""
+Real ControlServers (real aiohttp, real registry) on loopback, with fake transports. The
+test acts as the operator (`OPERATOR`: admin routes signed with the operator's key for the
+challenge each engine answers, peer adds given the tickets the operator would mint) and as
+a client of the traffic routes (the client token)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -23,9 +27,10 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvtopo.localkeys import UNUSABLE_TICKET, ControlClient
 from kvtopo_operator.model import WorkerView
 from kvtopo_operator.workers import WorkerClient
-from kvtopo_worker.agent import ControlServer, LocalEngine
+from kvtopo_worker.agent import FROM_HEADER, INCARNATION_HEADER, ControlServer, LocalEngine
 from kvtopo_worker.credentials import TokenSource
 from kvtopo_worker.metrics import WorkerMetrics
 from kvtopo_worker.protocol import (
@@ -37,9 +42,27 @@ from kvtopo_worker.protocol import (
     encode_metadata,
 )
 from kvtopo_worker.registry import EngineRegistry
+from kvtopo_worker.signing import (
+    CallerKey,
+    PrivateKeys,
+    PublicKeys,
+    header_value,
+    new_private_key,
+    parse_challenge,
+    ticket_authorization,
+)
+from kvtopo_worker.traffic import EngineTraffic
 from tests.worker.fakes import FakeTransport, MetadataPeer
 
-TOKEN = "t0ken-for-tests"
+OPERATOR_KEY = new_private_key()
+OPERATOR_KEYS = PublicKeys(keys=[OPERATOR_KEY.public_key()])  # what engines trust by default
+CLIENT_TOKEN = "client-t0ken-for-tests"  # the traffic routes' bearer token
+OPERATOR = ControlClient(CallerKey("operator", PrivateKeys(keys=[OPERATOR_KEY])), CLIENT_TOKEN)
+SIGNED = "<the credential the route takes>"  # call(): the default `auth`
+
+# The engine serving at each endpoint (engine id, incarnation): whose ticket a peer add sent
+# there carries. Filled by make_node.
+_engines: dict[str, tuple[str, str]] = {}
 
 
 @dataclass
@@ -47,6 +70,7 @@ class Node:
     server: ControlServer
     transport: FakeTransport
     registry: EngineRegistry
+    traffic: EngineTraffic
 
     @property
     def url(self) -> str:
@@ -57,14 +81,20 @@ def make_node(
     engine_id: str,
     role: str,
     model_id: str = "m",
-    token: str | TokenSource = TOKEN,
+    *,
+    operator_keys: PublicKeys | None = OPERATOR_KEYS,
+    client_token: str | TokenSource | None = CLIENT_TOKEN,
     peer_token: TokenSource | None = None,
     pod: PodIdentity | None = None,
     incarnation: str = "",
-    introductions: bool = True,
+    introductions: bool | None = None,
+    port: int = 0,
 ) -> Node:
-    """An in-process worker control API over a fake transport; `token` is its operator
-    credential (a token or a source), `peer_token` its peer credential (default: the same)."""
+    """An in-process worker control API over a fake transport, with the traffic routes
+    (`EngineTraffic`, no engine behind them). `operator_keys`: the operator public keys it
+    trusts (None: no operator drives it); `client_token`: its traffic routes' token (None:
+    closed); `peer_token`: the lazy handshakes' shared token; `introductions` (default: on
+    when it has a peer token): whether it takes lazy handshakes."""
     transport = FakeTransport(agent_name=f"agent-{engine_id}")
     registry = EngineRegistry(remove_agent=transport.remove_remote)
     compat = CompatInfo(block_len=64, model_id=model_id)
@@ -86,13 +116,28 @@ def make_node(
         engine=LocalEngine(engine_id, role, meta, time.time()),  # type: ignore[arg-type]
         registry=registry,
         transport=transport,
-        token=token if isinstance(token, TokenSource) else TokenSource(value=token),
+        operator_keys=operator_keys,
+        client_token=(
+            TokenSource(value=client_token) if isinstance(client_token, str) else client_token
+        ),
         peer_token=peer_token,
         metrics=WorkerMetrics(),
-        introductions=introductions,
+        introductions=peer_token is not None if introductions is None else introductions,
+        port=port,
     )
+    traffic = EngineTraffic()
+    traffic.add_routes(server.app)
     server.start()
-    return Node(server, transport, registry)
+    serving(server)
+    return Node(server, transport, registry, traffic)
+
+
+def serving(server: ControlServer) -> None:
+    """Notes that `server` (started) serves at its endpoint: the challenge `OPERATOR` held
+    for an earlier engine there is stale, and peer adds sent there get tickets minted for
+    this engine."""
+    OPERATOR.challenges.pop(server.endpoint, None)
+    _engines[server.endpoint] = (server.engine.engine_id, server.engine.metadata.incarnation)
 
 
 @pytest.fixture
@@ -103,37 +148,233 @@ def pair() -> Iterator[tuple[Node, Node]]:
     d.server.stop()
 
 
-def call(
-    method: str, url: str, body: object = None, token: str | None = TOKEN, raw: bytes | None = None
-) -> tuple[int, dict[str, object]]:
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    req = urllib.request.Request(url, data=data, method=method)
-    if token is not None:
-        req.add_header("Authorization", f"Bearer {token}")
+def _ticket(client: ControlClient, endpoint: str, fetcher: tuple[str, str]) -> str:
+    """The ticket the operator mints for `fetcher` to fetch the metadata at `endpoint`: an
+    engine of this test's (its challenge), or a crafted server's (a ticket opening nothing:
+    what `ControlClient` gives an endpoint that answers no challenge)."""
+    if endpoint not in _engines:
+        return UNUSABLE_TICKET
+    return client.ticket(endpoint, fetcher)
+
+
+def with_tickets(
+    client: ControlClient, endpoint: str, method: str, path: str, body: object
+) -> object:
+    """`body` with a ticket in each peer add (`PUT /v1/peers/{id}`, `PATCH /v1/peers`
+    adds) that names an endpoint and no ticket, minted for the engine at `endpoint`."""
+    fetcher = _engines.get(endpoint, ("", ""))
+
+    def add(item: object) -> object:
+        if isinstance(item, dict) and "endpoint" in item and "ticket" not in item:
+            return {**item, "ticket": _ticket(client, str(item["endpoint"]), fetcher)}
+        return item
+
+    if method == "PUT" and path.startswith("/v1/peers/"):
+        return add(body)
+    if method == "PATCH" and path == "/v1/peers" and isinstance(body, dict):
+        adds = body.get("add")
+        if isinstance(adds, list):
+            return {**body, "add": [add(item) for item in adds]}
+    return body
+
+
+def send(
+    method: str, url: str, data: bytes | None, headers: dict[str, str]
+) -> tuple[int, bytes, dict[str, str]]:
+    """One plain HTTP request: status, body and headers of the answer."""
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
-            text = resp.read()
-            return resp.status, (
-                json.loads(text) if resp.headers.get_content_type() == "application/json" else {}
-            )
+            return resp.status, resp.read(), dict(resp.headers)
     except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read() or b"{}")
+        return err.code, err.read(), dict(err.headers)
 
 
-def test_routes_need_the_token_except_health_and_metrics(pair: tuple[Node, Node]) -> None:
+def call(
+    method: str,
+    url: str,
+    body: object = None,
+    auth: str | None = SIGNED,
+    raw: bytes | None = None,
+    client: ControlClient = OPERATOR,
+) -> tuple[int, Any]:
+    """A call and its JSON answer ({} when it is not JSON). `auth`: SIGNED sends the
+    credential the route takes, as `client` does (admin routes signed with the operator's
+    key, a peer add given a ticket; traffic routes the client token; peer routes none);
+    another string is sent as the `Authorization` header as it is; None sends none."""
+    endpoint, _, rest = url.removeprefix("http://").partition("/")
+    path = "/" + rest
+    if raw is None and auth == SIGNED:
+        body = with_tickets(client, endpoint, method, path, body)
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    if auth == SIGNED:
+        status, answer = client.call_raw(method, endpoint, path, data)
+    else:
+        headers = {} if auth is None else {"Authorization": auth}
+        status, answer, _ = send(method, url, data, headers)
+    try:
+        return status, json.loads(answer or b"{}")
+    except ValueError:
+        return status, {}
+
+
+def bearer(token: str) -> str:
+    return f"Bearer {token}"
+
+
+def signature(
+    url: str, method: str = "GET", body: bytes = b"", client: ControlClient = OPERATOR
+) -> str:
+    """`client`'s signature of one call to `url` (for the engine whose challenge it holds
+    for that endpoint), to send as it is."""
+    endpoint, _, rest = url.removeprefix("http://").partition("/")
+    challenge = client.challenge(endpoint)
+    assert challenge is not None
+    return client.caller.authorization(challenge, method, "/" + rest, endpoint, body)
+
+
+def test_routes_need_their_credential_except_health_and_metrics(pair: tuple[Node, Node]) -> None:
+    """No bearer token opens an admin route (401 with the engine's challenge); the client
+    token opens only the traffic routes; nothing but a ticket (or, where lazy handshakes
+    are on, the peer token) reads the metadata. An admin call without any credential is
+    answered with the challenge and counted as no fault; a wrong credential is counted."""
     p, _ = pair
-    for method, path in [
+    admin = [
         ("GET", "/v1/state"),
-        ("GET", "/v1/metadata"),
         ("PUT", "/v1/peers/x"),
         ("DELETE", "/v1/peers/x"),
         ("PATCH", "/v1/peers"),
-    ]:
-        assert call(method, p.url + path, token=None)[0] == 401
-        assert call(method, p.url + path, token="wrong")[0] == 401
+        ("PUT", "/v1/settings"),
+    ]
+    counted = 0
+    for method, path in admin:
+        for auth in (None, bearer(CLIENT_TOKEN), bearer("wrong")):
+            status, body, headers = send(
+                method, p.url + path, None, {} if auth is None else {"Authorization": auth}
+            )
+            assert status == 401, (method, path, auth, body)
+            challenge = parse_challenge(headers.get("WWW-Authenticate", ""))
+            assert challenge is not None and challenge.engine_key == p.server.guard.key.public
+            assert b"no bearer token opens it" in body
+            counted += auth is not None
+    assert p.server.metrics.rejected_total.labels("control_auth")._value.get() == counted
+    for method, path in [("GET", "/v1/metadata"), ("GET", "/v1/finished")]:
+        for auth in (None, bearer("wrong")):
+            assert call(method, p.url + path, auth=auth)[0] == 401
+            counted += 1
+    assert call("GET", p.url + "/v1/metadata", auth=bearer(CLIENT_TOKEN))[0] == 401
+    counted += 1
+    assert call("GET", p.url + "/v1/finished", auth=bearer(CLIENT_TOKEN)) == (200, [])
+    assert call("GET", p.url + "/v1/state")[0] == 200  # signed by the operator's key
     assert urllib.request.urlopen(p.url + "/healthz", timeout=5).status == 200
     metrics = urllib.request.urlopen(p.url + "/metrics", timeout=5).read().decode()
-    assert 'kvtopo_worker_rejected_messages_total{source="control_auth"} 10.0' in metrics
+    line = f'kvtopo_worker_rejected_messages_total{{source="control_auth"}} {counted:.1f}'
+    assert line in metrics, metrics
+    # Each refusal counted is a malformed message in the state's failures.
+    assert call("GET", p.url + "/v1/state")[1]["failures"] == {"malformed_message": counted}
+
+
+def test_a_signed_call_opens_its_route_at_its_engine_once(pair: tuple[Node, Node]) -> None:
+    """A signature the operator made for one call to one engine, seen by a spy (or sent to
+    the wrong engine), opens nothing else: not the same call again, not another engine, not
+    another route, method or body, and not the engine under another endpoint name."""
+    p, d = pair
+    state = f"{p.url}/v1/state"
+    header = signature(state)
+    assert call("GET", state, auth=header)[0] == 200
+    assert call("GET", state, auth=header)[0] == 401  # replayed: the nonce was used
+    # Made for p, presented to d (another engine key, and another endpoint).
+    status, body = call("GET", f"{d.url}/v1/state", auth=signature(state))
+    assert status == 401 and "signed by the operator's key" in body["message"], body
+    # Made for one request of p's, presented with another.
+    settings_body = json.dumps({"idle_ttl_s": 5}).encode()
+    header = signature(f"{p.url}/v1/settings", "PUT", settings_body)
+    for method, path, raw in (
+        ("PUT", "/v1/settings", json.dumps({"idle_ttl_s": 6}).encode()),  # another body
+        ("PATCH", "/v1/peers", settings_body),  # another route
+        ("DELETE", "/v1/peers/pre-2", None),
+    ):
+        assert call(method, p.url + path, auth=header, raw=raw)[0] == 401, (method, path)
+    assert p.registry.idle_ttl_s == 0
+    # Made for p under another address of its port (the engine answers at its own only).
+    port = p.server.endpoint.rsplit(":", 1)[1]
+    challenge = OPERATOR.challenge(p.server.endpoint)
+    assert challenge is not None
+    elsewhere = OPERATOR.caller.authorization(challenge, "GET", "/v1/state", f"10.9.9.9:{port}")
+    assert call("GET", state, auth=elsewhere)[0] == 401
+    # Signed with a key the engine does not trust.
+    stranger = ControlClient(CallerKey("operator", PrivateKeys(keys=[new_private_key()])), "")
+    assert call("GET", state, auth=signature(state, client=stranger))[0] == 401
+    # The request each signature was made for still passes once.
+    assert call("PUT", f"{p.url}/v1/settings", auth=header, raw=settings_body) == (
+        200,
+        {"idle_ttl_s": 5},
+    )
+    # At p: the replay, 3 altered requests and the other address were bad signatures; the
+    # stranger's key is one p does not know (counted apart: a key file not rotated yet looks
+    # the same); at d, the signature for p's key is a stale one (answered with the
+    # challenge, no fault).
+    assert p.server.metrics.rejected_total.labels("control_auth")._value.get() == 5
+    assert p.server.metrics.rejected_total.labels("unknown_key")._value.get() == 1
+    assert d.server.metrics.rejected_total.labels("control_auth")._value.get() == 0
+
+
+def test_a_signature_for_the_previous_process_at_an_endpoint_is_asked_again() -> None:
+    """An engine restarted at the same address has a new key: the operator's signature for
+    the old one is answered 401 with the new challenge (no fault counted), and signed for
+    it the call goes through."""
+    client = ControlClient(CallerKey("operator", PrivateKeys(keys=[OPERATOR_KEY])), "")
+    first = make_node("pre-restart", "prefill", incarnation="boot-1")
+    endpoint, port = first.server.endpoint, first.server.port
+    try:
+        assert client.call("GET", endpoint, "/v1/state")[0] == 200
+        old = client.challenges[endpoint]
+    finally:
+        first.server.stop()
+    second = make_node("pre-restart", "prefill", incarnation="boot-2", port=port)
+    try:
+        assert second.server.endpoint == endpoint
+        status, state = client.call("GET", endpoint, "/v1/state")
+        assert (status, state["incarnation"]) == (200, "boot-2"), state
+        assert client.challenges[endpoint] != old
+        assert client.challenges[endpoint].incarnation == "boot-2"
+        assert second.server.metrics.rejected_total.labels("control_auth")._value.get() == 0
+    finally:
+        second.server.stop()
+
+
+def fetch_metadata(
+    node: Node, ticket: str, fetcher: str, incarnation: str = "", target: str = ""
+) -> int:
+    """`GET /v1/metadata` at `node` signed with `ticket`, from `fetcher` (that
+    incarnation), made for `target` (default: the node's endpoint): the status."""
+    path = "/v1/metadata?rank=0"
+    auth = ticket_authorization(ticket, "GET", path, target or node.server.endpoint)
+    headers = {
+        "Authorization": auth,
+        FROM_HEADER: header_value(fetcher),
+        INCARNATION_HEADER: header_value(incarnation),
+    }
+    return send("GET", node.url + path, None, headers)[0]
+
+
+def test_a_ticket_opens_one_engines_metadata_for_the_engine_it_was_minted_for(
+    pair: tuple[Node, Node],
+) -> None:
+    p, d = pair
+    ticket = OPERATOR.ticket(p.server.endpoint, ("dec-1", "inc-1"))
+    assert fetch_metadata(p, ticket, "dec-2", "inc-1") == 401  # another engine shows it
+    assert fetch_metadata(p, ticket, "dec-1", "inc-0") == 401  # another process of dec-1
+    assert fetch_metadata(d, ticket, "dec-1", "inc-1") == 401  # at another engine
+    assert fetch_metadata(p, ticket, "dec-1", "inc-1", target="10.9.9.9:1") == 401
+    assert fetch_metadata(p, UNUSABLE_TICKET, "dec-1", "inc-1") == 401
+    assert fetch_metadata(p, ticket, "dec-1", "inc-1") == 200
+    # Neither a bearer token nor the operator's call signature reads the metadata.
+    meta = f"{p.url}/v1/metadata"
+    for auth in (bearer(CLIENT_TOKEN), signature(meta)):
+        assert call("GET", meta, auth=auth)[0] == 401
+    assert OPERATOR.metadata(p.server.endpoint) == encode_metadata(p.server.engine.metadata)
+    assert p.server.metrics.authenticated_total.labels("ticket", "current")._value.get() == 2
 
 
 def test_handshake_both_ways_then_evict(pair: tuple[Node, Node]) -> None:
@@ -251,16 +492,32 @@ def test_wrong_engine_behind_endpoint_and_unreachable_peer(pair: tuple[Node, Nod
     assert call("GET", f"{d.url}/v1/state")[1]["failures"] == {"handshake_failed": 2}
 
 
-def test_peer_with_another_token_fails_the_handshake() -> None:
-    p, d = make_node("pre-t", "prefill", token="other"), make_node("dec-t", "decode")
+def test_a_ticket_the_peer_does_not_take_fails_the_handshake(pair: tuple[Node, Node]) -> None:
+    """The operator mints each peer add's ticket for the engine it sends the add to: a
+    ticket minted for another engine, or by an operator the peer does not trust, gets the
+    peer's 401 and adds nothing."""
+    p, d = pair
+    body = {"endpoint": p.server.endpoint, "role": "prefill"}
+    for_another = OPERATOR.ticket(p.server.endpoint, ("dec-2", ""))
+    status, answer = call("PUT", f"{d.url}/v1/peers/pre-1", {**body, "ticket": for_another})
+    assert status == 502 and "HTTP 401" in str(answer["message"]), answer
+    other = make_node(
+        "pre-t", "prefill", operator_keys=PublicKeys(keys=[new_private_key().public_key()])
+    )
     try:
-        status, body = call(
-            "PUT", f"{d.url}/v1/peers/pre-t", {"endpoint": p.server.endpoint, "role": "prefill"}
+        status, answer = call(
+            "PUT", f"{d.url}/v1/peers/pre-t", {"endpoint": other.server.endpoint, "role": "prefill"}
         )
-        assert status == 502 and "HTTP 401" in str(body["message"])
+        assert status == 502 and "HTTP 401" in str(answer["message"]), answer
     finally:
-        p.server.stop()
-        d.server.stop()
+        other.server.stop()
+    assert d.registry.engine_ids() == []
+    # A malformed ticket is the request's fault; no ticket at all cannot fetch anything.
+    status, answer = call("PUT", f"{d.url}/v1/peers/pre-1", {**body, "ticket": "x"})
+    assert status == 400 and "ticket" in str(answer["message"]), answer
+    status, answer = call("PUT", f"{d.url}/v1/peers/pre-1", {**body, "ticket": ""})
+    assert status == 502 and "no ticket" in str(answer["message"]), answer
+    assert call("PUT", f"{d.url}/v1/peers/pre-1", body)[1]["result"] == "added"
 
 
 @pytest.mark.parametrize(
@@ -357,16 +614,22 @@ def test_a_non_ascii_or_undecodable_token_is_refused_with_401_not_500(
 ) -> None:
     p, _ = pair
     host, port = p.server.endpoint.rsplit(":", 1)
-    for raw in ("Bearer t\u00f6ken".encode(), b"Bearer \xff\xfe\x80"):
-        with socket.create_connection((host, int(port)), timeout=5) as s:
-            s.sendall(
-                b"GET /v1/state HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-                b"Authorization: " + raw + b"\r\n\r\n"
-            )
-            answer = b""
-            while chunk := s.recv(4096):
-                answer += chunk
-        assert answer.split(b"\r\n", 1)[0].split()[1] == b"401", answer[:200]
+    for path in (b"/v1/state", b"/v1/finished", b"/v1/metadata"):
+        for raw in (
+            "Bearer t\u00f6ken".encode(),
+            b"Bearer \xff\xfe\x80",
+            "KVTopo-Sig role=operator,kid=\u00e9,ts=1,nonce=\u00e9,mac=x".encode(),
+            b"KVTopo-Ticket kid=\xff\xfe,ts=1,nonce=\x80,mac=\xff",
+        ):
+            with socket.create_connection((host, int(port)), timeout=5) as s:
+                s.sendall(
+                    b"GET " + path + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                    b"KVTopo-From: \xff\r\nAuthorization: " + raw + b"\r\n\r\n"
+                )
+                answer = b""
+                while chunk := s.recv(4096):
+                    answer += chunk
+            assert answer.split(b"\r\n", 1)[0].split()[1] == b"401", (path, answer[:200])
 
 
 def test_a_peer_that_answers_an_endless_error_body_fails_the_handshake_promptly(
@@ -519,7 +782,8 @@ def test_the_operator_sets_the_idle_ttl_and_the_state_reports_it(pair: tuple[Nod
     _, d = pair
     assert d.registry.idle_ttl_s == 0
     assert call("GET", f"{d.url}/v1/state")[1]["idle_ttl_s"] == 0
-    assert call("PUT", f"{d.url}/v1/settings", {"idle_ttl_s": 30}, token=None)[0] == 401
+    assert call("PUT", f"{d.url}/v1/settings", {"idle_ttl_s": 30}, auth=None)[0] == 401
+    assert call("PUT", f"{d.url}/v1/settings", {"idle_ttl_s": 30}, bearer(CLIENT_TOKEN))[0] == 401
     status, body = call("PUT", f"{d.url}/v1/settings", {"idle_ttl_s": 30})
     assert (status, body) == (200, {"idle_ttl_s": 30})
     assert d.registry.idle_ttl_s == 30
@@ -549,7 +813,7 @@ def test_the_state_is_not_sent_again_while_only_its_request_counters_move() -> N
 
         def get(tag: str = "") -> tuple[int, str, bytes]:
             req = urllib.request.Request(f"{d.url}/v1/state")
-            req.add_header("Authorization", f"Bearer {TOKEN}")
+            req.add_header("Authorization", signature(f"{d.url}/v1/state"))
             if tag:
                 req.add_header("If-None-Match", tag)
             try:
@@ -564,7 +828,7 @@ def test_the_state_is_not_sent_again_while_only_its_request_counters_move() -> N
         assert get(f'"other", W/{tag}')[0] == 304  # one of a list, weak form equal
         assert get('"other"')[0] == 200
 
-        client = WorkerClient(None, token=TOKEN)
+        client = WorkerClient(None, keys=PrivateKeys(keys=[OPERATOR_KEY]))
 
         async def reads() -> tuple[object, object, object]:
             try:
@@ -633,9 +897,16 @@ def test_a_lazy_handshake_sends_no_credential_where_a_request_points() -> None:
         assert status != 200
         status, _ = d.server.add_peer("pre-x", spy.endpoint, "prefill")
         assert status != 200
-        assert spy.seen, "the spy was never asked"
+        # The operator's add names the spy with a ticket: the fetch is signed with it, and
+        # the ticket itself is never sent.
+        ticket = "a" * 16 + ":" + "5ec7e7" * 10 + "abcd"
+        body = {"endpoint": spy.endpoint, "role": "prefill", "ticket": ticket}
+        assert call("PUT", f"{d.url}/v1/peers/pre-x", body)[0] == 502
+        assert len(spy.seen) == 3, "the spy was not asked each time"
+        assert b"KVTopo-Ticket" in spy.seen[2]
         for request in spy.seen:
             assert b"the-peer-secret" not in request, request
+            assert ticket.split(":")[1].encode() not in request, request
         assert d.registry.engine_ids() == []
     finally:
         spy.close()
@@ -684,15 +955,31 @@ def test_an_engine_paired_by_the_operator_only_refuses_introductions() -> None:
 
 
 def test_kv_both_engines_pair_with_each_other_and_with_either_role() -> None:
-    """A kv_both engine takes either part: it pairs with another kv_both engine, and with a
-    prefill or a decode as the operator names it; two prefills still never pair."""
-    a, b = make_node("both-a", "both"), make_node("both-b", "both")
+    """A kv_both engine takes either part: it pairs with another kv_both engine (lazily),
+    and with a prefill or a decode as the operator names it; two prefills still never
+    pair."""
+    peer = TokenSource(value="peer-secret")
+    a, b = (
+        make_node("both-a", "both", peer_token=peer),
+        make_node("both-b", "both", peer_token=peer),
+    )
     p, p2 = make_node("pre-1", "prefill"), make_node("pre-2", "prefill")
     try:
         assert a.server.introduce("both-b", b.server.endpoint, "prefill")[0] == 200
         assert a.registry.engine_ids() == ["both-b"] and b.registry.engine_ids() == ["both-a"]
-        assert p.server.add_peer("both-a", a.server.endpoint, "decode")[0] == 200
-        assert a.server.add_peer("pre-1", p.server.endpoint, "prefill")[0] == 200
+        status, answer = call(
+            "PUT", f"{p.url}/v1/peers/both-a", {"endpoint": a.server.endpoint, "role": "decode"}
+        )
+        assert (status, answer["result"]) == (200, "added"), answer
+        status, answer = call(
+            "PUT", f"{a.url}/v1/peers/pre-1", {"endpoint": p.server.endpoint, "role": "prefill"}
+        )
+        assert (status, answer["result"]) == (200, "added"), answer
+        status, answer = call(
+            "PUT", f"{p.url}/v1/peers/pre-2", {"endpoint": p2.server.endpoint, "role": "prefill"}
+        )
+        assert status == 400 and "other role" in str(answer), answer
+        # From another thread (the connector's lazy path) the same rule holds.
         status, answer = p.server.add_peer("pre-2", p2.server.endpoint, "prefill")
         assert status == 400 and "other role" in str(answer), answer
     finally:

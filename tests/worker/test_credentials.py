@@ -1,5 +1,9 @@
-"""The worker token as both sides read it (`kvtopo_worker.credentials`): what counts as a
-token, the clear error for a file that holds none, and re-reading on rotation."""
+"""The credentials as both sides read them: the tokens of `kvtopo_worker.credentials` (the
+client token of the traffic routes, the peer token of lazy handshakes) — what counts as a
+token, the clear error for a file that holds none, re-reading on rotation — and which
+credential opens which route of the control API (the operator's key the admin routes only,
+the client token the traffic routes only, the peer token only a peer's routes), also
+through a rotation of the operator's key applied to one pod at a time."""
 
 from __future__ import annotations
 
@@ -8,7 +12,9 @@ import os
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric import ec
 
+from kvtopo.localkeys import ControlClient
 from kvtopo_operator.model import WorkerView
 from kvtopo_operator.workers import WorkerClient
 from kvtopo_worker.credentials import (
@@ -18,7 +24,24 @@ from kvtopo_worker.credentials import (
     read_credential,
     read_token_file,
 )
-from tests.worker.test_agent import call, make_node
+from kvtopo_worker.signing import (
+    CallerKey,
+    PrivateKeys,
+    PublicKeys,
+    new_private_key,
+    parse_challenge,
+    private_pem,
+    public_pem,
+)
+from tests.worker.test_agent import (
+    CLIENT_TOKEN,
+    OPERATOR_KEY,
+    bearer,
+    call,
+    make_node,
+    send,
+    signature,
+)
 
 
 def _rewrite(path: Path, text: str) -> None:
@@ -112,25 +135,51 @@ def test_a_file_emptied_after_start_fails_every_call_until_it_holds_a_token(
     assert src.current() == "two"
 
 
-def test_the_control_api_authorises_nothing_while_its_token_file_is_empty(
+def test_the_traffic_routes_take_nothing_while_the_client_token_file_is_empty(
     tmp_path: Path,
 ) -> None:
     f = tmp_path / "token"
     f.write_text("one")
-    node = make_node("pre-tok", "prefill", token=TokenSource(path=f))
+    node = make_node("pre-tok", "prefill", client_token=TokenSource(path=f))
     try:
-        url = f"{node.url}/v1/state"
-        assert call("GET", url, token="one")[0] == 200
+        url = f"{node.url}/v1/finished"
+        assert call("GET", url, auth=bearer("one"))[0] == 200
         _rewrite(f, " \n")
-        for token in ("one", "", None):
-            status, body = call("GET", url, token=token)
+        for auth in (bearer("one"), bearer(""), None):
+            status, body = call("GET", url, auth=auth)
             assert status == 503
             assert body["error"] == "token_unavailable"
             assert str(f) in str(body["message"])
-        assert call("GET", f"{node.url}/healthz", token=None)[0] == 200
+        assert call("GET", f"{node.url}/healthz", auth=None)[0] == 200
+        # The client token's file is no part of the admin routes' credential.
+        assert call("GET", f"{node.url}/v1/state")[0] == 200
         _rewrite(f, "two")
-        assert call("GET", url, token="one")[0] == 401
-        assert call("GET", url, token="two")[0] == 200
+        assert call("GET", url, auth=bearer("one"))[0] == 401
+        assert call("GET", url, auth=bearer("two"))[0] == 200
+    finally:
+        node.server.stop()
+
+
+def test_the_admin_routes_take_nothing_while_the_operator_key_file_is_bad(
+    tmp_path: Path,
+) -> None:
+    """An engine whose operator public key file is emptied answers every admin call 503
+    naming the file (never falling back to the key it had), and takes signed calls again
+    once the file holds the key."""
+    f = tmp_path / "operator.pub"
+    f.write_text(public_pem(OPERATOR_KEY))
+    node = make_node("pre-key", "prefill", operator_keys=PublicKeys(path=f))
+    try:
+        state = f"{node.url}/v1/state"
+        assert call("GET", state)[0] == 200
+        _rewrite(f, "\n")
+        for auth in (signature(state), None):
+            status, body = call("GET", state, auth=auth)
+            assert status == 503 and body["error"] == "key_unavailable", body
+            assert str(f) in str(body["message"])
+        assert call("GET", f"{node.url}/v1/finished", auth=bearer(CLIENT_TOKEN))[0] == 200
+        _rewrite(f, public_pem(OPERATOR_KEY))
+        assert call("GET", state)[0] == 200
     finally:
         node.server.stop()
 
@@ -153,59 +202,104 @@ def test_a_credential_holds_the_current_and_during_a_rotation_the_previous_token
 
 
 def test_each_route_takes_its_own_credential() -> None:
-    """The operator credential opens the admin routes, the peer credential only a peer's
-    metadata: a compromised engine (it holds the peer credential) cannot re-peer or evict."""
+    """The operator's signature opens the admin routes, and only those; the client token
+    the traffic routes only; the peer token (where lazy handshakes are on) a peer's
+    metadata only. So an engine (it holds the peer token) or a client of the traffic routes
+    cannot add, evict or read peers, and no token opens anything but its own routes."""
     node = make_node(
         "pre-cred",
         "prefill",
-        token=TokenSource(value="op-new", previous="op-old"),
+        client_token=TokenSource(value="client-new", previous="client-old"),
         peer_token=TokenSource(value="peer-new", previous="peer-old"),
     )
+    url = node.url
+    admin = [
+        ("GET", "/v1/state", None),
+        ("PUT", "/v1/peers/x", {"endpoint": "127.0.0.1:9", "role": "decode"}),
+        ("DELETE", "/v1/peers/x", None),
+        ("PATCH", "/v1/peers", {"evict": ["x"]}),
+        ("PUT", "/v1/settings", {"idle_ttl_s": 9}),
+    ]
     try:
-        for token in ("op-new", "op-old"):
-            assert call("GET", f"{node.url}/v1/state", token=token)[0] == 200
-            assert call("GET", f"{node.url}/v1/metadata", token=token)[0] == 403
+        for token in ("client-new", "client-old", "peer-new", "peer-old"):
+            for method, path, body in admin:
+                status, answer = call(method, url + path, body, auth=bearer(token))
+                assert status == 401, (token, method, path, answer)
+                assert "no bearer token opens it" in str(answer["message"])
+        for token in ("client-new", "client-old"):
+            assert call("GET", f"{url}/v1/finished", auth=bearer(token))[0] == 200
+            assert call("GET", f"{url}/v1/metadata", auth=bearer(token))[0] == 401
         for token in ("peer-new", "peer-old"):
-            assert call("GET", f"{node.url}/v1/metadata", token=token)[0] == 200
-            status, body = call("PUT", f"{node.url}/v1/peers/x", {"endpoint": "10.0.0.1:1"}, token)
-            assert status == 403 and "operator credential" in str(body["message"])
-            assert call("DELETE", f"{node.url}/v1/peers/x", token=token)[0] == 403
-        assert call("GET", f"{node.url}/v1/state", token="older")[0] == 401
+            assert call("GET", f"{url}/v1/metadata", auth=bearer(token))[0] == 200
+            assert call("GET", f"{url}/v1/finished", auth=bearer(token))[0] == 401
+        # The operator's signature opens each admin route, and no other route.
+        for method, path, body in admin:
+            status, answer = call(method, url + path, body)
+            assert status == 200 or (path == "/v1/peers/x" and status == 502), answer
+        for path in ("/v1/metadata", "/v1/finished"):
+            assert call("GET", url + path, auth=signature(url + path))[0] == 401
+        assert call("GET", f"{url}/v1/finished", auth=bearer("older"))[0] == 401
+        assert node.registry.idle_ttl_s == 9
         metrics = node.server.metrics
-        assert metrics.authenticated_total.labels("operator", "previous")._value.get() == 1
+        assert metrics.authenticated_total.labels("client", "previous")._value.get() == 1
         assert metrics.authenticated_total.labels("peer", "previous")._value.get() == 1
+        assert metrics.authenticated_total.labels("operator", "current")._value.get() == len(admin)
     finally:
         node.server.stop()
 
 
-def test_a_rotation_applied_to_one_pod_only_keeps_both_sides_talking(tmp_path: Path) -> None:
-    """kubelet updates Secret volumes pod by pod: a pod that has the new token (and the old
-    one as previous) and a pod that still has only the old one must add each other as peers,
-    and the operator, updated or not, must reach both."""
+def test_an_engine_without_an_operator_key_closes_its_admin_routes(tmp_path: Path) -> None:
+    """An engine that pairs lazily only (no operator key) answers the admin routes 403 and
+    signs nothing; one without a client token closes its traffic routes (403). Lazy
+    handshakes need the peer token, and an engine needs an operator key or them."""
+    lazy = make_node(
+        "pre-lazy", "prefill", operator_keys=None, peer_token=TokenSource(value="peer")
+    )
+    closed = make_node("pre-closed", "prefill", client_token=None)
+    try:
+        status, _, headers = send("GET", f"{lazy.url}/v1/state", None, {})
+        assert status == 403 and "WWW-Authenticate" not in headers
+        assert call("GET", f"{lazy.url}/v1/finished", auth=bearer(CLIENT_TOKEN))[0] == 200
+        assert call("GET", f"{closed.url}/v1/finished", auth=bearer(CLIENT_TOKEN))[0] == 403
+        assert call("GET", f"{closed.url}/v1/state")[0] == 200
+    finally:
+        lazy.server.stop()
+        closed.server.stop()
+    with pytest.raises(ValueError, match="need the peer token"):
+        make_node("x", "prefill", introductions=True)
+    with pytest.raises(ValueError, match="operator's public key or lazy handshakes"):
+        make_node("x", "prefill", operator_keys=None)
+
+
+def test_an_operator_key_rotation_applied_to_one_pod_only_keeps_everyone_talking(
+    tmp_path: Path,
+) -> None:
+    """kubelet updates the key Secrets pod by pod: an engine that trusts the new key and
+    the old one, and an engine that trusts only the old one, must add each other as peers
+    (with the tickets the operator mints), and the operator, updated or not, must reach
+    both; an operator already past the rotation reaches only the updated engine."""
+    new, old = new_private_key(), OPERATOR_KEY
     updated = make_node(
         "pre-rot",
         "prefill",
-        token=TokenSource(value="op-new", previous="op-old"),
-        peer_token=TokenSource(value="peer-new", previous="peer-old"),
+        operator_keys=PublicKeys(keys=[new.public_key(), old.public_key()]),
     )
-    lagging = make_node(
-        "dec-rot",
-        "decode",
-        token=TokenSource(value="op-old"),
-        peer_token=TokenSource(value="peer-old"),
-    )
+    lagging = make_node("dec-rot", "decode", operator_keys=PublicKeys(keys=[old.public_key()]))
+    both = ControlClient(CallerKey("operator", PrivateKeys(keys=[new, old])), CLIENT_TOKEN)
     try:
         body = {"endpoint": lagging.server.endpoint, "role": "decode"}
-        status, answer = call("PUT", f"{updated.url}/v1/peers/dec-rot", body, token="op-new")
-        assert (status, answer["result"]) == (200, "added"), answer  # new refused, old taken
+        status, answer = call("PUT", f"{updated.url}/v1/peers/dec-rot", body, client=both)
+        assert (status, answer["result"]) == (200, "added"), answer
         body = {"endpoint": updated.server.endpoint, "role": "prefill"}
-        status, answer = call("PUT", f"{lagging.url}/v1/peers/pre-rot", body, token="op-old")
-        assert (status, answer["result"]) == (200, "added"), answer  # old is the previous
-        assert updated.server.metrics.authenticated_total.labels("peer", "previous")._value.get()
+        status, answer = call("PUT", f"{lagging.url}/v1/peers/pre-rot", body, client=both)
+        assert (status, answer["result"]) == (200, "added"), answer
+        # The ticket for the lagging engine was minted with the old key: its only one.
+        assert lagging.server.metrics.authenticated_total.labels("ticket", "current")._value.get()
+        assert updated.server.metrics.authenticated_total.labels("operator", "current")._value.get()
 
-        async def operator_reads(token_text: str) -> list[bool]:
-            f = tmp_path / f"op-{token_text.replace(chr(10), '-')}"
-            f.write_text(token_text)
+        async def operator_reads(*keys: ec.EllipticCurvePrivateKey) -> list[bool]:
+            f = tmp_path / f"op-{len(keys)}-{id(keys)}.key"
+            f.write_text("".join(private_pem(k) for k in keys))
             client = WorkerClient(f)
             try:
                 return [
@@ -215,10 +309,24 @@ def test_a_rotation_applied_to_one_pod_only_keeps_both_sides_talking(tmp_path: P
             finally:
                 await client.close()
 
-        assert asyncio.run(operator_reads("op-new\nop-old")) == [True, True]
-        assert asyncio.run(operator_reads("op-old")) == [True, True]
-        # Without the previous token a sender is locked out of the pod not yet updated.
-        assert asyncio.run(operator_reads("op-new")) == [True, False]
+        assert asyncio.run(operator_reads(new, old)) == [True, True]
+        assert asyncio.run(operator_reads(old)) == [True, True]
+        assert updated.server.metrics.authenticated_total.labels(
+            "operator", "previous"
+        )._value.get()
+        # Without the previous key the operator is locked out of the pod not yet updated.
+        assert asyncio.run(operator_reads(new)) == [True, False]
+        # The rotation over, an old-key signature opens nothing at the updated engine.
+        done = make_node("pre-done", "prefill", operator_keys=PublicKeys(keys=[new.public_key()]))
+        try:
+            assert call("GET", f"{done.url}/v1/state")[0] == 401  # OPERATOR holds the old key
+            challenge = parse_challenge(
+                send("GET", f"{done.url}/v1/state", None, {})[2]["WWW-Authenticate"]
+            )
+            assert challenge is not None and len(challenge.kids) == 1
+            assert call("GET", f"{done.url}/v1/state", client=both)[0] == 200
+        finally:
+            done.server.stop()
     finally:
         updated.server.stop()
         lagging.server.stop()

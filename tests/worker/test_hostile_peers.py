@@ -7,7 +7,6 @@ from __future__ import annotations
 import collections
 import pickle
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -57,14 +56,6 @@ def workers(token_file: Path, tmp_path: Path) -> Iterator[dict[str, WorkerProces
             w.stop()
 
 
-def raw_metadata(w: WorkerProcess) -> bytes:
-    req = urllib.request.Request(
-        w.url + "/v1/metadata", headers={"Authorization": f"Bearer {w.token}"}
-    )
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        return bytes(resp.read())
-
-
 def recraft(raw: bytes, **changes: Any) -> bytes:
     """`raw` metadata with payload fields changed (the envelope's hash kept valid)."""
     envelope = msgspec.msgpack.decode(raw)
@@ -100,7 +91,7 @@ def test_nothing_a_peer_sends_is_unpickled(
     # A real prefill's metadata (its NIXL blob is genuine) under a new engine id, every
     # descriptor-ish field replaced by a pickle whose loading creates `marker`.
     crafted.payload = recraft(
-        raw_metadata(p), engine_id="evil", agent_name="evil-agent", kv_descs=bomb
+        p.raw_metadata(), engine_id="evil", agent_name="evil-agent", kv_descs=bomb
     )
     status, body = d.call(
         "PUT", "/v1/peers/evil", {"endpoint": crafted.endpoint, "role": "prefill"}
@@ -116,7 +107,7 @@ def test_a_peer_carrying_another_engines_nixl_blob_is_refused(
     p, d = workers["p"], workers["d"]
     d.connect(p)
     p.connect(d)
-    raw = raw_metadata(p)
+    raw = p.raw_metadata()
     # The same blob under another engine id: once with its true agent name, once with a
     # made-up one. Neither may be registered (evicting it would tear down p's agent).
     for agent_name in (None, "kvtopo-evil"):
@@ -188,7 +179,7 @@ def test_a_second_decode_registering_the_same_request_id_does_not_take_the_write
 
 
 def _compat_of(w: WorkerProcess) -> Any:
-    return decode_metadata(raw_metadata(w), w.state()["compat_hash"]).compat
+    return decode_metadata(w.raw_metadata(), w.state()["compat_hash"]).compat
 
 
 def test_a_peer_describing_millions_of_blocks_is_refused_at_once_and_stalls_no_one(
@@ -210,7 +201,7 @@ def test_a_peer_describing_millions_of_blocks_is_refused_at_once_and_stalls_no_o
     rogue.register_kv_cache(torch.zeros((4, BLOCK), dtype=torch.uint8))
     own = rogue.describe(engine_id="huge", role="prefill", compat=_compat_of(p))
     crafted.payload = recraft(
-        raw_metadata(p),
+        p.raw_metadata(),
         engine_id="huge",
         agent_name=own.agent_name,
         agent_metadata=own.agent_metadata,

@@ -116,7 +116,10 @@ def test_a_peer_restarted_under_its_engine_id_is_reported_dropped_and_renewed_by
     )
     assert "disconnect" in held["health_reason"].lower(), held
 
-    # A re-add renews the peer: its metadata fetched again, the dead agents replaced.
+    # A re-add renews the peer: its metadata fetched again, the dead agents replaced. (The
+    # operator has read the new process's state first, and so holds its challenge, which
+    # the add's ticket is minted from.)
+    assert d.client.call("GET", p2.endpoint, "/v1/state")[0] == 200
     status, body = d.call(
         "PUT", "/v1/peers/prefill-pinned", {"endpoint": p2.endpoint, "role": "prefill"}
     )

@@ -15,16 +15,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtopo_worker.agent import ControlServer, LocalEngine
-from kvtopo_worker.credentials import TokenSource
 from kvtopo_worker.metrics import WorkerMetrics
 from kvtopo_worker.protocol import CompatInfo
 from kvtopo_worker.registry import EngineRegistry
 from kvtopo_worker.transport import NixlTransport
-from tests.worker.test_agent import call
+from tests.worker.test_agent import OPERATOR_KEYS, call, serving
 
 pytestmark = pytest.mark.nixl
 
-TOKEN = "race-token"
 BLOCKS, BLOCK_LEN = 4, 256
 
 
@@ -61,10 +59,11 @@ def make_side(engine_id: str, role: str) -> Side:
         engine=LocalEngine(engine_id, role, meta, time.time()),  # type: ignore[arg-type]
         registry=registry,
         transport=transport,
-        token=TokenSource(value=TOKEN),
+        operator_keys=OPERATOR_KEYS,
         metrics=WorkerMetrics(),
     )
     server.start()
+    serving(server)
     return Side(transport, registry, server)
 
 
@@ -105,11 +104,11 @@ def test_random_interleavings_keep_registry_and_nixl_in_agreement(
     def run(plan: list[str]) -> None:
         for op in plan:
             if op == "put":
-                status, body = call("PUT", f"{local.url}/v1/peers/{peer_id}", put_body, TOKEN)
+                status, body = call("PUT", f"{local.url}/v1/peers/{peer_id}", put_body)
                 if status != 200:
                     errors.append(f"PUT answered {status}: {body}")
             elif op == "delete":
-                status, body = call("DELETE", f"{local.url}/v1/peers/{peer_id}", None, TOKEN)
+                status, body = call("DELETE", f"{local.url}/v1/peers/{peer_id}")
                 if status != 200:
                     errors.append(f"DELETE answered {status}: {body}")
             elif op == "pin":  # a WRITE in flight: evictions meanwhile are deferred
@@ -129,7 +128,7 @@ def test_random_interleavings_keep_registry_and_nixl_in_agreement(
     assert named == prepped, f"registry names {named}, NIXL has {prepped}"
     # Whatever happened, a PUT now makes the peer present on both sides, usable, and a
     # pending eviction does not survive it.
-    status, body = call("PUT", f"{local.url}/v1/peers/{peer_id}", put_body, TOKEN)
+    status, body = call("PUT", f"{local.url}/v1/peers/{peer_id}", put_body)
     assert status == 200, body
     named, prepped = agree(local)
     assert named == prepped == set(local.registry.snapshot(peer_id).values()) != set()
@@ -140,12 +139,10 @@ def test_a_put_cancels_a_deferred_eviction(sides: tuple[Side, Side]) -> None:
     local, peer = sides
     peer_id = peer.server.engine.engine_id
     put_body = {"endpoint": peer.server.endpoint, "role": "prefill"}
-    assert call("PUT", f"{local.url}/v1/peers/{peer_id}", put_body, TOKEN)[0] == 200
+    assert call("PUT", f"{local.url}/v1/peers/{peer_id}", put_body)[0] == 200
     assert local.registry.begin_transfer(peer_id) is not None
-    assert call("DELETE", f"{local.url}/v1/peers/{peer_id}", None, TOKEN)[1]["result"] == (
-        "deferred"
-    )
-    status, body = call("PUT", f"{local.url}/v1/peers/{peer_id}", put_body, TOKEN)
+    assert call("DELETE", f"{local.url}/v1/peers/{peer_id}")[1]["result"] == ("deferred")
+    status, body = call("PUT", f"{local.url}/v1/peers/{peer_id}", put_body)
     assert (status, body["result"]) == (200, "present")
     assert local.registry.begin_transfer(peer_id) is not None, "new WRITEs must be allowed"
     local.registry.end_transfer(peer_id)

@@ -1,5 +1,5 @@
-"""Notification seals and signed peer requests: what a forger, a replayer or a spy endpoint
-can and cannot do with what it sees."""
+"""Notification seals and the peer token's signed requests (lazy handshakes only): what a
+forger, a replayer or a spy endpoint can and cannot do with what it sees."""
 
 from __future__ import annotations
 

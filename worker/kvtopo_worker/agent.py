@@ -429,9 +429,9 @@ class ControlServer:
             self.metrics.authenticated_total.labels("ticket", which).inc()
             return None
         if self._peer_guard is None or self.peer_token is None:
-            self.metrics.reject("control_auth")
             if request.path == "/v1/introductions":
-                return None  # answered 403 by the route: this engine takes no introductions
+                return None  # answered 403 (and counted) by the route: no introductions here
+            self.metrics.reject("control_auth")
             return _error(
                 401,
                 "unauthorized",

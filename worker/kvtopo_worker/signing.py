@@ -447,8 +447,12 @@ class CallGuard:
         """Whether `header` carries no signature, or one made for another engine key (the
         caller holds the challenge of this endpoint's previous process): to be answered
         with our challenge, not counted as a bad message."""
+        if not header:
+            return True
         f = _fields(header, SCHEME)
-        return not header or (f is not None and f.get("ek") != self.key.id)
+        if f is None or not all(f.get(k) for k in ("role", "kid", "ek", "ts", "nonce", "mac")):
+            return False  # malformed: a bad message, counted
+        return len(f["ek"]) == 16 and len(f["mac"]) == 64 and f["ek"] != self.key.id
 
     def unknown_key(self, role: str, header: str) -> bool:
         """Whether `header` is signed with a caller key this engine does not know (a key
