@@ -84,6 +84,10 @@ class _LocklessSnapshotRegistry(EngineRegistry):
         eng = self._engines.get(engine_id)
         return dict(eng.agents) if eng is not None else {}
 
+    def use(self, engine_id: str, rank: int) -> str | None:
+        eng = self._engines.get(engine_id)
+        return eng.agents.get(rank) if eng is not None else None
+
 
 def test_the_send_regression_test_catches_a_lockless_snapshot(clock: FakeClock) -> None:
     transport = FakeTransport()

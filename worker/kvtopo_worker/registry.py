@@ -375,6 +375,17 @@ class EngineRegistry:
         if popped:
             self._teardown(engine_id, popped)
 
+    def use(self, engine_id: str, rank: int) -> str | None:
+        """The engine's agent of `rank` (None when absent), the engine marked used now: a
+        registration writer's one pass under the lock (a snapshot then a `touch` took it
+        twice per registration)."""
+        with self.lock:
+            eng = self._engines.get(engine_id)
+            if eng is None:
+                return None
+            eng.last_used = self._clock()
+            return eng.agents.get(rank)
+
     def touch(self, engine_id: str) -> None:
         with self.lock:
             eng = self._engines.get(engine_id)

@@ -253,15 +253,17 @@ class DecodePush(PushConnector):
         registration writer's data path, which the registry benchmark measures alone).
         Raises TransportError when it cannot be sent (counted against the peer)."""
         if agent is None:
-            agent = self.registry.snapshot(reg.prefill_engine_id).get(self.tp_rank)
+            # The agent, and the engine marked in use, in one pass under the lock.
+            agent = self.registry.use(reg.prefill_engine_id, self.tp_rank)
             if agent is None:
                 raise TransportError(f"No remote agents for engine {reg.prefill_engine_id}")
+        else:
+            self.registry.touch(reg.prefill_engine_id)
         try:
             self.transport.send_notif(agent, encode_notification(reg))
         except TransportError as exc:
             self._transport_failed(reg.prefill_engine_id, agent, exc)
             raise
-        self.registry.touch(reg.prefill_engine_id)
         return agent
 
     def _send_cancel(self, request_id: str, rec: _Recv) -> None:
