@@ -508,3 +508,44 @@ def test_an_idle_ttl_set_at_runtime_is_applied_by_the_running_progress_loop(
         assert transport.removed == [f"agent-{PREFILL}"]
     finally:
         decode.stop()
+
+
+def _deliver_waits_for_lock(
+    conn: PushConnector, registry: EngineRegistry, transport: FakeTransport
+) -> None:
+    """The registration writer's own path (`deliver_registration`, the registry benchmark's):
+    it reads its peer's agent under the registry lock too."""
+    add_engine(transport, registry, PREFILL)
+    sent = threading.Event()
+    transport.on_send = lambda agent, payload: sent.set()
+    reg = PushRegistration(
+        request_id="w1",
+        decode_engine_id=DECODE,
+        prefill_engine_id=PREFILL,
+        block_ids=[1],
+        expires_at=FAR,
+        write_timeout_s=30.0,
+    )
+    writer = threading.Thread(target=conn.deliver_registration, args=(reg,))  # type: ignore[attr-defined]
+    with registry.lock:
+        writer.start()
+        assert not sent.wait(timeout=0.2), "registration sent while the registry lock was held"
+    writer.join(5)
+    assert sent.is_set(), "registration never sent after the lock was released"
+
+
+def test_the_writer_reads_its_peer_under_the_registry_lock(
+    decode: PushConnector, registry: EngineRegistry, transport: FakeTransport
+) -> None:
+    _deliver_waits_for_lock(decode, registry, transport)
+
+
+def test_the_writer_lock_test_catches_a_lockless_read(clock: FakeClock) -> None:
+    transport = FakeTransport()
+    broken = _LocklessSnapshotRegistry(remove_agent=transport.remove_remote, clock=clock)
+    conn = make_connector("decode", transport, broken, clock)
+    try:
+        with pytest.raises(AssertionError, match="registration sent while the registry lock"):
+            _deliver_waits_for_lock(conn, broken, transport)
+    finally:
+        conn.stop()

@@ -252,18 +252,19 @@ class DecodePush(PushConnector):
         the moment after makes it fail cleanly); no request state is read or changed (the
         registration writer's data path, which the registry benchmark measures alone).
         Raises TransportError when it cannot be sent (counted against the peer)."""
+        given = agent is not None
         if agent is None:
             # The agent, and the engine marked in use, in one pass under the lock.
             agent = self.registry.use(reg.prefill_engine_id, self.tp_rank)
             if agent is None:
                 raise TransportError(f"No remote agents for engine {reg.prefill_engine_id}")
-        else:
-            self.registry.touch(reg.prefill_engine_id)
         try:
             self.transport.send_notif(agent, encode_notification(reg))
         except TransportError as exc:
             self._transport_failed(reg.prefill_engine_id, agent, exc)
             raise
+        if given:
+            self.registry.touch(reg.prefill_engine_id)
         return agent
 
     def _send_cancel(self, request_id: str, rec: _Recv) -> None:
