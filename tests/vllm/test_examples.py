@@ -34,6 +34,14 @@ def test_the_example_deployment_loads_the_connector(role: str) -> None:
     named = {p["name"]: p["containerPort"] for p in container["ports"]}
     topology = yaml.safe_load((EXAMPLE / "kvtopology.yaml").read_text())
     assert named["kvtopo-control"] == port == topology["spec"]["controlPort"]
-    env = {e["name"] for e in container["env"]}
-    assert {"KVTOPO_POD_IP", "KVTOPO_TOKEN_FILE", "KVTOPO_POD_UID"} <= env
+    env = {e["name"]: e for e in container["env"]}
+    assert {"KVTOPO_POD_IP", "KVTOPO_OPERATOR_KEY_FILE", "KVTOPO_POD_UID"} <= set(env)
+    # The operator's public key from its ConfigMap; no Secret, no peer token (the operator
+    # pairs these engines: no lazy handshakes).
+    assert not {"KVTOPO_TOKEN_FILE", "KVTOPO_PEER_TOKEN_FILE"} & set(env)
+    volumes = pod["spec"]["volumes"]
+    assert [v["configMap"]["name"] for v in volumes] == ["kvtopo-operator-key"]
+    [mount] = container["volumeMounts"]
+    key_file = env["KVTOPO_OPERATOR_KEY_FILE"]["value"]
+    assert key_file == f"{mount['mountPath']}/operator.pem"
     assert pod["spec"]["readinessGates"] == [{"conditionType": "kvtopo.dev/kv-connected"}]
