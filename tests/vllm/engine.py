@@ -7,7 +7,10 @@ request: the prefill's `kv_transfer_params` (what a P/D proxy hands the decode),
 connector's finished_sending / finished_recving / failed_recving, and how vLLM finished it.
 
     {"op": "add", "rid", "prompt_len", "max_tokens", "params"}   add a request (a decode's
-                                         params name the prefill's request to receive)
+                                         params name the prefill's request to receive;
+                                         optional: "prompt_of", the request whose prompt
+                                         tokens it has, "content_id", the prefill request
+                                         whose bytes it receives)
     {"op": "wait", "rids", "timeout"}   until each request has left the scheduler; answers
                                          every event seen of them, and the engine's outcome
     {"op": "abort", "rid"}              the client aborts a request (vLLM's abort)
@@ -95,7 +98,10 @@ class DrivenEngine(VllmEngine):
                 cmd["max_tokens"],
                 params,
                 peer_engine_id=str(params.get("remote_engine_id", "")),
-                content_id=str(params.get("remote_request_id") or cmd["rid"]),
+                content_id=str(
+                    cmd.get("content_id") or params.get("remote_request_id") or cmd["rid"]
+                ),
+                prompt_of=cmd.get("prompt_of"),
             )
             return {"ok": True}
         if op == "abort":

@@ -17,7 +17,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,7 +58,11 @@ class EngineProc:
         assert "exception" not in answer, answer
         return answer
 
-    def add(self, rid: str, prompt_len: int, max_tokens: int, params: dict[str, Any]) -> None:
+    def add(
+        self, rid: str, prompt_len: int, max_tokens: int, params: dict[str, Any], **more: str
+    ) -> None:
+        """Adds a request; `more`: `prompt_of` (the request whose prompt tokens it has) and
+        `content_id` (the prefill request whose bytes it receives)."""
         self.ask(
             {
                 "op": "add",
@@ -67,6 +70,7 @@ class EngineProc:
                 "prompt_len": prompt_len,
                 "max_tokens": max_tokens,
                 "params": params,
+                **more,
             }
         )
 
@@ -107,13 +111,6 @@ class EngineProc:
             except (OSError, subprocess.TimeoutExpired, BrokenPipeError):
                 self.proc.kill()
                 self.proc.wait(10)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from kvtopo_worker.vllm import offline as harness
-
-    return harness.write_model_dir(tmp_path_factory.mktemp("model"))
 
 
 class Engines:
@@ -214,15 +211,6 @@ class Engines:
     def close(self) -> None:
         for p in self.procs:
             p.close()
-
-
-@pytest.fixture
-def engines(tmp_path: Path, model_dir: str) -> Iterator[Engines]:
-    e = Engines(tmp_path, model_dir)
-    try:
-        yield e
-    finally:
-        e.close()
 
 
 def prefill_params(prefill: EngineProc, rid: str) -> dict[str, Any]:

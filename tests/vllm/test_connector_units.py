@@ -105,3 +105,15 @@ def test_lazy_handshakes_are_on_where_the_engine_has_the_peer_token(
     assert settings.lazy_handshake is lazy
     assert settings.operator_key_file == str(tmp_path / "operator.pub")
     assert settings.peer_token_file == (str(peer) if "peer_token_file" in extra else "")
+
+
+def test_the_client_request_id_is_read_from_the_ids_vllms_openai_server_makes() -> None:
+    from kvtopo_worker.vllm.connector import client_request_id
+
+    router = "___prefill_addr_10.0.0.1:8000___decode_addr_10.0.0.2:8000_0123456789abcdef"
+    assert client_request_id(f"cmpl-{router}-0-1a2b3c4d") == router
+    assert client_request_id("cmpl-x-12-deadbeef") == "x"
+    assert client_request_id("chatcmpl-my-id-0123abcd") == "my-id"
+    # Not of vLLM's forms: no alias (found by its own id only).
+    for rid in ("req0", "cmpl-x-0", "cmpl-x-0-XYZ12345", "chatcmpl--0123abcd", "x-1a2b3c4d"):
+        assert client_request_id(rid) == "", rid

@@ -9,8 +9,11 @@ module and by the operator; it imports neither torch, nixl, kopf nor kubernetes.
 
 from __future__ import annotations
 
+import array
 import enum
 import hashlib
+import sys
+from collections.abc import Sequence
 from typing import Literal, TypeVar
 
 import msgspec
@@ -355,9 +358,23 @@ class PushRegistration(msgspec.Struct, frozen=True, kw_only=True):
     # The request's blocks from this one on are wanted (the decode holds the ones before
     # from its own prefix cache): the prefill writes its blocks[first_block:] into block_ids.
     first_block: int = 0
+    # A digest of the request's prompt tokens (`prompt_digest`), where the decode knows
+    # them: a prefill that finds the request by another name than its own id (the id a P/D
+    # router gave it) writes only a request whose prompt has the same digest.
+    prompt_digest: str = ""
 
 
 MAX_REQUESTS_PER_WRITE = 64
+PROMPT_DIGEST_CHARS = 32
+
+
+def prompt_digest(token_ids: Sequence[int]) -> str:
+    """The digest of a prompt's token ids that registrations carry (`PushRegistration`):
+    32 hex characters of BLAKE2b over the ids as little-endian 64-bit integers."""
+    ids = array.array("q", token_ids)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    return hashlib.blake2b(ids.tobytes(), digest_size=PROMPT_DIGEST_CHARS // 2).hexdigest()
 
 
 class PushDone(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -458,6 +475,10 @@ def decode_notification(data: bytes) -> Notification:
                     raise MalformedMessage("write_timeout_s must be 0..3600 s, expires_at a time")
                 if not 0 <= msg.first_block < MAX_BLOCKS_PER_REQUEST:
                     raise MalformedMessage("first_block must be 0..65535")
+                if len(msg.prompt_digest) > PROMPT_DIGEST_CHARS:
+                    raise MalformedMessage(
+                        f"prompt_digest must be at most {PROMPT_DIGEST_CHARS} characters"
+                    )
             if isinstance(msg, PushCancel):
                 _check_id("decode_engine_id", msg.decode_engine_id)
                 _check_id("prefill_engine_id", msg.prefill_engine_id)

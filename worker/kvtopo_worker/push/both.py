@@ -80,13 +80,24 @@ class BothPush(PushConnector):
         prefill_engine_id: str,
         block_ids: Sequence[int],
         first_block: int = 0,
+        prompt_digest: str = "",
     ) -> None:
-        self.receiving.request_receive(request_id, prefill_engine_id, block_ids, first_block)
+        self.receiving.request_receive(
+            request_id, prefill_engine_id, block_ids, first_block, prompt_digest
+        )
 
     def request_send(
-        self, request_id: str, block_ids: Sequence[int], decode_engine_id: str | None = None
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        decode_engine_id: str | None = None,
+        *,
+        alias: str = "",
+        prompt_digest: str = "",
     ) -> None:
-        self.sending.request_send(request_id, block_ids, decode_engine_id)
+        self.sending.request_send(
+            request_id, block_ids, decode_engine_id, alias=alias, prompt_digest=prompt_digest
+        )
 
     def abandon(self, request_id: str, reason: FailureType, message: str) -> None:
         """Gives `request_id` up on whichever half holds it (a caller that knows which calls

@@ -258,14 +258,22 @@ class PushConnector:
         prefill_engine_id: str,
         block_ids: Sequence[int],
         first_block: int = 0,
+        prompt_digest: str = "",
     ) -> None:
         """Decode side: ask the prefill engine to push `request_id` into `block_ids`."""
         raise RuntimeError("request_receive is the decode side's call")
 
     def request_send(
-        self, request_id: str, block_ids: Sequence[int], decode_engine_id: str | None = None
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        decode_engine_id: str | None = None,
+        *,
+        alias: str = "",
+        prompt_digest: str = "",
     ) -> None:
-        """Prefill side: the request's KV is in `block_ids`."""
+        """Prefill side: the request's KV is in `block_ids`; `alias`: another name a
+        decode may know it by (the id a P/D router gave it), checked by `prompt_digest`."""
         raise RuntimeError("request_send is the prefill side's call")
 
     def abandon(self, request_id: str, reason: FailureType, message: str) -> None:

@@ -115,9 +115,11 @@ class DecodePush(PushConnector):
         prefill_engine_id: str,
         block_ids: Sequence[int],
         first_block: int = 0,
+        prompt_digest: str = "",
     ) -> None:
         """Asks the prefill engine to push `request_id` into `block_ids` (its blocks from
-        `first_block` on)."""
+        `first_block` on); `prompt_digest` (`protocol.prompt_digest` of the prompt's token
+        ids, where known) lets the prefill check a request it finds by another name."""
         cfg = self.config
         now = self._clock()
         expires_at = self._wall() + cfg.registration_timeout_s
@@ -130,6 +132,7 @@ class DecodePush(PushConnector):
             expires_at=expires_at,
             write_timeout_s=cfg.transfer_timeout_s,
             first_block=first_block,
+            prompt_digest=prompt_digest,
         )
         give_up_at = now + cfg.registration_timeout_s + cfg.transfer_timeout_s + cfg.cancel_margin_s
         with self._state_lock:

@@ -22,6 +22,12 @@ registrations waiting for their KV, and tombstones of cancels that came first.
 - Bounded: at most `max_held_per_peer` registrations per decode agent, and no more of its
   blocks than it has (its metadata says how many), are held; beyond, a registration is
   refused at once. Tombstones are bounded per agent too (the oldest leaves first).
+- A request may also carry an *alias*: another name its decode may know it by (vLLM's P/D
+  router hands the decode its own request id, not the prefill's). A registration or cancel
+  under an alias counts for the one request that carries it, and only when its prompt digest
+  is that request's: an alias two requests carry finds neither (the registration is refused),
+  and one of another prompt is refused. Inside, everything is keyed by our own id; what the
+  decode is told names the request as the decode named it.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+import msgspec
 
 from kvtopo_worker.protocol import (
     FailureType,
@@ -69,6 +77,7 @@ class _Send:
     decode_engine_id: str | None  # the decode engine it is paired with, if known
     phase: Send = Send.WAITING
     agent: str = ""  # the decode agent it is being written to (WRITING)
+    prompt_digest: str = ""  # what a registration under its alias must carry
 
 
 @dataclass
@@ -122,6 +131,70 @@ class PrefillPush(PushConnector):
         # so a deadline check costs what expires, not what is kept.
         self._deadlines: list[tuple[float, int, str, str, _Send | _Keep]] = []
         self._seq = itertools.count()
+        # Aliases, while their request or its outcome is kept: alias -> the requests that
+        # carry it (it finds a request only when exactly one does), our id -> its alias, and
+        # our id -> {decode agent: the name that agent registered it under}.
+        self._aliases: dict[str, set[str]] = {}
+        self._alias_of: dict[str, str] = {}
+        self._called: dict[str, dict[str, str]] = {}
+
+    # --- names: our request ids, and the aliases a decode may use -------------------------
+
+    def _resolve(self, name: str) -> str:
+        """Our id of the request a decode names `name` (call under the state lock): itself
+        when it is ours (or nothing carries it as an alias), else the one request that
+        carries it as its alias."""
+        if name in self._sends or name in self._outcomes:
+            return name
+        carriers = self._aliases.get(name)
+        if carriers is not None and len(carriers) == 1:
+            return next(iter(carriers))
+        return name
+
+    def _ambiguous(self, name: str) -> bool:
+        """Several requests carry `name` as their alias (call under the state lock)."""
+        return len(self._aliases.get(name, ())) > 1
+
+    def _name_for(self, rid: str, agent: str) -> str:
+        """What `agent` calls our request `rid` (its alias, where it registered under it)."""
+        return self._called.get(rid, {}).get(agent, rid)
+
+    def _adopt_alias(self, rid: str, alias: str) -> list[tuple[str, _Keep]]:
+        """Gives request `rid` its alias (call under the state lock). What decodes had kept
+        here under the alias before the request's KV was ready becomes the request's; the
+        registrations among it of another prompt are dropped and returned, to be refused."""
+        carriers = self._aliases.setdefault(alias, set())
+        carriers.add(rid)
+        self._alias_of[rid] = alias
+        if len(carriers) > 1 or alias in self._sends or alias in self._outcomes:
+            return []  # several carry it: it finds none of them
+        send = self._sends.get(rid)
+        digest = send.prompt_digest if send is not None else ""
+        refused: list[tuple[str, _Keep]] = []
+        for agent in list(self._kept_by_rid.get(alias, ())):
+            keep = self._drop(agent, alias)
+            if keep is None:
+                continue
+            if keep.reg is not None:
+                if keep.reg.prompt_digest != digest:
+                    refused.append((agent, keep))
+                    continue
+                keep.reg = msgspec.structs.replace(keep.reg, request_id=rid)
+            self._called.setdefault(rid, {})[agent] = alias
+            self._put(agent, rid, keep)
+        return refused
+
+    def _forget_names(self, rid: str) -> None:
+        """`rid`'s outcome left: so do its alias and the names decodes gave it."""
+        self._called.pop(rid, None)
+        alias = self._alias_of.pop(rid, None)
+        if alias is None:
+            return
+        carriers = self._aliases.get(alias)
+        if carriers is not None:
+            carriers.discard(rid)
+            if not carriers:
+                del self._aliases[alias]
 
     # --- what is kept per (agent, request) -------------------------------------------------
 
@@ -193,28 +266,47 @@ class PrefillPush(PushConnector):
     # --- engine-thread API ---------------------------------------------------------------
 
     def request_send(
-        self, request_id: str, block_ids: Sequence[int], decode_engine_id: str | None = None
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        decode_engine_id: str | None = None,
+        *,
+        alias: str = "",
+        prompt_digest: str = "",
     ) -> None:
         """The request's KV is in `block_ids`; push it when its decode engine
-        (`decode_engine_id` when known; else the first that registers it) registers. A
-        request its decode engine cancelled before this call fails at once."""
+        (`decode_engine_id` when known; else the first that registers it) registers, under
+        our id or under `alias` with `prompt_digest`. A request its decode engine cancelled
+        before this call fails at once."""
         cancelled = False
+        refused: list[tuple[str, _Keep]] = []
         with self._state_lock:
             if self._stopped:
                 raise RuntimeError("the connector is stopped")
             if request_id in self._sends or request_id in self._ended:
                 raise ValueError(f"request {request_id} was already submitted")
+            send = _Send(
+                list(block_ids),
+                self._clock() + self.config.kv_lease_s,
+                decode_engine_id,
+                prompt_digest=prompt_digest,
+            )
+            self._sends[request_id] = send
+            if alias and alias != request_id:
+                refused = self._adopt_alias(request_id, alias)
             for agent in self._kept_by_rid.get(request_id, ()):
                 keep = self._kept[(agent, request_id)]
                 if keep.phase is Held.TOMBSTONE and decode_engine_id in (None, keep.engine_id):
                     cancelled = True
-            if not cancelled:
-                send = _Send(
-                    list(block_ids), self._clock() + self.config.kv_lease_s, decode_engine_id
-                )
-                self._sends[request_id] = send
+            if cancelled:
+                del self._sends[request_id]
+            else:
                 entry = (send.deadline, next(self._seq), "", request_id, send)
                 heapq.heappush(self._deadlines, entry)
+        for agent, keep in refused:
+            self.metrics.reject("prompt_mismatch")
+            why = "the registration's prompt is not the prompt of the request with that id"
+            self._answer(agent, keep.engine_id, alias, FailureType.REMOTE_REJECTED, why)
         if cancelled:
             self._fail_send(
                 request_id,
@@ -328,9 +420,27 @@ class PrefillPush(PushConnector):
             )
             return
         self.registry.touch(engine)
-        rid = msg.request_id
+        name = msg.request_id  # what the decode calls the request
         now, wall = self._clock(), self._wall()
         answer: tuple[FailureType, str] | None = None
+        with self._state_lock:
+            rid = self._resolve(name)
+            if rid != name:
+                target = self._sends.get(rid)
+                if target is not None and msg.prompt_digest != target.prompt_digest:
+                    answer = (
+                        FailureType.REMOTE_REJECTED,
+                        "the registration's prompt is not the prompt of the request with that id",
+                    )
+                else:
+                    msg = msgspec.structs.replace(msg, request_id=rid)
+                    self._called.setdefault(rid, {})[agent] = name
+            elif self._ambiguous(name):
+                answer = (FailureType.REMOTE_REJECTED, "several requests here carry that id")
+        if answer is not None:
+            self.metrics.reject("notification")
+            self._answer(agent, engine, name, *answer)
+            return
         with self._state_lock:
             kept = self._kept.get((agent, rid))
             send = self._sends.get(rid)
@@ -406,11 +516,14 @@ class PrefillPush(PushConnector):
             self.metrics.reject("notification")
             log.warning("cancel of %s from agent %s dropped", msg.request_id, agent)
             return
-        rid = msg.request_id
+        name = msg.request_id  # what the decode calls the request
         why = "the decode engine gave the request up"
         failed_send: _Send | None = None
         resend: _Outcome | None = None
         with self._state_lock:
+            rid = self._resolve(name)
+            if rid != name:
+                self._called.setdefault(rid, {})[agent] = name
             send = self._sends.get(rid)
             if send is not None and send.phase is Send.WRITING and send.agent == agent:
                 return  # the WRITE's end answers
@@ -433,7 +546,7 @@ class PrefillPush(PushConnector):
                     failed_send = send
         if resend is not None:
             if resend.done:  # it landed: say so again (the decode then ends it done)
-                done = PushDone(request_id=rid, prefill_engine_id=self.engine_id, num_blocks=0)
+                done = PushDone(request_id=name, prefill_engine_id=self.engine_id, num_blocks=0)
                 self._notify(agent, done, rid, engine)
             else:
                 reason = resend.reason or FailureType.TRANSFER_FAILED
@@ -446,11 +559,15 @@ class PrefillPush(PushConnector):
     def _answer(
         self, agent: str, engine_id: str, rid: str, reason: FailureType, message: str
     ) -> None:
-        """PUSH_FAIL for `rid` to exactly `agent` (a decode rank), while it is held."""
+        """PUSH_FAIL for `rid` to exactly `agent` (a decode rank), while it is held; it
+        names the request as that agent did."""
         if self.registry.agent_owner(agent) != engine_id:
             return
         fail = PushFail(
-            request_id=rid, prefill_engine_id=self.engine_id, reason=reason, message=message[:200]
+            request_id=self._name_for(rid, agent),
+            prefill_engine_id=self.engine_id,
+            reason=reason,
+            message=message[:200],
         )
         self._notify(agent, fail, rid, engine_id)
 
@@ -600,10 +717,11 @@ class PrefillPush(PushConnector):
             for reg, blocks in batch:
                 local += blocks
                 remote += reg.block_ids
+            names = [self._name_for(rid, agent) for rid in rids]
             done = encode_notification(
                 PushDone(
-                    request_id=rids[0],
-                    more_request_ids=list(rids[1:]),
+                    request_id=names[0],
+                    more_request_ids=names[1:],
                     prefill_engine_id=self.engine_id,
                     num_blocks=len(remote),
                 )
@@ -736,7 +854,8 @@ class PrefillPush(PushConnector):
         """Remembers how a prefill request ended (call under the lock), to answer a cancel."""
         self._outcomes[rid] = outcome
         if len(self._outcomes) > self._ended_cap:
-            self._outcomes.popitem(last=False)
+            gone, _ = self._outcomes.popitem(last=False)
+            self._forget_names(gone)
 
     def _fail_send(
         self,

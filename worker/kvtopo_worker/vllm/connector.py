@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import threading
 import time
 import uuid
@@ -70,6 +71,7 @@ from kvtopo_worker.protocol import (
     KVSegment,
     PodIdentity,
     Role,
+    prompt_digest,
 )
 from kvtopo_worker.push import FailedRequest, PushConfig, PushConnector, new_connector
 from kvtopo_worker.push.both import BothPush
@@ -118,6 +120,34 @@ class RecvSpec:
     block_ids: list[int]
     first_block: int  # the prefill's block the first of `block_ids` takes
     prefill_incarnation: str = ""  # its process, where the prefill said (a restart is new)
+    prompt_digest: str = ""  # of the request's prompt tokens (the prefill checks it)
+
+
+@dataclass(frozen=True)
+class SendSpec:
+    """Prefill: send a finished request's KV, held in `block_ids`, to its decode."""
+
+    block_ids: list[int]
+    alias: str = ""  # the id its client or router gave it, which its decode may know it by
+    prompt_digest: str = ""
+
+
+# vLLM's OpenAI server names a request `cmpl-<id>-<prompt index>` (completions) or
+# `chatcmpl-<id>` (chat), <id> being the X-Request-Id the client or router sent (else a
+# random one), and the engine adds `-<8 random hex>` to make it unique.
+_VLLM_REQUEST_ID = re.compile(r"(?:cmpl-(?P<cmpl>.+)-\d+|chatcmpl-(?P<chat>.+))-[0-9a-f]{8}")
+
+
+def client_request_id(request_id: str) -> str:
+    """The id the client or router gave a request (its X-Request-Id), read from the id
+    vLLM's OpenAI server made of it; "" for an id of another form. vLLM's P/D router
+    (`vllm-router`) hands the decode this id as `remote_request_id`: the prefill finds the
+    request by it (only while exactly one of its requests carries it, and only for a
+    registration of the same prompt)."""
+    m = _VLLM_REQUEST_ID.fullmatch(request_id)
+    if m is None:
+        return ""
+    return m.group("cmpl") or m.group("chat") or ""
 
 
 @dataclass
@@ -125,7 +155,7 @@ class KVTopoConnectorMetadata(KVConnectorMetadata):
     """What one scheduler step hands every TP rank's worker."""
 
     recv: dict[str, RecvSpec] = field(default_factory=dict)  # by the decode's request id
-    send: dict[str, list[int]] = field(default_factory=dict)  # by the prefill's request id
+    send: dict[str, SendSpec] = field(default_factory=dict)  # by the prefill's request id
     abandon: list[str] = field(default_factory=list)  # receiving requests vLLM gave up
     # Requests vLLM gave up before their registration reached the workers: each rank ends
     # them at once (finished_recving), which lets vLLM free their blocks.
@@ -258,7 +288,7 @@ class _SchedulerSide:
         self._receives = settings.role in ("decode", "both")
         self._sends = settings.role in ("prefill", "both")
         self._recv_new: dict[str, RecvSpec] = {}
-        self._send_new: dict[str, list[int]] = {}
+        self._send_new: dict[str, SendSpec] = {}
         self._abandon_new: dict[str, None] = {}
         self._release_new: dict[str, None] = {}
         self._sending: set[str] = set()  # blocks held until finished_sending
@@ -298,6 +328,7 @@ class _SchedulerSide:
             block_ids=ids,
             first_block=first,
             prefill_incarnation=str(params.get(INCARNATION_PARAM, "")),
+            prompt_digest=prompt_digest(request.prompt_token_ids or ()),
         )
         self._receiving.add(request.request_id)
 
@@ -350,7 +381,9 @@ class _SchedulerSide:
         computed = int(request.num_computed_tokens)
         ids = _first_group(block_ids)[: math.ceil(computed / self.s.block_size)]
         if ids:
-            self._send_new[rid] = ids
+            self._send_new[rid] = SendSpec(
+                ids, client_request_id(rid), prompt_digest(request.prompt_token_ids or ())
+            )
             self._sending.add(rid)
         answer = {
             "do_remote_prefill": True,
@@ -661,8 +694,10 @@ class _RankWorker:
         if meta.send:
             if self.sender is None:
                 raise RuntimeError(f"a {self.s.role} engine sends no KV")
-            for rid, blocks in meta.send.items():
-                self.sender.request_send(rid, blocks)
+            for rid, out in meta.send.items():
+                self.sender.request_send(
+                    rid, out.block_ids, alias=out.alias, prompt_digest=out.prompt_digest
+                )
         if meta.recv or meta.abandon or meta.release:
             if self.receiver is None:
                 raise RuntimeError(f"a {self.s.role} engine receives no KV")
@@ -700,14 +735,23 @@ class _RankWorker:
             self._recv_blocks[rid] = spec.block_ids
 
         def go() -> None:
-            push.request_receive(
-                spec.prefill_request_id, spec.prefill_engine_id, spec.block_ids, spec.first_block
-            )
+            try:
+                push.request_receive(
+                    spec.prefill_request_id,
+                    spec.prefill_engine_id,
+                    spec.block_ids,
+                    spec.first_block,
+                    spec.prompt_digest,
+                )
+            except (ValueError, RuntimeError) as exc:
+                # The params name a prefill request this rank received already (a client
+                # or router reusing an id), or the connector stopped: this request fails.
+                failed(str(exc), FailureType.TRANSFER_SETUP_FAILED)
 
-        def failed(why: str) -> None:
+        def failed(why: str, reason: FailureType = FailureType.HANDSHAKE_FAILED) -> None:
             with self._lock:
                 self._by_prefill_rid.pop(spec.prefill_request_id, None)
-                self._local_failed.append(FailedRequest(rid, FailureType.HANDSHAKE_FAILED, why))
+                self._local_failed.append(FailedRequest(rid, reason, why))
 
         self.host.ensure_peer(
             spec.prefill_engine_id,

@@ -290,12 +290,14 @@ class VllmEngine(EngineTraffic):
         *,
         peer_engine_id: str,
         content_id: str | None = None,
+        prompt_of: str | None = None,
     ) -> None:
         """Hands vLLM a request with these `kv_transfer_params` (what a P/D proxy sends);
         `content_id`: the prefill request whose bytes a decode request receives (default:
-        its own id)."""
+        its own id); `prompt_of`: the request whose prompt tokens it has (default: its own,
+        derived from its id)."""
         request = offline.make_request(
-            rid, prompt_len, max_tokens, params, block_size=self.block_size
+            rid, prompt_len, max_tokens, params, block_size=self.block_size, prompt_of=prompt_of
         )
         blocks = math.ceil(prompt_len / self.block_size)
         with self.admission:

@@ -371,6 +371,7 @@ def make_request(
     block_size: int = 16,
     prompt_token_ids: list[int] | None = None,
     hash_algo: str = "sha256",
+    prompt_of: str | None = None,
 ) -> Request:
     """A ``Request`` with *prompt_len* prompt tokens and greedy, EOS-ignoring
     sampling capped at *max_tokens*.
@@ -380,8 +381,9 @@ def make_request(
     connectors mutate it (NIXL flips ``do_remote_prefill`` to False, push mode
     seeds ``remote_block_ids``), and the caller's dict stays untouched.
 
-    Prompt tokens default to a run derived from *request_id*, so different ids
-    do not share a prefix-cache prefix. The block hasher mirrors ``EngineCore``
+    Prompt tokens default to a run derived from *request_id* (or *prompt_of*:
+    the request whose prompt this one repeats), so different ids do not share a
+    prefix-cache prefix. The block hasher mirrors ``EngineCore``
     (*block_size* must be the scheduler's hash block size: the cache block size
     for this harness's single group).
     """
@@ -392,7 +394,7 @@ def make_request(
 
     if prompt_token_ids is None:
         vocab = MODEL_CONFIG["vocab_size"]
-        base = zlib.crc32(request_id.encode())
+        base = zlib.crc32((prompt_of or request_id).encode())
         # Skip the low ids (BOS/EOS and friends).
         prompt_token_ids = [10 + (base + i) % (vocab - 10) for i in range(prompt_len)]
     elif len(prompt_token_ids) != prompt_len:
