@@ -262,9 +262,11 @@ def test_a_killed_prefill_and_then_a_new_decode_serve_again_with_no_manual_step(
             f"[realvllm] failed before served again: {after_prefill} after the prefill's "
             f"restart, {after_decode} after the decode's"
         )
-        # The decode holds no stale peer for long: NIXL reports the dead process and the next
-        # request hands the new one a fresh handshake, at most one request later. (The
-        # router may refuse requests until its health check sees the new process.)
+        # At most one request fails at the engines: after the prefill's restart, the router's
+        # first parallel send still names the dead process (vLLM gives each process a new
+        # engine id; the router builds the decode's params from the previous answer), and
+        # NIXL tells the decode at once that it is gone. (The router itself refuses
+        # requests until its health check sees the new process.)
         assert after_prefill["engine"] <= 1 and after_decode["engine"] <= 1
     finally:
         router.stop()
