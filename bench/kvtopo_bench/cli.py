@@ -60,6 +60,10 @@ def _bench_report(module: str) -> Callable[[argparse.Namespace], int]:
             extra["baseline_tree"] = args.baseline_tree
         if getattr(args, "hostile", False):
             extra["hostile"] = True
+        if getattr(args, "rounds", None) is not None:
+            extra["rounds"] = args.rounds
+        if getattr(args, "variants", None):
+            extra["variants"] = [v.strip() for v in args.variants.split(",") if v.strip()]
         try:
             bench.run(
                 args.json, quick=args.quick, log=lambda line: print(line, flush=True), **extra
@@ -116,12 +120,16 @@ def add_bench_parser(
             "vllm",
             _bench_report("vllm"),
             "KVTopoConnector beside vLLM's own NixlPushConnector (needs the vllm extra)",
-            "A prefill and a decode vLLM engine per variant (vLLM's NixlPushConnector; "
-            "KVTopoConnector with the operator's handshakes; KVTopoConnector alone), vLLM's "
+            "A prefill and a decode vLLM engine per run (vLLM's NixlPushConnector; "
+            "KVTopoConnector with the operator's handshakes, with its default NIXL progress "
+            "thread and with vLLM's NIXL agent settings; KVTopoConnector alone), vLLM's "
             "scheduler, real KV tensors and NIXL (the forward pass stood in for), driven as "
-            "a P/D proxy drives them: the first request once the engines serve, a steady "
-            "stream (throughput ratio), and a prefill replaced under the same address.",
-            "fewer and smaller requests",
+            "a P/D proxy drives them; the variants interleaved (A B B A), each run a fresh "
+            "pair: the first request once the engines serve, 512 KiB requests one at a time "
+            "(latency), 8 MiB requests 4 in flight (bandwidth), each with the engines' CPU "
+            "seconds, and a prefill replaced under the same address. Reports each engine's "
+            "NIXL progress-thread setting, every run, the medians and named ratios.",
+            "fewer requests, 20 s for the replaced prefill",
         ),
         (
             "isolation",
@@ -157,6 +165,23 @@ def add_bench_parser(
                 "clean, hostile, hostile, clean; in the hostile runs one decode worker "
                 "answers garbage and one hangs, all along. The report's hostile section "
                 "compares the healthy engines' ready -> connected p99 (target: within 1.2x)",
+            )
+        if name == "vllm":
+            kind.add_argument(
+                "--rounds",
+                type=int,
+                default=None,
+                metavar="N",
+                help="rounds of the variants, alternating their order (A B, B A, ...): each "
+                "variant runs N times, each run a fresh engine pair (default 4; 2 with "
+                "--quick)",
+            )
+            kind.add_argument(
+                "--variants",
+                default=None,
+                metavar="A,B",
+                help="the variants to run, comma-separated (default: nixl, kvtopo, "
+                "kvtopo_progress_thread, kvtopo_no_operator); the ratios need nixl",
             )
         if name == "registry":
             kind.add_argument(

@@ -114,35 +114,114 @@ def test_the_summary_checks_each_target_and_says_what_is_missing(tmp_path: Path)
     assert not ok and "| rollout converged, 32x1000 | 31.0 s | <= 30 s | **missed** |" in table
 
 
-def test_the_vllm_table_puts_the_variants_side_by_side() -> None:
+def _vllm_run(i: int, variant: str, p50_small: float, large_bps: float, **extra: Any) -> dict:
+    def phase(p50: float, bps: float, nbytes: int, in_flight: int) -> dict[str, Any]:
+        return {
+            "p50_ms": p50,
+            "p99_ms": p50 * 2,
+            "kv_bytes_per_s": bps,
+            "cpu_s_per_gb": 4.0,
+            "cpu_s": {"prefill": 1.0, "decode": 2.0},
+            "bytes_per_request": nbytes,
+            "in_flight": in_flight,
+            "failed": 0,
+        }
+
+    agent = {"progress_thread": variant != "kvtopo", "num_threads": 4 if variant == "nixl" else 0}
+    return {
+        "run": i,
+        "round": 1,
+        "variant": variant,
+        "connector": "nixl" if variant == "nixl" else "kvtopo",
+        "nixl_agent": {"prefill": agent, "decode": agent},
+        "first_request_s": 0.4 if variant == "nixl" else 0.07,
+        "small": phase(p50_small, 512 * 1024 / p50_small * 1000, 512 * 1024, 1),
+        "large": phase(100.0, large_bps, 8 << 20, 4),
+        **extra,
+    }
+
+
+def test_the_vllm_report_interleaves_the_variants_and_names_each_ratio() -> None:
     from kvtopo_bench import vllm
 
-    steady = {"p50_ms": 60.0, "p99_ms": 90.0, "bytes_per_s": 4_000_000, "failed": 0}
+    assert [v.name for v in vllm.VARIANTS] == [
+        "nixl",
+        "kvtopo",
+        "kvtopo_progress_thread",
+        "kvtopo_no_operator",
+    ]
+    order = [n for _, n in vllm.run_order(["a", "b"], 4)]
+    assert order == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    runs = [
+        _vllm_run(1, "nixl", 120.0, 30e6, replaced_prefill_s=None),
+        _vllm_run(2, "kvtopo", 61.0, 40e6, replaced_prefill_s=0.1),
+        _vllm_run(3, "kvtopo", 59.0, 50e6),
+        _vllm_run(4, "nixl", 130.0, 20e6),
+    ]
+    agg = vllm.aggregate(runs, ["nixl", "kvtopo"])
+    nixl, kvtopo = agg["variants"]
+    assert kvtopo["small"]["p50_ms"] == 60.0 and nixl["large"]["kv_bytes_per_s"] == 25e6
+    assert kvtopo["replaced_measured"] == 1 and kvtopo["replaced_prefill_s"] == 0.1
+    assert nixl["replaced_measured"] == 1 and nixl["replaced_prefill_s"] is None
+    ratios = agg["ratios"]["kvtopo"]
+    # Each ratio is the variant's median over nixl's, of the medians as measured.
+    assert abs(ratios["p50_ratio_small"] - 60.0 / 125.0) < 1e-9
+    assert abs(ratios["kv_bytes_per_s_ratio_large"] - 45e6 / 25e6) < 1e-9
+    assert ratios["cpu_s_per_gb_ratio_large"] == 1.0
     report = {
+        "rounds": 2,
+        "order": [r["variant"] for r in runs],
         "replaced_limit_s": 60.0,
-        "throughput_ratio": 1.5,
-        "throughput_ratio_no_operator": 1.4,
-        "runs": [
-            {
-                "variant": "nixl",
-                "first_request_s": 0.4,
-                "replaced_prefill_s": None,
-                "steady": {**steady, "bytes_per_s": 2_000_000, "failed": 3},
-            },
-            {
-                "variant": "kvtopo",
-                "first_request_s": 0.07,
-                "replaced_prefill_s": 0.1,
-                "steady": steady,
-            },
-        ],
+        "small": {"bytes": 512 * 1024, "in_flight": 1},
+        "large": {"bytes": 8 << 20, "in_flight": 4},
+        **agg,
+        "runs": runs,
     }
     table = vllm.format_table(report)
-    assert table.splitlines()[0] == "| | nixl | kvtopo |"
+    lines = table.splitlines()
+    assert lines[0] == "| | nixl | kvtopo |"
+    assert (
+        "| NIXL agents (prefill and decode) | progress thread on, 4 UCX threads "
+        "| progress thread off, 0 UCX threads |" in table
+    )
     assert "| prefill replaced -> a request succeeds | none in 60 s | 0.10 s |" in table
-    assert "| steady KV bytes/s | 2,000,000 | 4,000,000 |" in table
-    assert "| steady failed | 3 | 0 |" in table
-    assert [v.name for v in vllm.VARIANTS] == ["nixl", "kvtopo", "kvtopo_no_operator"]
+    assert "| large (8 MiB x 4 in flight): p50 | 100.0 ms | 100.0 ms |" in table
+    assert "| large: KV MB/s | 25.0 | 45.0 |" in table
+    assert "interleaved (2 rounds, order nixl kvtopo kvtopo nixl)" in table
+    assert "kv_bytes_per_s_ratio_large = verified KV bytes a second at 8 MiB x 4" in table
+    assert "kvtopo / nixl: p50_ratio_small 0.48," in table
+    assert sum(line.startswith("| 3 | kvtopo |") for line in lines) == 1
+
+
+def test_the_summary_reads_the_interleaved_vllm_report(tmp_path: Path) -> None:
+    from kvtopo_bench import vllm
+    from kvtopo_bench.summary import _vllm
+
+    runs = [
+        _vllm_run(1, "nixl", 120.0, 30e6, replaced_prefill_s=None),
+        _vllm_run(2, "kvtopo", 60.0, 20e6, replaced_prefill_s=0.1),
+        _vllm_run(3, "kvtopo", 60.0, 20e6),
+        _vllm_run(4, "nixl", 120.0, 30e6),
+    ]
+    report = {
+        "replaced_limit_s": 60.0,
+        "large": {"bytes": 8 << 20, "in_flight": 4},
+        **vllm.aggregate(runs, ["nixl", "kvtopo"]),
+    }
+    rows = _vllm(report)
+    assert rows[0] == (
+        "KV bytes/s, KVTopoConnector (kvtopo) / NixlPushConnector, 8 MiB x 4 in flight",
+        "0.67",
+        ">= 0.95",
+        "**missed**",
+    )
+    assert (
+        "prefill replaced -> a request succeeds, vllm nixl",
+        "none in 60 s",
+        "(quoted)",
+        "-",
+    ) in rows
+    assert sum(r[0].startswith("first request, vllm kvtopo") for r in rows) == 1
 
 
 def test_the_decision_benchmark_measures_rounds_over_a_full_mesh() -> None:

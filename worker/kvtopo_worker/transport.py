@@ -164,6 +164,14 @@ def progress_thread_default() -> bool:
     return (os.cpu_count() or 1) >= 8
 
 
+def nixl_num_threads_default() -> int:
+    """The UCX backend's worker threads (NIXL's `num_threads`; 0, NIXL's default: none, the
+    progress thread or the polling calls drive the one shared worker). vLLM's NixlConnector
+    passes 4. KVTOPO_NIXL_NUM_THREADS=N overrides (side-by-side benchmarks)."""
+    env = os.environ.get("KVTOPO_NIXL_NUM_THREADS", "").strip()
+    return max(0, int(env)) if env else 0
+
+
 def _quiet_nixl_logging() -> None:
     """NIXL's Python logger prints INFO lines to stdout; keep stdout for our own output."""
     nixl_log = logging.getLogger("nixl")
@@ -193,6 +201,7 @@ class NixlTransport:
         *,
         backends: Sequence[str] = ("UCX",),
         progress_thread: bool | None = None,
+        num_threads: int | None = None,
         merge_blocks: bool | None = None,
         on_unauthenticated: Callable[[str, bool], None] | None = None,
         max_peer_blocks: int | None = None,
@@ -200,7 +209,9 @@ class NixlTransport:
         """`on_unauthenticated(agent, known)` is called for every notification dropped
         because it did not open with that agent's key (`known`: an agent we hold or held,
         so a forgery or an altered message; else an agent never added, as when a peer
-        greets before we added it), for the caller's metrics."""
+        greets before we added it), for the caller's metrics. `progress_thread` and
+        `num_threads` (the UCX backend's worker threads) default to
+        :func:`progress_thread_default` and :func:`nixl_num_threads_default`."""
         from nixl._api import nixl_agent, nixl_agent_config
 
         _quiet_nixl_logging()
@@ -208,9 +219,11 @@ class NixlTransport:
         self.progress_thread = (
             progress_thread_default() if progress_thread is None else progress_thread
         )
+        self.num_threads = nixl_num_threads_default() if num_threads is None else num_threads
         cfg = nixl_agent_config(
             enable_prog_thread=self.progress_thread,
             enable_listen_thread=False,
+            num_threads=self.num_threads,
             backends=list(backends),
         )
         self._lock = threading.Lock()

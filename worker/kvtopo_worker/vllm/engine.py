@@ -16,8 +16,9 @@ vllm`) and the tests drive it the same way: a request of `num_blocks` blocks is 
 `num_blocks * 16` tokens; a prefill runs it with `do_remote_decode`, a decode with the
 `kv_transfer_params` a P/D proxy would hand it (the prefill engine `peer_engine_id`, the same
 request id). Its outcome is the transfer's, as every TP rank's connector ended it (a decode's
-verified), each request once. Prints one JSON line {engine_id, endpoint, role, incarnation}
-on stdout when ready; SIGTERM drains it, then it exits.
+verified), each request once. Prints one JSON line {engine_id, endpoint, role, incarnation,
+nixl_agent: {progress_thread, num_threads}} on stdout when ready; SIGTERM drains it, then it
+exits.
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ class VllmEngine(EngineTraffic):
         connector: str = "kvtopo",
         block_size: int = BLOCK_SIZE,
         async_scheduling: bool = True,
+        nixl_num_threads: int | None = None,
     ) -> None:
         """`role` "both" is vLLM's kv_both: each request's part comes from its
         `kv_transfer_params` (`add_request`). `connector`: "kvtopo" (KVTopoConnector, its
@@ -131,7 +133,9 @@ class VllmEngine(EngineTraffic):
         `host:port`; the process needs VLLM_TARGET_DEVICE=cpu and
         VLLM_NIXL_SIDE_CHANNEL_PORT set before vLLM is imported). `async_scheduling`
         (vLLM 0.33's default): step N+1 is scheduled before step N's output reaches the
-        scheduler, as the engine core's batch queue of two does."""
+        scheduler, as the engine core's batch queue of two does. `nixl_num_threads`: the
+        UCX backend threads of vLLM's own connector (its `num_threads`; None: vLLM's
+        default, 4); KVTopoConnector's are its transport's (KVTOPO_NIXL_NUM_THREADS)."""
         super().__init__()
         self.role: Role = role
         self.engine_id = engine_id
@@ -172,6 +176,8 @@ class VllmEngine(EngineTraffic):
                 "backends": ["UCX"],
                 "kv_lease_duration": kv_lease_s,
             }
+            if nixl_num_threads is not None:
+                kv_transfer["kv_connector_extra_config"]["num_threads"] = nixl_num_threads
         elif connector != "kvtopo":
             raise ValueError(f"connector must be kvtopo or nixl, not {connector!r}")
         self.config = offline.make_vllm_config(
@@ -246,6 +252,28 @@ class VllmEngine(EngineTraffic):
         if self.traffic_server is not None:
             return ""
         return str(self.workers[0].incarnation)
+
+    def nixl_agent_settings(self) -> dict[str, Any]:
+        """The NIXL agent settings its connector's agents run with: {progress_thread,
+        num_threads (the UCX backend's worker threads)}. KVTopoConnector's transport takes
+        its defaults (KVTOPO_NIXL_PROGRESS_THREAD, else on with >= 8 cores;
+        KVTOPO_NIXL_NUM_THREADS, else 0); vLLM's NixlConnector passes `num_threads` (its
+        extra config's, default 4) and leaves the progress thread at NIXL's default (on;
+        vLLM has no setting for it)."""
+        if self.connector == "kvtopo":
+            from kvtopo_worker.transport import nixl_num_threads_default, progress_thread_default
+
+            return {
+                "progress_thread": progress_thread_default(),
+                "num_threads": nixl_num_threads_default(),
+            }
+        import inspect
+
+        from nixl._api import nixl_agent_config
+
+        default = inspect.signature(nixl_agent_config).parameters["enable_prog_thread"].default
+        threads = self.config.kv_transfer_config.get_from_extra_config("num_threads", 4)
+        return {"progress_thread": bool(default), "num_threads": int(threads)}
 
     def start(self) -> None:
         self._thread.start()
@@ -626,9 +654,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m kvtopo_worker.vllm.engine",
         description="A prefill or decode vLLM engine (vLLM's scheduler, KVTopoConnector, "
         "real KV tensors and NIXL; the forward pass stood in for) that takes the emulated "
-        "engine's command line and traffic. --block-bytes, --device and --progress-thread "
-        "are accepted and left to vLLM and NIXL. Prints one JSON line {engine_id, endpoint, "
-        "role} when ready.",
+        "engine's command line and traffic. --block-bytes and --device are accepted and "
+        "left to vLLM and NIXL; --progress-thread on|off sets KVTopoConnector's (vLLM's "
+        "NixlPushConnector has no such setting: it runs NIXL's default, on). Prints one "
+        "JSON line {engine_id, endpoint, role, incarnation, nixl_agent} when ready.",
     )
     add_engine_arguments(p)
     p.set_defaults(model_id="kvtopo-tiny-llama")
@@ -654,6 +683,14 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="tokens per KV block")
     p.add_argument(
+        "--nixl-num-threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the NIXL UCX backend's worker threads (NIXL's num_threads) of the connector's "
+        "agents (default: the connector's: 0 for KVTopoConnector, 4 for vLLM's)",
+    )
+    p.add_argument(
         "--no-async-scheduling",
         action="store_true",
         help="schedule synchronously (vLLM 0.33 schedules the next step before it sees "
@@ -673,6 +710,18 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
     model_dir = args.model_dir or offline.shared_model_dir()
+    if args.connector == "kvtopo":  # its transport reads them when its agents are made
+        if args.progress_thread != "auto":
+            os.environ["KVTOPO_NIXL_PROGRESS_THREAD"] = "1" if args.progress_thread == "on" else "0"
+        if args.nixl_num_threads is not None:
+            os.environ["KVTOPO_NIXL_NUM_THREADS"] = str(args.nixl_num_threads)
+    elif args.progress_thread == "off":
+        print(
+            "kvtopo vllm engine: vLLM's NixlPushConnector has no progress-thread setting "
+            "(it runs NIXL's default, on)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         engine = VllmEngine(
             role=args.role,
@@ -696,16 +745,18 @@ def main(argv: list[str] | None = None) -> int:
             connector=args.connector,
             block_size=args.block_size,
             async_scheduling=not args.no_async_scheduling,
+            nixl_num_threads=args.nixl_num_threads if args.connector == "nixl" else None,
         )
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"kvtopo vllm engine: {exc}", file=sys.stderr)
         return 2
     engine.start()
-    ready = {
+    ready: dict[str, Any] = {
         "engine_id": engine.engine_id,
         "endpoint": engine.endpoint,
         "role": engine.role,
         "incarnation": engine.incarnation,
+        "nixl_agent": engine.nixl_agent_settings(),
     }
     engine.serve_until_signalled(ready, ready_out, args.drain_timeout)
     engine.stop()
