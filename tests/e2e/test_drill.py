@@ -141,8 +141,15 @@ def test_an_engine_restarted_in_its_pod_is_reconnected_with_no_manual_action(
     assert report["outcome_mismatch"] == 0, report["offending_requests"]["outcome_mismatch"]
     assert set(report["failed_by_reason"]) <= {"registration_timeout", "push_reg_notif_failed"}
     assert report["failed_by_reason"], "the requests the killed engine held failed"
+    # From the kill to every pair connected: mostly the new process's start (imports; 26 s
+    # on a loaded 2-core machine), bounded loosely; the operator's part, from the new
+    # process serving to every pair connected, is bounded on its own.
     (took,) = report["restart_recovery_s"]
-    assert took <= 20, struck
+    assert took <= 20 * LOOSE, struck
+    served = [
+        float(m[1]) for label in struck if (m := re.search(r"serves again after ([\d.]+) s", label))
+    ]
+    assert served and took - served[0] <= 5 * LOOSE, struck
     assert report["stale_peers_at_end"] == 0
     assert report["verified_bytes"] == report["completed"] * 4 * 64 * 1024
 
