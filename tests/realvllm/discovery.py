@@ -18,8 +18,6 @@ import json
 import os
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -310,21 +308,9 @@ def static_router(
     )
 
 
-def get_json(url: str, timeout: float = 5.0) -> tuple[int, Any]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            status, raw = r.status, r.read()
-    except urllib.error.HTTPError as e:
-        status, raw = e.code, e.read()
-    try:
-        return status, json.loads(raw)
-    except ValueError:
-        return status, raw.decode(errors="replace")
-
-
 def workers(router: rs.Process) -> dict[str, list[str]]:
     """The router's workers by type (`GET /workers`): {"prefill": [url...], "decode": [...]}."""
-    status, body = get_json(router.url + "/workers")
+    status, body = rs.get_json(router.url + "/workers")
     if status != 200 or not isinstance(body, dict):
         raise AssertionError(f"GET /workers answered {status}: {body}")
     out: dict[str, list[str]] = {"prefill": [], "decode": []}

@@ -531,11 +531,32 @@ def _stderr(msg: str) -> None:
 # --- requests -------------------------------------------------------------------------------
 
 
+# What vllm-router 0.1.17 keeps of a prefill's push answer when it builds the decode's
+# kv_transfer_params (it adds its own `remote_request_id` and drops the rest).
+ROUTER_KEEPS = (
+    "do_remote_prefill",
+    "do_remote_decode",
+    "remote_engine_id",
+    "remote_host",
+    "remote_port",
+    "tp_size",
+)
+
+
 def post_json(url: str, body: dict[str, Any], timeout: float = 120.0) -> tuple[int, Any]:
     """POSTs JSON; returns (status, parsed body or text) without raising on HTTP errors."""
     req = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
     )
+    return call_json(req, timeout)
+
+
+def get_json(url: str, timeout: float = 5.0) -> tuple[int, Any]:
+    """GETs `url`; returns (status, parsed body or text) without raising on HTTP errors."""
+    return call_json(urllib.request.Request(url), timeout)
+
+
+def call_json(req: urllib.request.Request, timeout: float) -> tuple[int, Any]:
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             status, raw = r.status, r.read()

@@ -75,14 +75,7 @@ ROUTER_START_S = 90.0
 HOLD_S = 3.0  # how long a not-Ready pod is watched getting nothing (>10x the router's reaction)
 PACE_S = 0.05  # between the completions sent to a router that refuses them
 PREFILL_DELAY_S = 0.5  # the prefill stand-in's answer delay, to tell sequential from parallel
-ROUTER_KEEPS = (
-    "do_remote_prefill",
-    "do_remote_decode",
-    "remote_engine_id",
-    "remote_host",
-    "remote_port",
-    "tp_size",
-)
+ROUTER_KEEPS = rs.ROUTER_KEEPS
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 

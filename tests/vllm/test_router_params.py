@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from tests.realvllm.servers import ROUTER_KEEPS
 from tests.vllm.test_connector import (
     Engines,
     events,
@@ -28,15 +29,6 @@ from tests.vllm.test_connector import (
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.nixl
-
-ROUTER_KEEPS = (
-    "do_remote_prefill",
-    "do_remote_decode",
-    "remote_engine_id",
-    "remote_host",
-    "remote_port",
-    "tp_size",
-)
 
 
 def router_params(params: dict[str, Any], router_id: str) -> dict[str, Any]:
