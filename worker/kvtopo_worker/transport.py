@@ -172,6 +172,17 @@ def nixl_num_threads_default() -> int:
     return max(0, int(env)) if env else 0
 
 
+def nixl_library_progress_thread_default() -> bool:
+    """NIXL's own default for the progress thread (`nixl_agent_config`'s), which is what an
+    engine that never sets it runs with (vLLM's NixlConnector)."""
+    import inspect
+
+    from nixl._api import nixl_agent_config
+
+    default = inspect.signature(nixl_agent_config).parameters["enable_prog_thread"].default
+    return bool(default)
+
+
 def _quiet_nixl_logging() -> None:
     """NIXL's Python logger prints INFO lines to stdout; keep stdout for our own output."""
     nixl_log = logging.getLogger("nixl")

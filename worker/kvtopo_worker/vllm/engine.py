@@ -267,13 +267,13 @@ class VllmEngine(EngineTraffic):
                 "progress_thread": progress_thread_default(),
                 "num_threads": nixl_num_threads_default(),
             }
-        import inspect
+        from kvtopo_worker.transport import nixl_library_progress_thread_default
 
-        from nixl._api import nixl_agent_config
-
-        default = inspect.signature(nixl_agent_config).parameters["enable_prog_thread"].default
         threads = self.config.kv_transfer_config.get_from_extra_config("num_threads", 4)
-        return {"progress_thread": bool(default), "num_threads": int(threads)}
+        return {
+            "progress_thread": nixl_library_progress_thread_default(),
+            "num_threads": int(threads),
+        }
 
     def start(self) -> None:
         self._thread.start()
