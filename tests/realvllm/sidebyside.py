@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -339,7 +340,7 @@ def one_run(
     run: dict[str, Any] = {"variant": variant, "nixl": NIXL_SETTINGS[variant], "ready_s": ready}
     try:
         rs.start_all([router], deadline_s=120, progress=say)
-        warm = load_phase(router, model, reference, 6, 1, servers)
+        warm = load_phase(router, model, reference, 3, 1, servers)
         run["warmup_failed"] = warm["failed"]
         if warm["failed"]:
             run["warmup_failures"] = warm["failures"]
@@ -358,7 +359,7 @@ def one_run(
             try:
                 rs.start_all([proxy], deadline_s=120, progress=say)
                 run["toy_proxy_sequential"] = load_phase(
-                    proxy, model, reference, args.requests, 1, servers
+                    proxy, model, reference, args.toy_proxy_requests, 1, servers
                 )
                 say(f"{variant}: through the toy proxy: {json.dumps(run['toy_proxy_sequential'])}")
             finally:
@@ -452,7 +453,10 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="also measure through vLLM's toy proxy (the path of toy_proxy_server.py)",
     )
+    p.add_argument("--toy-proxy-requests", type=int, default=6)
     args = p.parse_args(argv)
+    # A SIGTERM (a `timeout`, a Ctrl-C'd make) unwinds like Ctrl-C: every server is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     variants = [v for v in args.variants.split(",") if v]
     for v in variants:
         if v not in VARIANTS:
