@@ -181,13 +181,14 @@ class Process:
     env: dict[str, str] = field(default_factory=server_env)
     health_path: str = "/health"
     cwd: Path = REPO_ROOT  # vllm-router writes a router.pid where it runs
+    host: str = HOST  # the address it listens at (a pod's IP for a server in a pod)
     proc: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     ready_s: float | None = None  # from start() to the first 200 on health_path
 
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def start(self) -> Process:
         if self.proc is not None:
@@ -345,8 +346,9 @@ class VLLMServer(Process):
         args: Sequence[str] = SMALL_ARGS,
         extra_args: Sequence[str] = (),
         env: dict[str, str] | None = None,
+        host: str = HOST,
     ) -> VLLMServer:
-        port = port or free_port()
+        port = port or free_port(host)
         argv = [
             vllm_python(),
             "-m",
@@ -354,7 +356,7 @@ class VLLMServer(Process):
             "--model",
             model,
             "--host",
-            HOST,
+            host,
             "--port",
             str(port),
             *args,
@@ -369,7 +371,9 @@ class VLLMServer(Process):
             argv=argv,
             port=port,
             log_path=Path(workdir) / f"{name}.log",
-            env=server_env(env),
+            # its internal queues bind VLLM_HOST_IP: the pod's own address
+            env=server_env({"VLLM_HOST_IP": host, **(env or {})}),
+            host=host,
         )
 
     @classmethod
@@ -422,6 +426,36 @@ def kvtopo_transfer_config(
             "control_port": control_port,
             "peer_token_file": peer_token_file,
             **(extra or {}),
+        },
+    }
+
+
+def kvtopo_operator_transfer_config(
+    role: str,
+    *,
+    control_host: str,
+    control_port: int,
+    operator_key_file: str,
+    token_file: str,
+    pod: tuple[str, str, str],
+) -> dict[str, Any]:
+    """KVTopoConnector under the operator: its control API at the pod's IP, calls signed by
+    the operator's key, the pod's identity (namespace, name, uid) as the downward API gives
+    it; no peer token (the operator connects the pair)."""
+    kv_role = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}[role]
+    namespace, name, uid = pod
+    return {
+        "kv_connector": "KVTopoConnector",
+        "kv_connector_module_path": "kvtopo_worker.vllm",
+        "kv_role": kv_role,
+        "kv_connector_extra_config": {
+            "control_host": control_host,
+            "control_port": control_port,
+            "operator_key_file": operator_key_file,
+            "token_file": token_file,
+            "pod_namespace": namespace,
+            "pod_name": name,
+            "pod_uid": uid,
         },
     }
 
@@ -614,4 +648,4 @@ def control_metrics(server: VLLMServer) -> str:
     port = server.control_port
     if port is None:
         raise ValueError(f"{server.name} has no KVTopoConnector")
-    return get_text(f"http://{HOST}:{port}/metrics")
+    return get_text(f"http://{server.host}:{port}/metrics")
