@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import statistics
 import subprocess
@@ -46,6 +45,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from kvtopo_bench.vllm import cpu_seconds as process_cpu_seconds
 from tests.realvllm import servers as rs
 from tests.realvllm.prompts import MAX_TOKENS, PROMPTS
 
@@ -61,7 +61,6 @@ NIXL_SETTINGS = {
     "kvtopo": {"progress_thread": False, "num_threads": 0},  # its default below 8 cores
     "kvtopo_progress_thread": {"progress_thread": True, "num_threads": 4},
 }
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def say(msg: str) -> None:
@@ -103,16 +102,9 @@ def pair(variant: str, model: str, workdir: Path, token: str) -> list[rs.VLLMSer
 
 
 def cpu_seconds(server: rs.Process) -> float:
-    """utime + stime of every live process of the server's group."""
-    total = 0
-    for pid in server.pids():
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
-    return total / CLK_TCK
+    """CPU seconds of the server's process tree (the API server, its EngineCore and Worker),
+    read as `kvtopo bench vllm` reads its engines'."""
+    return 0.0 if server.proc is None else process_cpu_seconds(server.proc.pid)
 
 
 def stream(router: rs.Process, model: str, prompt: str, timeout: float = 120) -> dict[str, Any]:
