@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.realvllm import servers as rs
+from kvtopo.realvllm import servers as rs
 
 START_DEADLINE_S = float(os.environ.get("KVTOPO_REALVLLM_START_S", "900"))
 

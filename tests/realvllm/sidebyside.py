@@ -45,9 +45,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from kvtopo.realvllm import servers as rs
+from kvtopo.realvllm.prompts import MAX_TOKENS, PROMPTS
 from kvtopo_bench.vllm import cpu_seconds as process_cpu_seconds
-from tests.realvllm import servers as rs
-from tests.realvllm.prompts import MAX_TOKENS, PROMPTS
 
 VARIANTS = ("nixl_pull", "nixl_push", "kvtopo", "kvtopo_progress_thread")
 
@@ -463,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     model = rs.ensure_tiny_model(workdir)
     token = rs.write_peer_token(workdir)
     ref_json = subprocess.run(
-        [rs.vllm_python(), "-m", "tests.realvllm.hfref", model],
+        [rs.vllm_python(), "-m", "kvtopo.realvllm.hfref", model],
         check=True,
         cwd=rs.REPO_ROOT,
         env=rs.server_env(),

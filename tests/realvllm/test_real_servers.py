@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from tests.realvllm import servers as rs
+from kvtopo.realvllm import servers as rs
+from kvtopo.realvllm.prompts import MAX_TOKENS, PROMPT_TOKENS, PROMPTS
 from tests.realvllm.conftest import START_DEADLINE_S
-from tests.realvllm.prompts import MAX_TOKENS, PROMPT_TOKENS, PROMPTS
 
 if TYPE_CHECKING:
     from tests.realvllm.conftest import RealServers
@@ -124,7 +124,7 @@ def test_reference_server_matches_transformers(
 ) -> None:
     """The plain server is greedy transformers' `generate` (same model, same tokens)."""
     out = subprocess.run(
-        [rs.vllm_python(), "-m", "tests.realvllm.hfref", real_servers.model],
+        [rs.vllm_python(), "-m", "kvtopo.realvllm.hfref", real_servers.model],
         cwd=rs.REPO_ROOT,
         env=rs.server_env(),
         capture_output=True,

