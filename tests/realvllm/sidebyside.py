@@ -259,14 +259,19 @@ def replaced(
 
     t = threading.Thread(target=traffic)
     t.start()
+    not_ready = ""
     try:
         time.sleep(2)
         t_kill = time.monotonic()
         victim.kill()
-        rs.start_all([victim], deadline_s=deadline_s, progress=say)
-        ready_at.append(time.monotonic())
+        try:
+            rs.start_all([victim], deadline_s=deadline_s, progress=say)
+            ready_at.append(time.monotonic())
+        except rs.ServerFailed as exc:  # e.g. not ready by the deadline: the next variant
+            not_ready = str(exc).splitlines()[0]
+            say(f"{victim.name}: {not_ready}")
         until = time.monotonic() + 180
-        while streak[0] < 10 and time.monotonic() < until:
+        while ready_at and streak[0] < 10 and time.monotonic() < until:
             time.sleep(0.2)
     finally:
         stop.set()
@@ -275,6 +280,7 @@ def replaced(
         **counts,
         "served_again": streak[0] >= 10,
         "restart_s": round(ready_at[0] - t_kill, 1) if ready_at else None,
+        "not_ready": not_ready,
         "errors": errors,
     }
 
@@ -359,12 +365,12 @@ def one_run(
         if faults:
             say(f"{variant}: replacing the decode")
             run["decode_replaced"] = replaced(
-                router, model, reference, servers[1], args.start_deadline
+                router, model, reference, servers[1], args.fault_deadline
             )
             say(f"{variant}: decode replaced: {run['decode_replaced']}")
             say(f"{variant}: restarting the prefill")
             run["prefill_restarted"] = replaced(
-                router, model, reference, servers[0], args.start_deadline
+                router, model, reference, servers[0], args.fault_deadline
             )
             say(f"{variant}: prefill restarted: {run['prefill_restarted']}")
     finally:
@@ -438,6 +444,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--idle-s", type=float, default=10.0)
     p.add_argument("--no-faults", action="store_true")
     p.add_argument("--start-deadline", type=float, default=900)
+    p.add_argument(
+        "--fault-deadline",
+        type=float,
+        default=420,
+        help="seconds a killed server has to answer /health again before the run goes on "
+        "(it is then counted as not served again)",
+    )
     p.add_argument("--workdir", type=Path)
     p.add_argument("--json", type=Path, dest="json_path")
     p.add_argument(
