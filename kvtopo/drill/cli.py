@@ -116,6 +116,14 @@ def add_drill_parser(verbs: Any) -> None:
         choices=["crash-decode"],
         help="self-test: decode engines crash instead of draining (the drill must fail)",
     )
+    p.add_argument(
+        "--announce",
+        action="store_true",
+        help="--engine vllm-server: the pods carry the control-endpoint annotation 'pending' "
+        "and the drill writes the port into it once the server answers /health (by default "
+        "the annotation is absent, as in a user's Deployment: the operator finds the "
+        "connector at the pod IP as soon as the pod runs)",
+    )
     p.add_argument("--kubeconfig", type=Path, help="use this cluster instead of a local one")
     p.add_argument("--workdir", type=Path, default=Path("out") / "drill", help="logs and cluster")
     p.add_argument("--json", type=Path, dest="json_path", help="write the JSON report here")
@@ -255,6 +263,7 @@ def run_server_drill(args: argparse.Namespace, console: Any) -> int:
         kubeconfig=args.kubeconfig,
         workdir=workdir,
         timeout_s=args.timeout or 3600.0,
+        announce=args.announce,
     )
     drill = vllmserver.ServerDrill(opts, say=lambda line: console.print(f"[dim]{line}[/dim]"))
     try:

