@@ -117,12 +117,19 @@ def add_drill_parser(verbs: Any) -> None:
         help="self-test: decode engines crash instead of draining (the drill must fail)",
     )
     p.add_argument(
-        "--announce",
+        "--no-readiness-probe",
         action="store_true",
-        help="--engine vllm-server: the pods carry the control-endpoint annotation 'pending' "
-        "and the drill writes the port into it once the server answers /health (by default "
-        "the annotation is absent, as in a user's Deployment: the operator finds the "
-        "connector at the pod IP as soon as the pod runs)",
+        help="--engine vllm-server: do not emulate the engine container's readinessProbe on "
+        "/health (kwok runs no probes; the drill emulates one by announcing the pod's control "
+        "endpoint once /health answers): the operator then connects the connector while the "
+        "server still loads, and a pod may turn Ready before its server answers",
+    )
+    p.add_argument(
+        "--prompts",
+        type=int,
+        default=300,
+        help="--engine vllm-server: distinct prompts sent (1 to 9 sentences each, seeded), so "
+        "that most of each prompt's KV moves rather than being found in a decode's cache",
     )
     p.add_argument("--kubeconfig", type=Path, help="use this cluster instead of a local one")
     p.add_argument("--workdir", type=Path, default=Path("out") / "drill", help="logs and cluster")
@@ -263,7 +270,8 @@ def run_server_drill(args: argparse.Namespace, console: Any) -> int:
         kubeconfig=args.kubeconfig,
         workdir=workdir,
         timeout_s=args.timeout or 3600.0,
-        announce=args.announce,
+        readiness_probe=not args.no_readiness_probe,
+        prompts=args.prompts,
     )
     drill = vllmserver.ServerDrill(opts, say=lambda line: console.print(f"[dim]{line}[/dim]"))
     try:

