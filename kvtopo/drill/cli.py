@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
+import sys
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -274,6 +276,9 @@ def run_server_drill(args: argparse.Namespace, console: Any) -> int:
         prompts=args.prompts,
     )
     drill = vllmserver.ServerDrill(opts, say=lambda line: console.print(f"[dim]{line}[/dim]"))
+    # A SIGTERM (a `timeout`, a killed make) unwinds like Ctrl-C: the servers, the router,
+    # the operator and the local cluster are stopped by the drill's own teardown.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         report = drill.run()
     except (TimeoutError, RuntimeError, OSError) as exc:
