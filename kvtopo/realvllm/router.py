@@ -90,6 +90,13 @@ def discovery_router(
         decode_selector=decode_selector,
         extra_args=extra_args,
     )
+    return router_process(name, workdir, argv, port, kubeconfig)
+
+
+def router_process(
+    name: str, workdir: Path, argv: list[str], port: int, kubeconfig: Path | None
+) -> rs.Process:
+    """The router as a Process: its own home, its log in `workdir`, ready at /liveness."""
     home = workdir / f"{name}-home"
     home.mkdir(parents=True, exist_ok=True)
     return rs.Process(

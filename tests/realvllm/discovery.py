@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtopo.realvllm import servers as rs
-from kvtopo.realvllm.router import router_env
+from kvtopo.realvllm.router import router_process
 
 MODEL = "tiny"
 
@@ -210,16 +210,7 @@ def static_router(
         argv += ["--decode", d.url]
     argv += ["--host", rs.HOST, "--port", str(port)]
     argv += ["--prometheus-host", rs.HOST, "--prometheus-port", str(rs.free_port())]
-    home = workdir / f"{name}-home"
-    home.mkdir(parents=True, exist_ok=True)
-    return rs.Process(
-        name=name,
-        argv=argv,
-        port=port,
-        log_path=workdir / f"{name}.log",
-        env=router_env(None, home),
-        health_path="/liveness",
-    )
+    return router_process(name, workdir, argv, port, None)
 
 
 def complete(router: rs.Process, prompt: str, max_tokens: int = 3) -> tuple[int, Any]:
