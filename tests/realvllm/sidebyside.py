@@ -109,7 +109,9 @@ def cpu_seconds(server: rs.Process) -> float:
 
 def stream(router: rs.Process, model: str, prompt: str, timeout: float = 120) -> dict[str, Any]:
     """One streamed completion through the router: status, time to the first token and to
-    the end, the text."""
+    the end, the text. A stream that ends before its `[DONE]` (an engine killed while it
+    answered: the router has sent 200 and the first tokens already) is a failure of its own
+    (status 0, "cut off"), not a wrong answer."""
     body = rs.completion_body(model, prompt, MAX_TOKENS, stream=True)
     body.pop("return_token_ids", None)
     req = urllib.request.Request(
@@ -120,6 +122,7 @@ def stream(router: rs.Process, model: str, prompt: str, timeout: float = 120) ->
     t0 = time.monotonic()
     first: float | None = None
     text: list[str] = []
+    done = False
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             for raw in r:
@@ -128,6 +131,7 @@ def stream(router: rs.Process, model: str, prompt: str, timeout: float = 120) ->
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
+                    done = True
                     break
                 try:
                     chunk = json.loads(data)
@@ -144,6 +148,9 @@ def stream(router: rs.Process, model: str, prompt: str, timeout: float = 120) ->
     except OSError as e:
         return {"status": 0, "error": str(e)[:200]}
     total = time.monotonic() - t0
+    if not done:
+        got = "".join(text)
+        return {"status": 0, "error": f"cut off: the stream ended before [DONE] ({got!r})"}
     return {
         "status": 200,
         "ttft_s": first if first is not None else total,
