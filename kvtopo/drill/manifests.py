@@ -1,14 +1,16 @@
 """Manifests of engine workloads and KVTopologies, for the drill, the benchmarks and the tests.
 
 Owns the one way kvtopo's own tooling spells an engine Deployment, an engine Pod and a
-KVTopology. Label, annotation and API names come from `kvtopo_operator.api`; a KVTopology's
-spec is validated by the API models before it is sent, so a tool can never create an object
-that the CRD would refuse or read differently.
+KVTopology, a rollout restart's patch, and when a Deployment counts as rolled out. Label,
+annotation and API names come from `kvtopo_operator.api`; a KVTopology's spec is validated
+by the API models before it is sent, so a tool can never create an object that the CRD
+would refuse or read differently.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from kvtopo.cluster.fake_nodes import FAKE_NODE_PLACEMENT
@@ -158,3 +160,27 @@ def topology(
             by_alias=True, exclude_none=True, exclude_defaults=True, mode="json"
         ),
     }
+
+
+def rollout_restart_patch(at: datetime) -> dict[str, Any]:
+    """The patch `kubectl rollout restart` sends a Deployment: a new template annotation."""
+    stamp = at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {
+        "spec": {
+            "template": {"metadata": {"annotations": {"kubectl.kubernetes.io/restartedAt": stamp}}}
+        }
+    }
+
+
+def rolled_out(deployment: Any) -> tuple[bool, int]:
+    """(whether a Deployment's rollout is complete, the replicas it wants), read from a
+    Deployment object as the Kubernetes client returns it: the controller has seen the
+    latest spec and every wanted replica is updated, available and alone."""
+    st, want = deployment.status, deployment.spec.replicas
+    done = (
+        (st.observed_generation or 0) >= deployment.metadata.generation
+        and (st.updated_replicas or 0) == want
+        and (st.available_replicas or 0) == want
+        and (st.replicas or 0) == want
+    )
+    return done, want

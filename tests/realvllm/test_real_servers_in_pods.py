@@ -8,6 +8,13 @@ operator's public key as the downward API and a Secret would tell it. The operat
 own process, connects the pair and sets the pods' `kvtopo.dev/kv-connected` condition; kwok
 turns the pods Ready; the router, watching pods by role selectors, routes to them.
 
+kwok runs no probes: the engine container's readiness probe on `/health` (examples/vllm has
+one) is emulated as the drill does, each pod created with its control-endpoint annotation
+"pending" and given its port once its server answers `/health`. Without it the operator
+connects the pair while the servers load (the connector's control API comes up before
+vLLM's HTTP server), the pods turn Ready early, and the router, finding a Ready pod's
+server not healthy, looks again only 30 s later (docs/vllm.md).
+
 Shown: nobody but the operator makes a pod Ready, and the router routes to none before; the
 answers through the router are the plain server's, the decode computing none of the prompt;
 a new decode pod gets no request until the operator has connected it; the old decode, its
@@ -29,6 +36,7 @@ import pytest
 
 from kvtopo import launch
 from kvtopo.cluster.deadlines import wait_until
+from kvtopo.cluster.fake_nodes import FAKE_NODE_PLACEMENT
 from kvtopo.cluster.local_cluster import LocalCluster
 from kvtopo.cluster.processes import log_tail
 from kvtopo.drill import manifests
@@ -36,10 +44,10 @@ from kvtopo.localkeys import Credentials
 from kvtopo.realvllm import servers as rs
 from kvtopo.realvllm.prompts import MAX_TOKENS, PROMPTS
 from kvtopo.realvllm.router import discovery_router, workers
-from kvtopo_operator.api import KV_CONNECTED_GATE
+from kvtopo_operator.api import ENDPOINT_ANNOTATION, KV_CONNECTED_GATE
 from tests.cluster.kube import apply, condition, create_namespace, get_json
 from tests.realvllm.conftest import START_DEADLINE_S
-from tests.realvllm.test_router_discovery import APP, engine_pod, selectors
+from tests.realvllm.test_router_discovery import APP, selectors
 
 if TYPE_CHECKING:
     from tests.realvllm.conftest import RealServers
@@ -47,35 +55,55 @@ if TYPE_CHECKING:
 pytestmark = [pytest.mark.realvllm, pytest.mark.cluster, pytest.mark.timeout(3600)]
 
 ROOT = Path(__file__).resolve().parents[2]
-ENGINE_PORT = 8000  # every engine pod's vLLM port (the router's --service-discovery-port)
-CONTROL_PORT = 8975  # the KVTopology's controlPort (its default)
+ENGINE_PORT = rs.POD_ENGINE_PORT  # every engine pod's vLLM port
 WAIT_S = 60.0  # a pod's IP, the router dropping a deleted pod
-# serving -> connected, Ready and routed: 25-28 s measured on a loaded 2-core machine (not
-# analysed yet: 0.6 s p99 in the drill); bounded loosely, the figure is printed
+# serving -> connected, Ready and routed: bounded loosely, the figure is printed (25-28 s
+# when the probe was not emulated: the router's 30 s second look)
 GATE_S = 240.0
 PACE_S = 0.5  # between the requests of the traffic during the decode's rollout
+
+
+def engine_pod(namespace: str, name: str, role: manifests.Role) -> dict[str, Any]:
+    """An engine pod with the readiness gate, its control endpoint "pending" until its
+    server answers /health (`announce`)."""
+    pod = manifests.engine_pod(
+        name,
+        app=APP,
+        role=role,
+        namespace=namespace,
+        kv_gate=True,
+        endpoint=manifests.ENDPOINT_PENDING,
+    )
+    pod["spec"].update(FAKE_NODE_PLACEMENT, terminationGracePeriodSeconds=0)
+    return pod
+
+
+def announce(cluster: LocalCluster, namespace: str, name: str) -> None:
+    """What the engine container's readiness probe on /health makes possible: the operator
+    told where the pod's connector is, once its server answers."""
+    cluster.kubectl(
+        "annotate",
+        "pod",
+        name,
+        "-n",
+        namespace,
+        "--overwrite",
+        f"{ENDPOINT_ANNOTATION}={rs.POD_CONTROL_PORT}",
+    )
 
 
 def pod_server(
     name: str, model: str, workdir: Path, role: str, pod: dict[str, Any], creds: Credentials
 ) -> rs.VLLMServer:
     """A real server for `pod`, bound to its IP, told its identity and the operator's key."""
-    ip = pod["status"]["podIP"]
-    meta = pod["metadata"]
-    return rs.VLLMServer.create(
+    return rs.VLLMServer.in_pod(
         name,
         model,
         workdir,
-        host=ip,
-        port=ENGINE_PORT,
-        kv_transfer_config=rs.kvtopo_operator_transfer_config(
-            role,
-            control_host=ip,
-            control_port=CONTROL_PORT,
-            operator_key_file=str(creds.operator_public),
-            token_file=str(creds.client_token),
-            pod=(meta["namespace"], meta["name"], meta["uid"]),
-        ),
+        role=role,
+        pod=pod,
+        operator_key_file=str(creds.operator_public),
+        token_file=str(creds.client_token),
     )
 
 
@@ -190,14 +218,16 @@ def test_real_servers_in_pods_serve_through_the_router_once_the_operator_connect
         router.wait_ready(time.monotonic() + 90)
 
         # 1. a prefill and a decode pod, their servers loading: nobody routes to them yet
-        apply(cluster_b, engine_pod(ns, "prefill-0", "prefill", gate=True))
-        apply(cluster_b, engine_pod(ns, "decode-0", "decode", gate=True))
+        apply(cluster_b, engine_pod(ns, "prefill-0", "prefill"))
+        apply(cluster_b, engine_pod(ns, "decode-0", "decode"))
         pods = {n: running_pod(cluster_b, ns, n) for n in ("prefill-0", "decode-0")}
         p0 = pod_server("prefill-0", s.model, tmp_path, "prefill", pods["prefill-0"], creds)
         d0 = pod_server("decode-0", s.model, tmp_path, "decode", pods["decode-0"], creds)
         pod_servers += [p0, d0]
         rs.start_all([p0, d0], deadline_s=START_DEADLINE_S)
         serving_at = time.monotonic()
+        for name in pods:
+            announce(cluster_b, ns, name)
 
         # 2. the operator connects them; kwok makes them Ready; the router adds them
         def routed() -> dict[str, list[str]] | None:
@@ -250,12 +280,13 @@ def test_real_servers_in_pods_serve_through_the_router_once_the_operator_connect
         # 4. a new decode pod under traffic: no request for it until it is connected; then
         #    the old one's pod goes (the router drops it) and its server stops
         with Traffic(router, s.model, reference) as traffic:
-            apply(cluster_b, engine_pod(ns, "decode-1", "decode", gate=True))
+            apply(cluster_b, engine_pod(ns, "decode-1", "decode"))
             pod1 = running_pod(cluster_b, ns, "decode-1")
             d1 = pod_server("decode-1", s.model, tmp_path, "decode", pod1, creds)
             pod_servers.append(d1)
             rs.start_all([d1], deadline_s=START_DEADLINE_S)
             d1_serving = time.monotonic()
+            announce(cluster_b, ns, "decode-1")
             unready_routed: list[str] = []
 
             def d1_routed() -> bool:
