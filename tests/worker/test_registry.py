@@ -1,4 +1,4 @@
-"""The registry's rules: snapshots copy, eviction pops under the lock and tears down outside
+"""The registry's rules: snapshots never change, eviction pops under the lock and tears down outside
 it, transfers defer eviction, one handshake per engine, the idle backstop."""
 
 from __future__ import annotations
@@ -13,12 +13,28 @@ from tests.worker.conftest import add_engine
 from tests.worker.fakes import FakeClock, FakeTransport
 
 
-def test_snapshot_is_a_copy(transport: FakeTransport, registry: EngineRegistry) -> None:
+def test_snapshot_is_read_only_and_never_changes(
+    transport: FakeTransport, registry: EngineRegistry
+) -> None:
     add_engine(transport, registry, "e1")
     snap = registry.snapshot("e1")
-    snap[7] = "intruder"
+    with pytest.raises(TypeError):
+        snap[7] = "intruder"  # type: ignore[index]
     assert registry.snapshot("e1") == {0: "agent-e1"}
     assert registry.snapshot("unknown") == {}
+    # The registry replaces an engine's agents, never edits them: a snapshot taken before a
+    # rank joins or leaves (or the engine goes) still says what it said.
+    registry.add_engine("e1", {1: "agent-e1-r1"})
+    assert snap == {0: "agent-e1"} and registry.snapshot("e1") == {0: "agent-e1", 1: "agent-e1-r1"}
+    during = registry.begin_transfer("e1")
+    assert registry.evict("e1", rank=1) == "deferred"
+    assert registry.begin_transfer("e1") == {0: "agent-e1"}
+    registry.end_transfer("e1")
+    registry.end_transfer("e1")
+    assert during == {0: "agent-e1", 1: "agent-e1-r1"}
+    assert registry.snapshot("e1") == {0: "agent-e1"}
+    registry.evict("e1")
+    assert snap == {0: "agent-e1"} and registry.snapshot("e1") == {}
 
 
 def _eviction_waits_for_lock(registry: EngineRegistry, transport: FakeTransport) -> None:

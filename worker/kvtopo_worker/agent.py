@@ -715,7 +715,7 @@ class ControlServer:
             present = self.registry.claim_present(engine_id)
             if wanted <= set(present):
                 self.metrics.handshakes_total.labels("present").inc()
-                return 200, PeerResult(engine_id=engine_id, result="present", agents=present)
+                return 200, PeerResult(engine_id=engine_id, result="present", agents=dict(present))
             ranks = wanted - set(present)
         metas: list[EngineMetadata] = []
         for r in sorted(ranks):
@@ -779,7 +779,7 @@ class ControlServer:
         else:
             log.info("peer %s (%s) added: %s", engine_id, role, agents)
         return 200, PeerResult(
-            engine_id=engine_id, result=result, agents=self.registry.snapshot(engine_id)
+            engine_id=engine_id, result=result, agents=dict(self.registry.snapshot(engine_id))
         )
 
     async def _replace_incarnation(

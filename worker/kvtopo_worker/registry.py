@@ -33,6 +33,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Literal, Protocol
 
 from kvtopo_worker.protocol import PeerHealth, PeerState
@@ -42,10 +43,13 @@ log = logging.getLogger(__name__)
 EvictResult = Literal["evicted", "deferred", "absent"]
 FORMER_AGENTS_KEPT = 4096  # torn-down agents whose notifications are still attributed
 MAX_HEALTH_REASON = 300  # characters of the failure kept as a peer's health reason
+_NO_AGENTS: Mapping[int, str] = MappingProxyType({})
 
 
 @dataclass
 class _Engine:
+    # Copy-on-write: replaced, never changed in place, so a reader is handed a read-only
+    # view of it (no copy under the lock) that no later change can alter.
     agents: dict[int, str]
     last_used: float
     transfers_in_flight: int = 0
@@ -126,8 +130,11 @@ class EngineRegistry:
                 self._listeners.remove(listener)
 
     def _tell(self, added: bool, engine_id: str, agents: Mapping[int, str]) -> None:
+        if not self._listeners:  # none registered (an unlocked read: one may be joining)
+            return
         with self.lock:
             listeners = list(self._listeners)
+        agents = MappingProxyType(agents)  # theirs to read, not to change
         for listener in listeners:
             try:
                 if added:
@@ -139,11 +146,20 @@ class EngineRegistry:
 
     # --- reads ---------------------------------------------------------------------------
 
-    def snapshot(self, engine_id: str) -> dict[int, str]:
-        """A copy of the engine's agents (empty when unknown), taken under the lock."""
+    def snapshot(self, engine_id: str) -> Mapping[int, str]:
+        """The engine's agents as they are now (empty when unknown): a read-only view that
+        no later change alters (the registry replaces an engine's agents, never edits them),
+        so the lock is held for a lookup, not a copy."""
         with self.lock:
             eng = self._engines.get(engine_id)
-            return dict(eng.agents) if eng is not None else {}
+        return MappingProxyType(eng.agents) if eng is not None else _NO_AGENTS
+
+    def agent(self, engine_id: str, rank: int) -> str | None:
+        """The engine's agent of `rank` (None when absent), whether or not an eviction of it
+        is pending (`current_agent` says only what new transfers may use)."""
+        with self.lock:
+            eng = self._engines.get(engine_id)
+            return eng.agents.get(rank) if eng is not None else None
 
     def current_agent(self, engine_id: str, rank: int) -> str | None:
         """The agent `engine_id` holds for `rank` now (None when absent, or being evicted)."""
@@ -186,17 +202,17 @@ class EngineRegistry:
             eng = self._engines.get(engine_id)
             return eng.incarnation if eng is not None else None
 
-    def claim_present(self, engine_id: str) -> dict[int, str]:
+    def claim_present(self, engine_id: str) -> Mapping[int, str]:
         """The engine's agents when it is present (empty otherwise); being asked for, it is
         in use: a deferred eviction is cancelled and its idle clock restarts."""
         with self.lock:
             eng = self._engines.get(engine_id)
             if eng is None:
-                return {}
+                return _NO_AGENTS
             eng.eviction_pending = False
             eng.ranks_pending.clear()
             eng.last_used = self._clock()
-            return dict(eng.agents)
+            return MappingProxyType(eng.agents)
 
     def __contains__(self, engine_id: object) -> bool:
         with self.lock:
@@ -291,6 +307,7 @@ class EngineRegistry:
         """
         if not agents:
             raise ValueError("an engine needs at least one agent")
+        added = dict(agents)  # ours: the caller's mapping may change after the call
         with self.lock:
             held = self._engines.get(engine_id)
             if held is not None and held.incarnation != incarnation:
@@ -298,25 +315,25 @@ class EngineRegistry:
                     f"engine {engine_id} is held under incarnation {held.incarnation!r}, "
                     f"not {incarnation!r}: evict it first"
                 )
-            for name in agents.values():
-                owner = self._owners.get(name, (engine_id, 0))[0]
-                if owner != engine_id:
-                    raise AgentConflict(f"agent {name} belongs to engine {owner}")
-            for rank, name in agents.items():
-                self._owners[name] = (engine_id, rank)
-            eng = self._engines.get(engine_id)
-            if eng is None:
+            owners = self._owners
+            for name in added.values():
+                owner = owners.get(name)
+                if owner is not None and owner[0] != engine_id:
+                    raise AgentConflict(f"agent {name} belongs to engine {owner[0]}")
+            for rank, name in added.items():
+                owners[name] = (engine_id, rank)
+            if held is None:
                 self._engines[engine_id] = _Engine(
-                    agents=dict(agents), last_used=self._clock(), incarnation=incarnation
+                    agents=added, last_used=self._clock(), incarnation=incarnation
                 )
                 new = True
             else:
-                eng.agents.update(agents)
-                eng.eviction_pending = False
-                eng.ranks_pending.difference_update(agents)
-                eng.last_used = self._clock()
+                held.agents = {**held.agents, **added}
+                held.eviction_pending = False
+                held.ranks_pending.difference_update(added)
+                held.last_used = self._clock()
                 new = False
-        self._tell(True, engine_id, dict(agents))
+        self._tell(True, engine_id, added)
         return new
 
     def handshake(
@@ -348,14 +365,17 @@ class EngineRegistry:
 
     # --- transfers -----------------------------------------------------------------------
 
-    def begin_transfer(self, engine_id: str) -> dict[int, str] | None:
-        """Pins the engine for one transfer; None when it is absent or being evicted."""
+    def begin_transfer(self, engine_id: str) -> Mapping[int, str] | None:
+        """Pins the engine for one transfer: the agents new transfers may use (not those of
+        ranks being evicted); None when it is absent or being evicted."""
         with self.lock:
             eng = self._engines.get(engine_id)
             if eng is None or eng.eviction_pending:
                 return None
             eng.transfers_in_flight += 1
             eng.last_used = self._clock()
+            if not eng.ranks_pending:
+                return MappingProxyType(eng.agents)
             return {r: a for r, a in eng.agents.items() if r not in eng.ranks_pending}
 
     def end_transfer(self, engine_id: str) -> None:
@@ -408,8 +428,11 @@ class EngineRegistry:
             eng = self._engines.get(engine_id)
             if eng is None or (rank is not None and rank not in eng.agents):
                 return "absent"
-            ranks = set(eng.agents) if rank is None else {rank}
-            whole = set(eng.agents) <= eng.ranks_pending | ranks
+            if rank is None:
+                ranks, whole = set(eng.agents), True
+            else:
+                ranks = {rank}
+                whole = set(eng.agents) <= eng.ranks_pending | ranks
             if eng.transfers_in_flight > 0:
                 if whole:
                     eng.eviction_pending = True
@@ -419,7 +442,10 @@ class EngineRegistry:
                 return "deferred"
             agents = self._pop(engine_id) if whole else self._pop_ranks(eng, ranks)
         self._teardown(engine_id, agents)
-        log.info("evicted engine %s (%s): agents %s", engine_id, reason, sorted(agents.values()))
+        if log.isEnabledFor(logging.INFO):  # the sort only when it is written
+            log.info(
+                "evicted engine %s (%s): agents %s", engine_id, reason, sorted(agents.values())
+            )
         return "evicted"
 
     def evict_idle(self) -> list[str]:
@@ -445,7 +471,8 @@ class EngineRegistry:
 
     def _pop_ranks(self, eng: _Engine, ranks: set[int]) -> dict[int, str]:
         """Removes some ranks' agents of an engine that keeps others (lock held)."""
-        popped = {r: eng.agents.pop(r) for r in sorted(ranks) if r in eng.agents}
+        popped = {r: eng.agents[r] for r in sorted(ranks) if r in eng.agents}
+        eng.agents = {r: a for r, a in eng.agents.items() if r not in popped}
         eng.ranks_pending.difference_update(ranks)
         for name in popped.values():
             self._releasing.setdefault(name, None)
@@ -465,18 +492,19 @@ class EngineRegistry:
         finally:
             # One pass under the lock for all of the engine's agents (not one per agent).
             waiting: list[threading.Event] = []
+            owners, former, releasing = self._owners, self._former, self._releasing
             with self.lock:
                 for agent_name in agents.values():
-                    owner = self._owners.get(agent_name)
+                    owner = owners.get(agent_name)
                     if owner is not None and owner[0] == engine_id:
-                        del self._owners[agent_name]
-                        self._former[agent_name] = owner
-                        self._former.move_to_end(agent_name)
-                        if len(self._former) > FORMER_AGENTS_KEPT:
-                            self._former.popitem(last=False)
-                    released = self._releasing.pop(agent_name, None)
+                        del owners[agent_name]
+                        former[agent_name] = owner
+                        former.move_to_end(agent_name)
+                    released = releasing.pop(agent_name, None)
                     if released is not None:
                         waiting.append(released)
+                while len(former) > FORMER_AGENTS_KEPT:
+                    former.popitem(last=False)
             for released in waiting:
                 released.set()
         if self._on_evicted is not None:
