@@ -154,13 +154,6 @@ class EngineRegistry:
             eng = self._engines.get(engine_id)
         return MappingProxyType(eng.agents) if eng is not None else _NO_AGENTS
 
-    def agent(self, engine_id: str, rank: int) -> str | None:
-        """The engine's agent of `rank` (None when absent), whether or not an eviction of it
-        is pending (`current_agent` says only what new transfers may use)."""
-        with self.lock:
-            eng = self._engines.get(engine_id)
-            return eng.agents.get(rank) if eng is not None else None
-
     def current_agent(self, engine_id: str, rank: int) -> str | None:
         """The agent `engine_id` holds for `rank` now (None when absent, or being evicted)."""
         with self.lock:

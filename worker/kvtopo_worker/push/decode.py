@@ -224,7 +224,7 @@ class DecodePush(PushConnector):
         our TP rank (writer thread) and binds the request to that agent; one given up
         meanwhile is not sent. Waits (parked) for that agent's greeting first."""
         rid = reg.request_id
-        agent = self.registry.agent(reg.prefill_engine_id, self.tp_rank)
+        agent = self.registry.snapshot(reg.prefill_engine_id).get(self.tp_rank)
         if agent is None:
             why = (
                 f"engine {reg.prefill_engine_id} has no rank {self.tp_rank}"
