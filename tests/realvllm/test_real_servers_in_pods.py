@@ -36,7 +36,6 @@ import pytest
 
 from kvtopo import launch
 from kvtopo.cluster.deadlines import wait_until
-from kvtopo.cluster.fake_nodes import FAKE_NODE_PLACEMENT
 from kvtopo.cluster.local_cluster import LocalCluster
 from kvtopo.cluster.processes import log_tail
 from kvtopo.drill import manifests
@@ -48,6 +47,7 @@ from kvtopo_operator.api import ENDPOINT_ANNOTATION, KV_CONNECTED_GATE
 from tests.cluster.kube import apply, condition, create_namespace, get_json
 from tests.realvllm.conftest import START_DEADLINE_S
 from tests.realvllm.test_router_discovery import APP, selectors
+from tests.realvllm.test_router_discovery import engine_pod as discovery_pod
 
 if TYPE_CHECKING:
     from tests.realvllm.conftest import RealServers
@@ -66,16 +66,7 @@ PACE_S = 0.5  # between the requests of the traffic during the decode's rollout
 def engine_pod(namespace: str, name: str, role: manifests.Role) -> dict[str, Any]:
     """An engine pod with the readiness gate, its control endpoint "pending" until its
     server answers /health (`announce`)."""
-    pod = manifests.engine_pod(
-        name,
-        app=APP,
-        role=role,
-        namespace=namespace,
-        kv_gate=True,
-        endpoint=manifests.ENDPOINT_PENDING,
-    )
-    pod["spec"].update(FAKE_NODE_PLACEMENT, terminationGracePeriodSeconds=0)
-    return pod
+    return discovery_pod(namespace, name, role, gate=True, endpoint=manifests.ENDPOINT_PENDING)
 
 
 def announce(cluster: LocalCluster, namespace: str, name: str) -> None:

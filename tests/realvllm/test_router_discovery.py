@@ -84,8 +84,13 @@ def router_log(router: rs.Process) -> str:
 # --- pods and their stand-ins ------------------------------------------------------------
 
 
-def engine_pod(namespace: str, name: str, role: manifests.Role, *, gate: bool) -> dict[str, Any]:
-    pod = manifests.engine_pod(name, app=APP, role=role, namespace=namespace, kv_gate=gate)
+def engine_pod(
+    namespace: str, name: str, role: manifests.Role, *, gate: bool, endpoint: str | None = None
+) -> dict[str, Any]:
+    """An engine pod on kwok's fake nodes (`endpoint`: its control-endpoint annotation)."""
+    pod = manifests.engine_pod(
+        name, app=APP, role=role, namespace=namespace, kv_gate=gate, endpoint=endpoint
+    )
     pod["spec"].update(FAKE_NODE_PLACEMENT, terminationGracePeriodSeconds=0)
     return pod
 

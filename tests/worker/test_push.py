@@ -537,6 +537,9 @@ def _deliver_waits_for_lock(
 def test_the_writer_reads_its_peer_under_the_registry_lock(
     decode: PushConnector, registry: EngineRegistry, transport: FakeTransport
 ) -> None:
+    """The assertions live in `_deliver_waits_for_lock` (a delivery waits while the registry
+    lock is held, and is sent once it is released), shared with the next test, which proves
+    they fail against a registry whose writer path skips the lock."""
     _deliver_waits_for_lock(decode, registry, transport)
 
 
