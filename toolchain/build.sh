@@ -48,7 +48,8 @@ for p in $kv $cv; do
   k8s_ldflags+=" -X $p.gitTreeState=clean -X $p.buildDate=$build_date"
 done
 
-products=${*:-"etcd k8s kwok helm"}
+PAUSE_VERSION=1.0   # toolchain/pause: bump when main.go changes
+products=${*:-"etcd k8s kubelet pause kwok helm"}
 for product in $products; do
   case $product in
     etcd) build_product etcd $ETCD_VERSION etcd "" etcd=go.etcd.io/etcd/server/v3 ;;
@@ -57,11 +58,16 @@ for product in $products; do
             kubectl=k8s.io/kubernetes/cmd/kubectl \
             kube-controller-manager=k8s.io/kubernetes/cmd/kube-controller-manager \
             kube-scheduler=k8s.io/kubernetes/cmd/kube-scheduler ;;
+    # The real node's kubelet (tier c), from the same module graph as the control plane.
+    kubelet) build_product kubelet $K8S_VERSION k8s "$k8s_ldflags" \
+            kubelet=k8s.io/kubernetes/cmd/kubelet ;;
+    # The pod sandbox image's only file (tier c): built static, so the image is FROM scratch.
+    pause) build_product pause $PAUSE_VERSION pause "" pause=. ;;
     kwok) build_product kwok $KWOK_VERSION kwok "-X sigs.k8s.io/kwok/pkg/consts.Version=${KWOK_VERSION#v}" \
             kwok=sigs.k8s.io/kwok/cmd/kwok ;;
     helm) build_product helm $HELM_VERSION helm "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION -X helm.sh/helm/v3/internal/version.gitTreeState=clean" \
             helm=helm.sh/helm/v3/cmd/helm ;;
-    *) echo "unknown product '$product' (known: etcd k8s kwok helm)" >&2; exit 2 ;;
+    *) echo "unknown product '$product' (known: etcd k8s kubelet pause kwok helm)" >&2; exit 2 ;;
   esac
 done
 du -sh "$cache/bin" >&2

@@ -24,6 +24,7 @@ K8S_VERSION = "v1.36.3"
 ETCD_VERSION = "v3.6.16"
 KWOK_VERSION = "v0.8.0"
 HELM_VERSION = "v3.22.0"
+PAUSE_VERSION = "1.0"
 
 ASSETS_ENV = "KUBEBUILDER_ASSETS"
 CACHE_ENV = "KVTOPO_CACHE"
@@ -35,6 +36,8 @@ PRODUCT_OF_BINARY: dict[str, tuple[str, str]] = {
     "kube-controller-manager": ("k8s", K8S_VERSION),
     "kube-scheduler": ("k8s", K8S_VERSION),
     "kubectl": ("k8s", K8S_VERSION),
+    "kubelet": ("kubelet", K8S_VERSION),
+    "pause": ("pause", PAUSE_VERSION),
     "kwok": ("kwok", KWOK_VERSION),
     "helm": ("helm", HELM_VERSION),
 }
@@ -119,7 +122,7 @@ class ControlPlaneBinaries:
         if tier == "a":
             paths = find_binaries(TIER_A_BINARIES)
             return cls(paths["etcd"], paths["kube-apiserver"], paths["kubectl"])
-        if tier == "b":
+        if tier in ("b", "c"):  # tier c's node binaries: kvtopo.cluster.real_node
             paths = find_binaries(TIER_B_BINARIES)
             return cls(
                 paths["etcd"],
@@ -129,4 +132,4 @@ class ControlPlaneBinaries:
                 paths["kube-scheduler"],
                 paths["kwok"],
             )
-        raise ValueError(f"unknown tier {tier!r} (known: a, b)")
+        raise ValueError(f"unknown tier {tier!r} (known: a, b, c)")

@@ -2,7 +2,7 @@
 
 Owns the argparse wiring and the user-facing lines of the three commands:
 
-- ``up [--tier a|b] [--dir DIR]`` starts a cluster, returns once it is ready and leaves it
+- ``up [--tier a|b|c] [--dir DIR]`` starts a cluster, returns once it is ready and leaves it
   running detached (until ``down``); prints progress, the kubeconfig path and the
   ``export KUBECONFIG=...`` line.
 - ``down [--dir DIR]`` stops the cluster recorded in DIR, from any process.
@@ -23,6 +23,7 @@ from types import FrameType
 
 from kvtopo.cluster.binaries import BinariesMissingError
 from kvtopo.cluster.deadlines import DeadlineExceededError
+from kvtopo.cluster.images import ImageBuildError
 from kvtopo.cluster.local_cluster import (
     TIERS,
     ClusterAlreadyRunningError,
@@ -34,6 +35,7 @@ from kvtopo.cluster.local_cluster import (
     stop_cluster,
 )
 from kvtopo.cluster.processes import ControlPlaneProcessError
+from kvtopo.cluster.real_node import RealNodeError
 
 
 def _say(line: str) -> None:
@@ -66,13 +68,16 @@ def add_cluster_parser(
         "cluster",
         help="run a local Kubernetes control plane (etcd, kube-apiserver, ...) on loopback",
         description="A real local control plane on 127.0.0.1. Tier a: etcd + kube-apiserver. "
-        "Tier b: + controller manager, scheduler and kwok fake nodes.",
+        "Tier b: + controller manager, scheduler and kwok fake nodes. Tier c: + one real node "
+        "(containerd, a CNI bridge, a kubelet; root only) running kvtopo's own images, built "
+        "with buildah from docker/ and uv.lock the first time.",
     )
     commands = cluster.add_subparsers(dest="cluster_command", required=True, metavar="COMMAND")
     dir_help = f"cluster directory (default: {default_cluster_dir()})"
 
     up = commands.add_parser("up", help="start a cluster and leave it running until `down`")
-    up.add_argument("--tier", choices=TIERS, default="a", help="a: API server; b: + kwok nodes")
+    tiers = "a: API server; b: + kwok nodes; c: + one real node"
+    up.add_argument("--tier", choices=TIERS, default="a", help=tiers)
     up.add_argument("--dir", type=Path, default=None, help=dir_help)
 
     down = commands.add_parser("down", help="stop the cluster started by `up`")
@@ -124,6 +129,8 @@ def _up(directory: Path, tier: Tier) -> int:
         ControlPlaneProcessError,
         DeadlineExceededError,
         ClusterAlreadyRunningError,
+        ImageBuildError,
+        RealNodeError,
     ) as error:
         _complain(f"[cluster] failed: {error}")
         return 1

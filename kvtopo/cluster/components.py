@@ -147,6 +147,10 @@ def apiserver_argv(binary: Path, layout: ControlPlaneLayout, tier: str) -> list[
         f"--tls-private-key-file={pki.serving_key}",
         f"--client-ca-file={pki.ca_cert}",
         "--authorization-mode=Node,RBAC",
+        # Towards a real node's kubelet (tier c: `kubectl logs`), at its InternalIP.
+        f"--kubelet-client-certificate={pki.kubelet_client_cert}",
+        f"--kubelet-client-key={pki.kubelet_client_key}",
+        "--kubelet-preferred-address-types=InternalIP",
         f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
         f"--service-account-key-file={pki.service_account_pub}",
         f"--service-account-signing-key-file={pki.service_account_key}",

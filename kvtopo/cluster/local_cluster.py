@@ -8,6 +8,10 @@ Owns the life cycle of one local cluster in one directory:
 - tier ``b``: + kube-controller-manager, kube-scheduler and kwok with a few fake Nodes, so
   Deployments really roll out; ready when those components report healthy, every fake Node
   is Ready and schedulable, and the ``default`` ServiceAccount exists in ``default``.
+- tier ``c``: tier b + one real node (:mod:`kvtopo.cluster.real_node`: containerd, a CNI
+  bridge, a kubelet) running the images :mod:`kvtopo.cluster.images` builds from docker/;
+  ready when that Node is Ready and untainted. Needs root; one per machine; ``down`` puts
+  the machine's network, mounts and kernel settings back as they were.
 
 The directory holds the certificates, kubeconfigs, one log per component and
 ``state.json`` (pids, ports, kubeconfig path), so :func:`stop_cluster` from another process
@@ -35,7 +39,7 @@ from types import TracebackType
 from typing import Any, Literal, cast
 from urllib.parse import quote
 
-from kvtopo.cluster import components
+from kvtopo.cluster import components, real_node
 from kvtopo.cluster.admin_api import AdminApi
 from kvtopo.cluster.binaries import ControlPlaneBinaries, cache_root
 from kvtopo.cluster.components import ControlPlaneLayout, ControlPlanePorts
@@ -49,6 +53,7 @@ from kvtopo.cluster.fake_nodes import (
     kwok_stages_yaml,
     node_is_schedulable,
 )
+from kvtopo.cluster.images import ImageBuilder, ImageSet, load_images
 from kvtopo.cluster.pki import (
     ClusterPki,
     issue_cluster_pki,
@@ -63,8 +68,8 @@ from kvtopo.cluster.processes import (
     stop_processes,
 )
 
-Tier = Literal["a", "b"]
-TIERS: tuple[Tier, ...] = ("a", "b")
+Tier = Literal["a", "b", "c"]
+TIERS: tuple[Tier, ...] = ("a", "b", "c")
 
 STATE_FILE = "state.json"
 TMPFS = Path("/dev/shm")  # noqa: S108 - etcd data goes into a private mkdtemp() folder
@@ -72,7 +77,8 @@ ETCD_DATA_PREFIX = "kvtopo-etcd-"
 ORPHAN_MIN_AGE_S = 300.0
 # Deadlines for readiness: far above the warm start times (seconds) so a loaded 2-core
 # machine does not fail spuriously, far below pytest's per-test timeout.
-READY_TIMEOUT_S: dict[Tier, float] = {"a": 90.0, "b": 150.0}
+# Tier c's clock starts once its images are built (that takes minutes the first time only).
+READY_TIMEOUT_S: dict[Tier, float] = {"a": 90.0, "b": 150.0, "c": 240.0}
 KUBECTL_TIMEOUT_S = 60.0
 PORT_CLASH = "address already in use"
 
@@ -112,6 +118,7 @@ class ClusterState:
     ports: dict[str, int]
     processes: list[ProcessRecord] = field(default_factory=list)
     ready_s: float | None = None
+    images: dict[str, str] = field(default_factory=dict)  # tier c: name -> reference
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -123,6 +130,7 @@ class ClusterState:
             "ports": self.ports,
             "processes": [record.to_json() for record in self.processes],
             "ready_s": self.ready_s,
+            "images": self.images,
         }
 
     @classmethod
@@ -139,6 +147,7 @@ class ClusterState:
             ports={str(k): int(v) for k, v in data["ports"].items()},
             processes=[ProcessRecord.from_json(p) for p in data["processes"]],
             ready_s=None if data.get("ready_s") is None else float(data["ready_s"]),
+            images={str(k): str(v) for k, v in (data.get("images") or {}).items()},
         )
 
     def save(self, directory: Path) -> None:
@@ -173,6 +182,8 @@ def _remove_etcd_data(path: str) -> None:
 # Stopped in this order, one wave at a time: the API server's shutdown still writes to
 # etcd (its own Lease), and stopping both together makes it wait out etcd timeouts.
 STOP_WAVES = (("kwok", "kube-scheduler", "kube-controller-manager"), ("kube-apiserver",), ("etcd",))
+# A real node's processes, stopped by real_node.teardown_node (before the control plane).
+NODE_COMPONENTS = ("kubelet", "containerd")
 
 
 def stop_components(records: list[ProcessRecord]) -> list[str]:
@@ -195,6 +206,10 @@ def stop_cluster(directory: Path, progress: Progress = _quiet) -> bool:
     alive = state.alive()
     if alive:
         progress("stopping " + ", ".join(f"{r.name} (pid {r.pid})" for r in alive))
+    if state.tier == "c":
+        node = [r for r in state.processes if r.name in NODE_COMPONENTS]
+        real_node.teardown_node(Path(state.directory) / "node", progress, node)
+        alive = [r for r in alive if r.name not in NODE_COMPONENTS]
     killed = stop_components(alive)
     for name in killed:
         progress(f"{name} ignored SIGTERM and was killed")
@@ -264,7 +279,7 @@ class LocalCluster:
         progress: Progress = _quiet,
     ) -> None:
         if tier not in TIERS:
-            raise ValueError(f"unknown tier {tier!r} (known: a, b)")
+            raise ValueError(f"unknown tier {tier!r} (known: a, b, c)")
         self.directory = Path(directory).resolve()
         self.tier: Tier = tier
         self.fake_nodes = fake_nodes
@@ -276,6 +291,9 @@ class LocalCluster:
         self._processes: list[ComponentProcess] = []
         self._logs: dict[str, Path] = {}  # kept after down(), for failure reports
         self._owns_directory = False
+        self.images: ImageSet | None = None  # tier c
+        self._builder: ImageBuilder | None = None
+        self._node_claimed = False
 
     # -- what callers use -------------------------------------------------------------
 
@@ -305,7 +323,7 @@ class LocalCluster:
 
     @property
     def fake_node_names(self) -> list[str]:
-        count = self.fake_nodes if self.tier == "b" else 0
+        count = self.fake_nodes if self.tier in ("b", "c") else 0
         return [fake_node_name(i) for i in range(count)]
 
     def kubectl(
@@ -376,6 +394,7 @@ class LocalCluster:
             ports=ports,
             processes=[p.record for p in self._processes if p.started],
             ready_s=self.ready_s,
+            images=self.images.to_json() if self.images else {},
         )
 
     def __enter__(self) -> LocalCluster:
@@ -403,11 +422,18 @@ class LocalCluster:
         """
         if tier is not None:
             if tier not in TIERS:
-                raise ValueError(f"unknown tier {tier!r} (known: a, b)")
+                raise ValueError(f"unknown tier {tier!r} (known: a, b, c)")
             self.tier = tier
         if self._processes:
             raise RuntimeError("this LocalCluster is already up; call down() first")
         self._binaries = ControlPlaneBinaries.for_tier(self.tier)
+        if self.tier == "c":
+            problems = real_node.preflight()
+            if problems:
+                raise real_node.RealNodeError("; ".join(problems))
+            real_node.node_binaries()  # BinariesMissingError now, not half-way
+            self._builder = ImageBuilder(progress=self.progress)
+            self.images = self._builder.build_all()
         self.directory.mkdir(parents=True, exist_ok=True)
         earlier = ClusterState.load(self.directory)
         if earlier is not None and earlier.alive():
@@ -437,7 +463,11 @@ class LocalCluster:
         and delete etcd's tmpfs data. Idempotent."""
         started = [process for process in self._processes if process.started]
         try:
-            stop_components([process.record for process in started])
+            if self._node_claimed:
+                node = [p.record for p in started if p.name in NODE_COMPONENTS]
+                real_node.teardown_node(self.node_layout.directory, self.progress, node)
+                self._node_claimed = False
+            stop_components([p.record for p in started if p.name not in NODE_COMPONENTS])
         finally:
             for process in started:
                 process.reap()
@@ -455,11 +485,11 @@ class LocalCluster:
         deadline = t0 + timeout_s
         binaries = self._binaries
         assert binaries is not None
-        ports = _free_loopback_ports(5 if self.tier == "b" else 3)
+        ports = _free_loopback_ports({"a": 3, "b": 5, "c": 7}[self.tier])
         layout = ControlPlaneLayout(
             directory=self.directory,
             etcd_data=_etcd_data_dir(self.directory),
-            ports=ControlPlanePorts(*ports),
+            ports=ControlPlanePorts(*ports[:5]),
             pki=ClusterPki(self.directory / "pki"),
         )
         self._layout = layout
@@ -483,12 +513,15 @@ class LocalCluster:
         elapsed = time.monotonic() - t0
         self.progress(f"kube-apiserver ready at {layout.server_url} ({elapsed:.1f} s)")
 
-        if self.tier == "b":
+        if self.tier in ("b", "c"):
             self._start_tier_b(binaries, layout, api, deadline)
             self.progress(
                 f"{self.fake_nodes} fake nodes Ready, default ServiceAccount present "
                 f"({time.monotonic() - t0:.1f} s)"
             )
+        if self.tier == "c":
+            self._start_real_node(layout, api, deadline, ports[5], ports[6])
+            self.progress(f"real node {real_node.NODE_NAME} Ready ({time.monotonic() - t0:.1f} s)")
         self.ready_s = round(time.monotonic() - t0, 2)
         self.state().save(self.directory)
 
@@ -548,6 +581,51 @@ class LocalCluster:
             ),
         )
         self._warm_kwok_ip_pool(api, deadline)
+
+    @property
+    def node_layout(self) -> real_node.NodeLayout:
+        """The real node's files (tier c)."""
+        return real_node.NodeLayout(self.directory / "node")
+
+    def _start_real_node(
+        self,
+        layout: ControlPlaneLayout,
+        api: AdminApi,
+        deadline: float,
+        kubelet_port: int,
+        healthz_port: int,
+    ) -> None:
+        assert self.images is not None
+        node = self.node_layout
+        shutil.rmtree(node.directory, ignore_errors=True)
+        real_node.claim_machine(self.directory, self.progress)
+        self._node_claimed = True
+        self.progress(f"real node: bridge {real_node.BRIDGE} at {real_node.NODE_IP}, containerd")
+        real_node.setup_network(layout.ports.apiserver)
+        real_node.write_node_files(
+            node, layout.pki, layout.server_url, self.images.pause, kubelet_port, healthz_port
+        )
+        self._launch("containerd", real_node.containerd_argv(node))
+        self._record_node()
+        self._wait("containerd", deadline, lambda: real_node.containerd_ready(node))
+        swept = real_node.sweep_old_containers(node)
+        if swept:
+            self.progress(f"removed {swept} containers an earlier node left in containerd")
+        assert self._builder is not None
+        load_images(self._builder, node.containerd_socket, self.images, progress=self.progress)
+        self._launch("kubelet", real_node.kubelet_argv(node))
+        self._record_node()
+
+        def node_ready() -> bool:
+            response = api.request("GET", f"/api/v1/nodes/{real_node.NODE_NAME}")
+            return response.status == 200 and real_node.node_is_ready(response.json())
+
+        self._wait(f"node {real_node.NODE_NAME} Ready and untainted", deadline, node_ready)
+
+    def _record_node(self) -> None:
+        real_node.record_node_processes(
+            [p.record for p in self._processes if p.started and p.name in NODE_COMPONENTS]
+        )
 
     def _warm_kwok_ip_pool(self, api: AdminApi, deadline: float) -> None:
         """kwok creates its pod IP pool on first use, unlocked: pods started at once on a

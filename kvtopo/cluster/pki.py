@@ -228,6 +228,15 @@ class ClusterPki:
         return self.directory / "admin.key"
 
     @property
+    def kubelet_client_cert(self) -> Path:
+        """The API server's client certificate towards kubelets (logs, exec)."""
+        return self.directory / "kubelet-client.crt"
+
+    @property
+    def kubelet_client_key(self) -> Path:
+        return self.directory / "kubelet-client.key"
+
+    @property
     def service_account_key(self) -> Path:
         """The token signing key (private)."""
         return self.directory / "service-account.key"
@@ -256,6 +265,10 @@ def issue_cluster_pki(directory: Path) -> ClusterPki:
     admin = ca.issue_client(ADMIN_USER, (MASTERS_GROUP,))
     pki.admin_cert.write_bytes(admin.cert_pem)
     _write_private(pki.admin_key, admin.key_pem)
+
+    kubelet_client = ca.issue_client("kube-apiserver-kubelet-client")
+    pki.kubelet_client_cert.write_bytes(kubelet_client.cert_pem)
+    _write_private(pki.kubelet_client_key, kubelet_client.key_pem)
 
     sa_key = _new_key()
     _write_private(pki.service_account_key, _key_pem(sa_key))

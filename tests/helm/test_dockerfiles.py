@@ -1,8 +1,9 @@
 """The Dockerfiles in docker/ stay consistent with pyproject.toml and the Helm chart.
 
-No container engine runs here, so the images are not built; this checks what a build would
-rely on: every COPY source exists and survives the per-Dockerfile .dockerignore, every
-package folder pyproject maps is copied (else `pip install .` fails), the entry points are
+The images are built for real by `make images` (tests/node); this checks, without a build,
+what one relies on: every COPY source exists and survives the per-Dockerfile .dockerignore,
+every package folder pyproject maps is copied (else the project's build fails), both install
+exactly uv.lock, every import package ships in the wheel, the entry points are
 the project's console scripts, the final stage runs as the same non-root numeric user as
 the chart's securityContext, the exposed ports are the chart's, and the operator image
 installs neither torch nor nixl.
@@ -88,9 +89,12 @@ IMAGES = {
 def test_dockerfile_is_consistent_with_the_project_and_the_chart(image: str) -> None:
     dockerfile = DOCKER / f"{image}.Dockerfile"
     script, ports = IMAGES[image]
-    build, final = stages(dockerfile)[-2:]
-    # Multi-stage: the final image copies the virtualenv from the build stage only.
-    assert final.all("COPY") == ["--from=build /opt/kvtopo /opt/kvtopo"]
+    deps, build, final = stages(dockerfile)[-3:]
+    # Multi-stage: the final image copies the locked virtualenv, then the project's files.
+    assert final.all("COPY") == [
+        "--from=deps /opt/kvtopo /opt/kvtopo",
+        "--from=build /project/ /opt/kvtopo/",
+    ]
     assert final.all("ENTRYPOINT") == [f'["{script}"]']
     assert script in PYPROJECT["project"]["scripts"]
     # Non-root, numeric, the chart's default uid/gid.
@@ -103,12 +107,13 @@ def test_dockerfile_is_consistent_with_the_project_and_the_chart(image: str) -> 
     patterns = ignore_patterns(dockerfile)
     copied = {
         src.rstrip("/")
-        for line in build.all("COPY")
+        for line in deps.all("COPY") + build.all("COPY")
+        if not line.startswith("--from=")  # another stage's files (uv), not the context
         for src in line.split()[:-1]
         if not src.startswith("--")
     }
     needed = set(PYPROJECT["tool"]["setuptools"]["package-dir"].values())
-    needed |= {"pyproject.toml", PYPROJECT["project"]["readme"]}
+    needed |= {"pyproject.toml", "uv.lock", PYPROJECT["project"]["readme"]}
     # A package folder is copied by itself or with the top-level folder that holds it.
     missing = {n for n in needed if not any(n == c or n.startswith(f"{c}/") for c in copied)}
     assert not missing, f"not copied: {sorted(missing)}"
@@ -122,17 +127,30 @@ def test_dockerfile_is_consistent_with_the_project_and_the_chart(image: str) -> 
         assert ignored(junk, patterns), f"{junk} would be sent to the build"
 
 
+def uv_syncs(image: str) -> list[str]:
+    """The build stage's `uv sync` commands (the only way anything is installed)."""
+    deps, build = stages(DOCKER / f"{image}.Dockerfile")[-3:-1]
+    runs = deps.all("RUN") + build.all("RUN")
+    assert not [r for r in runs if "pip install" in r], "install from uv.lock, not with pip"
+    return [r for r in runs if "uv sync" in r]
+
+
+def test_both_images_install_exactly_the_lock() -> None:
+    for image in IMAGES:
+        syncs = uv_syncs(image)
+        # The locked dependencies first (a layer cached while uv.lock stays), then the project.
+        assert len(syncs) == 2 and "--no-install-project" in syncs[0], image
+        assert all("--frozen" in sync for sync in syncs), image
+        assert "--no-editable" in syncs[1], image
+
+
 def test_operator_image_has_no_worker_extras() -> None:
-    build = stages(DOCKER / "operator.Dockerfile")[-2]
-    installs = " ".join(r for r in build.all("RUN") if "pip install" in r)
-    assert "pip install ." in installs and "[worker]" not in installs
-    assert "torch" not in installs.replace('import torch"', "")
+    syncs = " ".join(uv_syncs("operator"))
+    assert "--extra" not in syncs and "torch" not in syncs.replace('import torch"', "")
 
 
 def test_worker_image_installs_the_worker_extra() -> None:
-    build = stages(DOCKER / "worker.Dockerfile")[-2]
-    installs = " ".join(r for r in build.all("RUN") if "pip install" in r)
-    assert '".[worker]"' in installs
+    assert all("--extra worker" in sync for sync in uv_syncs("worker"))
     assert "worker" in PYPROJECT["project"]["optional-dependencies"]
 
 
@@ -146,3 +164,18 @@ def test_chart_and_examples_name_the_documented_images() -> None:
         pod = yaml.safe_load((ROOT / "examples" / name).read_text())["spec"]["template"]["spec"]
         assert pod["containers"][0]["image"].startswith("ghcr.io/kvtopo/worker:"), name
         assert pod["containers"][0]["command"] == ["kvtopo-worker"], name
+
+
+def test_every_import_package_is_in_the_wheel() -> None:
+    """The images install the project non-editable: only the packages pyproject lists ship.
+    A subpackage left out imports fine in the editable dev venv and fails in the image (seen:
+    kvtopo_worker.push, so the worker image's `kvtopo-worker` died on import)."""
+    setuptools = PYPROJECT["tool"]["setuptools"]
+    listed = set(setuptools["packages"])
+    on_disk = set()
+    for name, folder in setuptools["package-dir"].items():
+        root = ROOT / folder
+        for init in root.rglob("__init__.py"):
+            on_disk.add(".".join((name, *init.parent.relative_to(root).parts)))
+    assert on_disk - listed == set(), "add these to [tool.setuptools] packages"
+    assert listed - on_disk == set(), "these listed packages have no __init__.py"
