@@ -12,7 +12,8 @@ the same tree finds them all and takes seconds:
   uv's download cache mounted (the wheels ``make venv`` fetched) and the machine's CA bundle.
 
 Storage is private (``$KVTOPO_CACHE/images/storage``, overlay). :func:`load_images` copies
-the images a containerd lacks into it (``buildah push`` to an OCI archive, ``ctr import``),
+the images a containerd lacks into it (``buildah push`` to an OCI layout kept per image, so
+unchanged layers are neither written nor unpacked again, then ``ctr import``),
 and :func:`prune_images` keeps one tag per repository on both sides. Used by
 :mod:`kvtopo.cluster.real_node` and ``python -m kvtopo.cluster.images`` (``make images``).
 """
@@ -34,6 +35,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from kvtopo.cluster.binaries import cache_root, find_binary
 
@@ -329,15 +331,19 @@ class ImageBuilder:
 
     def build_all(self) -> ImageSet:
         """Every image of :data:`NAMES` (those already built are found by their tags). One
-        build at a time per machine (a file lock); working containers a killed build left
-        behind (and their mounts) are removed first."""
+        build at a time per machine (a file lock); working containers (and their mounts)
+        are removed before and after, those of a killed build included."""
         if shutil.which("buildah") is None:
             raise ImageBuildError("buildah is missing: apt-get install buildah")
         self.cache.mkdir(parents=True, exist_ok=True)
         with (self.cache / ".build.lock").open("w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             self.buildah("rm", "--all")
-            return self._build_all()
+            try:
+                return self._build_all()
+            finally:
+                # A stage used by COPY --from stays mounted as a working container.
+                self.buildah("rm", "--all")
 
     def _build_all(self) -> ImageSet:
         base = self.debian_python()
@@ -378,12 +384,38 @@ class ImageBuilder:
         (self.cache / STEPS_FILE).write_text(json.dumps(steps, indent=1) + "\n")
 
 
-def ctr(address: Path, *args: str, timeout: float = BUILD_TIMEOUT_S) -> str:
+def ctr(
+    address: Path, *args: str, timeout: float = BUILD_TIMEOUT_S, stdin: IO[bytes] | None = None
+) -> str:
     argv = ["ctr", f"--address={address}", f"--namespace={CONTAINERD_NAMESPACE}", *args]
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+    result = subprocess.run(argv, stdin=stdin, capture_output=True, timeout=timeout, check=False)
+    stdout, stderr = result.stdout.decode(errors="replace"), result.stderr.decode(errors="replace")
     if result.returncode != 0:
-        raise ImageBuildError(f"`{' '.join(argv)}` failed: {result.stderr.strip()[-2000:]}")
-    return result.stdout
+        raise ImageBuildError(f"`{' '.join(argv)}` failed: {stderr.strip()[-2000:]}")
+    return stdout
+
+
+def trim_layout(layout: Path, ref: str) -> None:
+    """Keep only ``ref`` in an OCI layout: its index entry and the blobs it references."""
+    index = json.loads((layout / "index.json").read_text())
+    name_key = "org.opencontainers.image.ref.name"
+    kept = [m for m in index.get("manifests", []) if m.get("annotations", {}).get(name_key) == ref]
+    wanted: set[str] = set()
+    for entry in kept:
+        wanted.add(entry["digest"])
+        manifest = json.loads(_blob(layout, entry["digest"]).read_text())
+        wanted.add(manifest["config"]["digest"])
+        wanted.update(layer["digest"] for layer in manifest.get("layers", []))
+    index["manifests"] = kept
+    (layout / "index.json").write_text(json.dumps(index))
+    for blob in (layout / "blobs").glob("*/*"):
+        if f"{blob.parent.name}:{blob.name}" not in wanted:
+            blob.unlink()
+
+
+def _blob(layout: Path, digest: str) -> Path:
+    algorithm, _, value = digest.partition(":")
+    return layout / "blobs" / algorithm / value
 
 
 def containerd_images(address: Path) -> set[str]:
@@ -410,10 +442,18 @@ def load_images(
             continue
         progress(f"loading {ref} into the node's containerd")
         t0 = time.monotonic()
-        with tempfile.TemporaryDirectory(prefix="kvtopo-oci-", dir=builder.cache) as tmp:
-            archive = Path(tmp) / f"{name}.tar"
-            builder.buildah("push", "--disable-compression", ref, f"oci-archive:{archive}:{ref}")
-            ctr(address, "images", "import", str(archive))
+        # An OCI layout kept per image: a push skips the blobs it holds (the locked
+        # dependencies' layer), and containerd skips unpacking the layers it has.
+        layout = builder.cache / "oci" / name
+        layout.parent.mkdir(parents=True, exist_ok=True)
+        builder.buildah("push", "--disable-compression", ref, f"oci:{layout}:{ref}")
+        trim_layout(layout, ref)
+        with subprocess.Popen(
+            ["tar", "-C", str(layout), "-cf", "-", "."], stdout=subprocess.PIPE
+        ) as tar:
+            ctr(address, "images", "import", "-", stdin=tar.stdout)
+        if tar.returncode:
+            raise ImageBuildError(f"reading the OCI layout {layout} failed")
         loaded.append(ref)
         progress(f"loaded {ref} in {time.monotonic() - t0:.0f} s")
     return loaded

@@ -53,6 +53,7 @@ from kvtopo.cluster.fake_nodes import (
     kwok_stages_yaml,
     node_is_schedulable,
 )
+from kvtopo.cluster.host_state import HostSnapshot
 from kvtopo.cluster.images import ImageBuilder, ImageSet, load_images
 from kvtopo.cluster.pki import (
     ClusterPki,
@@ -292,6 +293,7 @@ class LocalCluster:
         self._logs: dict[str, Path] = {}  # kept after down(), for failure reports
         self._owns_directory = False
         self.images: ImageSet | None = None  # tier c
+        self.host_before: HostSnapshot | None = None  # tier c: the machine before the node
         self._builder: ImageBuilder | None = None
         self._node_claimed = False
 
@@ -598,7 +600,7 @@ class LocalCluster:
         assert self.images is not None
         node = self.node_layout
         shutil.rmtree(node.directory, ignore_errors=True)
-        real_node.claim_machine(self.directory, self.progress)
+        self.host_before = real_node.claim_machine(self.directory, self.progress)
         self._node_claimed = True
         self.progress(f"real node: bridge {real_node.BRIDGE} at {real_node.NODE_IP}, containerd")
         real_node.setup_network(layout.ports.apiserver)
@@ -608,7 +610,7 @@ class LocalCluster:
         self._launch("containerd", real_node.containerd_argv(node))
         self._record_node()
         self._wait("containerd", deadline, lambda: real_node.containerd_ready(node))
-        swept = real_node.sweep_old_containers(node)
+        swept = real_node.remove_containers(node)  # left by a node that crashed
         if swept:
             self.progress(f"removed {swept} containers an earlier node left in containerd")
         assert self._builder is not None

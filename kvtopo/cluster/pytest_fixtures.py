@@ -1,7 +1,9 @@
 """pytest plugin: session-scoped local control planes for integration tests.
 
-Owns the fixtures ``cluster_a`` (etcd + kube-apiserver) and ``cluster_b`` (+ controller
-manager, scheduler, kwok fake nodes), each a ready :class:`LocalCluster` with
+Owns the fixtures ``cluster_a`` (etcd + kube-apiserver), ``cluster_b`` (+ controller
+manager, scheduler, kwok fake nodes) and ``cluster_c`` (+ one real node: containerd and a
+kubelet running kvtopo's images; its ``host_before`` is the machine as it was before), each
+a ready :class:`LocalCluster` with
 ``.kubeconfig``, ``.server_url`` and ``.kubectl(*args)``, started once per session on first
 use and stopped at its end (also on Ctrl-C; a killed run's components follow it by
 parent-death signal). Missing binaries FAIL the tests that need them, naming the fix
@@ -20,10 +22,12 @@ import pytest
 
 from kvtopo.cluster.binaries import BinariesMissingError
 from kvtopo.cluster.deadlines import DeadlineExceededError
+from kvtopo.cluster.images import ImageBuildError
 from kvtopo.cluster.local_cluster import LocalCluster, Tier
 from kvtopo.cluster.processes import ControlPlaneProcessError
+from kvtopo.cluster.real_node import RealNodeError
 
-CLUSTER_FIXTURES: dict[str, Tier] = {"cluster_a": "a", "cluster_b": "b"}
+CLUSTER_FIXTURES: dict[str, Tier] = {"cluster_a": "a", "cluster_b": "b", "cluster_c": "c"}
 
 
 def _session_cluster(
@@ -32,7 +36,13 @@ def _session_cluster(
     cluster = LocalCluster(tmp_path_factory.mktemp(f"cluster-{tier}"), tier)
     try:
         cluster.up()
-    except (BinariesMissingError, ControlPlaneProcessError, DeadlineExceededError) as error:
+    except (
+        BinariesMissingError,
+        ControlPlaneProcessError,
+        DeadlineExceededError,
+        ImageBuildError,
+        RealNodeError,
+    ) as error:
         pytest.fail(f"local control plane (tier {tier}) did not start: {error}", pytrace=False)
     try:
         yield cluster
@@ -52,6 +62,14 @@ def cluster_b(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster
     """A ready tier-b cluster: + controller manager, scheduler and kwok fake nodes, so
     Deployments roll out (pods need :data:`kvtopo.cluster.fake_nodes.FAKE_NODE_PLACEMENT`)."""
     yield from _session_cluster(tmp_path_factory, "b")
+
+
+@pytest.fixture(scope="session")
+def cluster_c(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """A ready tier-c cluster: tier b + the real node ``kvtopo-node`` (root only), whose pods
+    run the images in ``cluster.images``. Its teardown puts the machine back; a test may call
+    ``down()`` itself to compare the machine with ``cluster.host_before``."""
+    yield from _session_cluster(tmp_path_factory, "c")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

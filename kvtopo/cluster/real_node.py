@@ -20,8 +20,9 @@ Owns the node's set-up and its complete teardown:
   node's folder; registers itself as :data:`NODE_NAME` with :data:`NODE_LABEL`, untainted, so
   pods without kwok's toleration land here.
 
-Teardown (:func:`teardown_node`, from any process): the kubelet stopped, every pod process
-killed through the ``kubepods`` cgroups, containerd's shims and containerd stopped, every new
+Teardown (:func:`teardown_node`, from any process): the kubelet stopped, every container
+killed and deleted through containerd (what is left killed through the ``kubepods``
+cgroups), containerd's shims and containerd stopped, every new
 mount under the node's folders unmounted, the cgroups, the bridge and the firewall rules
 removed, the sysctls and the folders the kubelet and containerd made outside their roots put
 back. :class:`~kvtopo.cluster.host_state.HostSnapshot` compares the result.
@@ -387,11 +388,14 @@ def containerd_ready(layout: NodeLayout) -> bool:
     return result.returncode == 0
 
 
-def sweep_old_containers(layout: NodeLayout) -> int:
-    """Delete the containers an earlier node left in containerd's (cached) metadata: their
-    processes died with it; the new kubelet must not find them. Returns how many."""
+def remove_containers(layout: NodeLayout) -> int:
+    """Kill and delete every container of the kubelet's namespace in this node's containerd
+    (the pods' sandboxes included), so none is left in its cached metadata for the next
+    node to find. Returns how many there were; 0 when containerd does not answer."""
     base = ["ctr", f"--address={layout.containerd_socket}", "--namespace=k8s.io"]
     listed = _sh(*base, "containers", "list", "--quiet", check=False).stdout.split()
+    for container in listed:
+        _sh(*base, "tasks", "kill", "--signal=SIGKILL", container, check=False)
     for container in listed:
         _sh(*base, "tasks", "delete", "--force", container, check=False)
         _sh(*base, "containers", "delete", container, check=False)
@@ -498,7 +502,8 @@ def teardown_node(
     for record in known:
         by_name.setdefault(record.name, []).append(record)
     stop_processes([r for r in by_name.get("kubelet", []) if r.is_alive()])
-    pods = kill_pod_processes()
+    containers = remove_containers(layout) if containerd_ready(layout) else 0
+    pods = kill_pod_processes()  # what containerd could not stop (or none was running)
     shims = kill_shims(layout)
     stop_processes([r for r in by_name.get("containerd", []) if r.is_alive()])
     for pid in _processes_mentioning(f"--config={layout.containerd_config}"):
@@ -523,7 +528,8 @@ def teardown_node(
         snapshot.remove_new_paths()
         leftovers = snapshot.diff(HostSnapshot.capture())
     progress(
-        f"real node down: {pods} pod processes and {shims} shims killed, "
+        f"real node down: {containers} containers removed, {pods} pod processes and "
+        f"{shims} shims killed, "
         f"{len(unmounted)} mounts and {cgroups} cgroups removed"
         + (f"; still differing: {leftovers}" if leftovers else "; host settings restored")
     )

@@ -45,9 +45,15 @@ def add_drill_parser(verbs: Any) -> None:
         help="decode rollout restarts (default 3; 2 with --engine vllm-server)",
     )
     p.add_argument("--prefill-rollouts", type=int, default=0)
-    p.add_argument("--scale-to", type=int, default=2, help="scale decode down to this, then back")
     p.add_argument(
-        "--rate", type=float, help="requests per second (default 40; 2 with --engine vllm-server)"
+        "--scale-to",
+        type=int,
+        help="scale decode down to this, then back (default 2; no scaling with --node real)",
+    )
+    p.add_argument(
+        "--rate",
+        type=float,
+        help="requests per second (default 40; 10 with --node real; 2 with --engine vllm-server)",
     )
     p.add_argument(
         "--max-in-flight", type=int, help="default 16; 2 with --engine vllm-server (clients)"
@@ -133,6 +139,17 @@ def add_drill_parser(verbs: Any) -> None:
         help="--engine vllm-server: distinct prompts sent (1 to 9 sentences each, seeded), so "
         "that most of each prompt's KV moves rather than being found in a decode's cache",
     )
+    p.add_argument(
+        "--node",
+        choices=["kwok", "real"],
+        default="kwok",
+        help="where the engines run: kwok's fake nodes, one worker process per pod on this "
+        "machine, and the operator as a process (default); or the real node of `kvtopo "
+        "cluster up --tier c` (root; images built with buildah the first time): `helm install` "
+        "of the chart (two operator replicas) and the worker image's pods, the kubelet starting "
+        "and stopping them (1 prefill, 2 decode, 2 rollouts and no scaling by default; "
+        "--chaos, --fault and --kubeconfig do not apply)",
+    )
     p.add_argument("--kubeconfig", type=Path, help="use this cluster instead of a local one")
     p.add_argument("--workdir", type=Path, default=Path("out") / "drill", help="logs and cluster")
     p.add_argument("--json", type=Path, dest="json_path", help="write the JSON report here")
@@ -165,13 +182,20 @@ def run_drill(args: argparse.Namespace) -> int:
     if args.engine == "vllm-server":
         return run_server_drill(args, console)
     strict_targets = bool(args.strict_targets)
+    real = args.node == "real"
+    if real and (args.chaos or args.fault or args.kubeconfig or args.engine != "emulated"):
+        console.print(
+            "[red]--chaos, --fault, --kubeconfig and --engine do not apply to --node real[/red]"
+        )
+        return 2
+    decode = _or(args.decode, 2 if real else 4)
     opts = DrillOptions(
-        prefill=_or(args.prefill, 2),
-        decode=_or(args.decode, 4),
-        rollouts=_or(args.rollouts, 3),
+        prefill=_or(args.prefill, 1 if real else 2),
+        decode=decode,
+        rollouts=_or(args.rollouts, 2 if real else 3),
         prefill_rollouts=args.prefill_rollouts,
-        scale_to=args.scale_to,
-        rate=_or(args.rate, 40.0),
+        scale_to=_or(args.scale_to, decode if real else 2),
+        rate=_or(args.rate, 10.0 if real else 40.0),
         max_in_flight=_or(args.max_in_flight, 16),
         blocks=args.blocks,
         block_bytes=args.block_bytes,
@@ -182,12 +206,13 @@ def run_drill(args: argparse.Namespace) -> int:
         fault=args.fault,
         tp=args.tp,
         engine=args.engine,
+        node=args.node,
         kubeconfig=args.kubeconfig,
         workdir=args.workdir,
         json_path=args.json_path,
         plot_path=args.plot_path,
         live=not args.no_live,
-        timeout_s=args.timeout or (600.0 if args.engine == "emulated" else 2400.0),
+        timeout_s=args.timeout or (600.0 if args.engine == "emulated" and not real else 2400.0),
     )
     drill = Drill(opts, say=lambda line: console.print(f"[dim]{line}[/dim]"))
 
@@ -220,6 +245,7 @@ def run_drill(args: argparse.Namespace) -> int:
         report["lease_s"] = LEASE_S
     report["tp"] = opts.tp
     report["engine"] = opts.engine
+    report["node"] = opts.node
     report["targets"] = targets(report)
     console.print(render_table(report))
     if opts.json_path is not None:

@@ -64,7 +64,9 @@ class Engine:
     pod: str
     uid: str
     role: str
-    process: asyncio.subprocess.Process
+    # The worker process the drill runs for a kwok pod; None for a real pod's container,
+    # which the kubelet runs (PodFleet).
+    process: asyncio.subprocess.Process | None
     pod_ip: str = ""
     version: str = ""  # its pod's version label (the topology pairs engines on it)
     engine_id: str = ""
@@ -83,6 +85,12 @@ class Engine:
     frozen: bool = False  # SIGSTOPped by the drill's fault (no traffic is sent to it)
     cordoned: bool = False  # no new traffic (its requests in flight finish and are collected)
     acked: int = 0  # the highest outcome number recorded (acknowledged on the next collect)
+
+    def signal(self, sig: int) -> None:
+        """Sends `sig` to the engine's process (a fault the drill injects on kwok pods)."""
+        if self.process is None:
+            raise RuntimeError(f"{self.pod}: a real container, not a process of the drill's")
+        self.process.send_signal(sig)
 
     def holds(self, peer: Engine) -> bool:
         """Whether it holds `peer` as it is now, as the operator counts one half of a pair:
@@ -293,18 +301,17 @@ class Fleet:
         self._spawn(self._await_serving(eng), f"serve-{pod}")
 
     async def _await_serving(self, eng: Engine) -> None:
-        assert eng.process.stdout is not None
+        proc = eng.process
+        assert proc is not None and proc.stdout is not None
         try:
-            line = await asyncio.wait_for(
-                eng.process.stdout.readline(), timeout=self.start_timeout_s
-            )
+            line = await asyncio.wait_for(proc.stdout.readline(), timeout=self.start_timeout_s)
             ready = parse_ready_line(line)
         except (TimeoutError, ValueError):
             log_path = self.log_dir / f"worker-{eng.pod}.log"
             tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or [""]
             log.error("worker for %s did not start (%s); see %s", eng.pod, tail[0], log_path)
             self.waiting[eng.pod] = f"did not start: {tail[0][:300]}"
-            eng.process.kill()
+            proc.kill()
             self.engines.pop(eng.uid, None)
             return
         eng.engine_id, eng.endpoint = ready.engine_id, ready.endpoint
@@ -325,9 +332,11 @@ class Fleet:
         start) has returned. Until then it is not serving (no traffic, not collected): what
         the dead process held ends on its peers, with a reason."""
         eng.serving_at = 0.0
-        eng.process.kill()
-        await eng.process.wait()
-        self.trace("killed", pod=eng.pod, engine=eng.engine_id, code=eng.process.returncode)
+        proc = eng.process
+        assert proc is not None, "a real pod's container restarts through the kubelet"
+        proc.kill()
+        await proc.wait()
+        self.trace("killed", pod=eng.pod, engine=eng.engine_id, code=proc.returncode)
         down = asyncio.create_task(while_down()) if while_down is not None else None
         try:
             eng.process = await self._exec(eng.pod, eng.uid, eng.role, eng.pod_ip)
@@ -350,10 +359,12 @@ class Fleet:
         self._spawn(self._drain_and_stop(eng), f"drain-{eng.pod}")
 
     async def _drain_and_stop(self, eng: Engine) -> None:
+        proc = eng.process
+        assert proc is not None
         if not (self.kill_without_drain and eng.role == "decode"):
             drained = not eng.endpoint  # an engine that never served holds nothing
             deadline = time.monotonic() + self.drain_deadline_s
-            while not drained and eng.process.returncode is None:
+            while not drained and proc.returncode is None:
                 state = await self.drain(eng)
                 if state is not None and state.get("drained"):
                     drained = True
@@ -367,14 +378,14 @@ class Fleet:
             self.trace(
                 "drained" if drained else "drain_deadline", pod=eng.pod, engine=eng.engine_id
             )
-            if eng.process.returncode is None:  # not killed by a fault meanwhile
-                eng.process.terminate()
+            if proc.returncode is None:  # not killed by a fault meanwhile
+                proc.terminate()
             # Past the deadline the engine still hands out what it ended while it exits.
             exit_by = time.monotonic() + 2 * self.engine_drain_s + 5
             while (
                 not drained
                 and eng.endpoint
-                and eng.process.returncode is None
+                and proc.returncode is None
                 and time.monotonic() < exit_by
             ):
                 await self.collect(eng)
@@ -386,15 +397,15 @@ class Fleet:
             while eng.endpoint and eng.in_flight == 0 and time.monotonic() < deadline:
                 await self.refresh(eng)
                 await asyncio.sleep(0.02)
-            eng.process.kill()
+            proc.kill()
         try:
-            await asyncio.wait_for(eng.process.wait(), timeout=15)
+            await asyncio.wait_for(proc.wait(), timeout=15)
         except TimeoutError:
-            eng.process.kill()
-            await eng.process.wait()
+            proc.kill()
+            await proc.wait()
         eng.stopped = True
         self.secrets.unmount(eng.pod)
-        self.trace("exited", pod=eng.pod, engine=eng.engine_id, code=eng.process.returncode)
+        self.trace("exited", pod=eng.pod, engine=eng.engine_id, code=proc.returncode)
         self.engines.pop(eng.uid, None)
 
     async def stop_all(self) -> None:
@@ -404,7 +415,8 @@ class Fleet:
         while self.engines and time.monotonic() < deadline:  # noqa: ASYNC110 - polls processes
             await asyncio.sleep(0.1)
         for eng in list(self.engines.values()):
-            eng.process.kill()
+            if eng.process is not None:
+                eng.process.kill()
         if self.session is not None:
             await self.session.close()
 

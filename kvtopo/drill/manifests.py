@@ -60,8 +60,10 @@ def engine_deployment(
     endpoint: str | None = ENDPOINT_PENDING,
     namespace: str | None = None,
     kv_gate: bool = False,
+    pod_spec: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A Deployment of engine pods on kwok's fake nodes.
+    """A Deployment of engine pods on kwok's fake nodes (`pod_spec` None), or, with the
+    `pod_spec` of real engine containers, on a real node (kvtopo.drill.podfleet).
 
     `version` sets the pod template's `app.kubernetes.io/version` label (None: no label);
     `endpoint` the control-endpoint annotation (None: none, the operator would use podIP);
@@ -83,9 +85,15 @@ def engine_deployment(
         "template": {
             "metadata": template_meta,
             "spec": {
-                **FAKE_NODE_PLACEMENT,
-                "terminationGracePeriodSeconds": termination_grace_seconds,
-                "containers": [{"name": "engine", "image": ENGINE_IMAGE}],
+                **(
+                    {
+                        **FAKE_NODE_PLACEMENT,
+                        "terminationGracePeriodSeconds": termination_grace_seconds,
+                        "containers": [{"name": "engine", "image": ENGINE_IMAGE}],
+                    }
+                    if pod_spec is None
+                    else dict(pod_spec)
+                ),
                 **(READINESS_GATES if kv_gate else {}),
             },
         },

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
 import signal
 import subprocess
@@ -25,9 +26,17 @@ from typing import Any
 import aiohttp
 
 from kvtopo import launch
+from kvtopo.cluster.binaries import find_binary
+from kvtopo.cluster.images import ImageSet, repo_root
 from kvtopo.drill import manifests
 from kvtopo.drill.fleet import Fleet
 from kvtopo.drill.ledger import Ledger
+from kvtopo.drill.podfleet import (
+    CLIENT_TOKEN_SECRET,
+    OPERATOR_KEY_OBJECT,
+    PodFleet,
+    engine_pod_spec,
+)
 from kvtopo.drill.secrets import DrillSecrets
 from kvtopo.drill.trace import Trace
 from kvtopo_operator.api import ENDPOINT_ANNOTATION, GROUP, PLURAL
@@ -87,7 +96,12 @@ class DrillOptions:
     fault: str | None = None
     tp: int = 1
     engine: str = "emulated"  # what runs in each engine pod (kvtopo.launch.ENGINE_MODULES)
+    # kwok: fake nodes, one host process per pod, the operator a host process; real: the
+    # real node of tier c, the chart's operator and the worker image's pods (podfleet).
+    node: str = "kwok"
     kubeconfig: Path | None = None
+    # A running LocalCluster to drill on (tests share one; it is left running at the end).
+    cluster: Any = None
     workdir: Path = field(default_factory=lambda: Path("out") / "drill")
     json_path: Path | None = None
     plot_path: Path | None = None
@@ -131,13 +145,23 @@ class Drill:
     def _kubeconfig(self) -> Path:
         if self.opts.kubeconfig is not None:
             return self.opts.kubeconfig
-        from kvtopo.cluster.local_cluster import LocalCluster
+        if self.opts.cluster is not None:
+            return Path(self.opts.cluster.kubeconfig)
+        from kvtopo.cluster.local_cluster import LocalCluster, Tier
 
-        self.say(
-            "starting the local control plane (tier b: etcd, kube-apiserver, "
-            "controller manager, scheduler, kwok)"
-        )
-        self.cluster = LocalCluster(self.opts.workdir / "cluster", "b", progress=self.say)
+        if self.opts.node == "real":
+            self.say(
+                "starting the local control plane with a real node (tier c: + containerd and "
+                "a kubelet running kvtopo's images)"
+            )
+            tier: Tier = "c"
+        else:
+            self.say(
+                "starting the local control plane (tier b: etcd, kube-apiserver, "
+                "controller manager, scheduler, kwok)"
+            )
+            tier = "b"
+        self.cluster = LocalCluster(self.opts.workdir / "cluster", tier, progress=self.say)
         self.cluster.up()
         return Path(self.cluster.kubeconfig)
 
@@ -170,17 +194,23 @@ class Drill:
         kube = self.kube = await asyncio.to_thread(ClusterApi, kubeconfig)
         self.secrets = DrillSecrets(self.opts.workdir / "secrets")
         token_file = self._operator_key()
-        self.say("installing the KVTopology CRD")
-        await asyncio.to_thread(kube.apply_crd, crd_manifest())
-        await self._until("CRD established", lambda: kube.crd_established(CRD_NAME), 30)
+        real = self.opts.node == "real"
+        if not real:
+            self.say("installing the KVTopology CRD")
+            await asyncio.to_thread(kube.apply_crd, crd_manifest())
+            await self._until("CRD established", lambda: kube.crd_established(CRD_NAME), 30)
         await asyncio.to_thread(kube.create_namespace, self.namespace)
         await self._until(
             "default ServiceAccount",
             lambda: bool(kube.core.list_namespaced_service_account(self.namespace).items),
             60,
         )
-        self.say("starting the operator")
-        self.operator = self._start_operator(kubeconfig, token_file)
+        if real:
+            await self._install_chart(kube, kubeconfig)
+            await self._until("CRD established", lambda: kube.crd_established(CRD_NAME), 30)
+        else:
+            self.say("starting the operator")
+            self.operator = self._start_operator(kubeconfig, token_file)
         if self.opts.chaos == "leader-kill":
             self.say("starting a second operator replica (leader election on a Lease)")
             self.standby = self._start_operator(kubeconfig, token_file)
@@ -205,13 +235,15 @@ class Drill:
         def annotate(pod: str, endpoint: str) -> None:
             kube.annotate_pod(self.namespace, pod, {ENDPOINT_ANNOTATION: endpoint})
 
-        self.fleet = Fleet(
+        fleet_class = PodFleet if real else Fleet
+        self.fleet = fleet_class(
             namespace=self.namespace,
             secrets=self.secrets,
             log_dir=self.opts.workdir,
             worker_args=worker_args,
             list_pods=list_pods,
-            annotate=annotate,
+            # A real pod's worker is reached at its pod IP: no endpoint annotation.
+            annotate=(lambda pod, endpoint: None) if real else annotate,
             on_outcomes=self._record_outcomes,
             on_going=self.ledger.going_away,
             on_late_writes=self._late_writes,
@@ -221,7 +253,8 @@ class Drill:
             engine=self.opts.engine,
             start_timeout_s=120.0 if self.opts.engine == "emulated" else 300.0,
         )
-        self.say("creating the KVTopology and the prefill/decode Deployments on kwok nodes")
+        where = "on the real node" if real else "on kwok nodes"
+        self.say(f"creating the KVTopology and the prefill/decode Deployments {where}")
         body = manifests.topology(
             APP,
             app=APP,
@@ -237,12 +270,84 @@ class Drill:
         for role, n in roles:
             # The pods list the kv-connected readiness gate: Ready (and counted available by
             # the rollout) only once the operator has connected their engine to its partners.
+            pod_spec = (
+                engine_pod_spec(self._images().worker, role, worker_args, self.fleet.control_port)
+                if real
+                else None
+            )
             deployment = manifests.engine_deployment(
-                role, app=APP, role=role, replicas=n, min_ready_seconds=3, kv_gate=True
+                role,
+                app=APP,
+                role=role,
+                replicas=n,
+                min_ready_seconds=3,
+                kv_gate=True,
+                endpoint=None if real else manifests.ENDPOINT_PENDING,
+                pod_spec=pod_spec,
             )
             await asyncio.to_thread(
                 kube.apps.create_namespaced_deployment, self.namespace, deployment
             )
+
+    def _images(self) -> ImageSet:
+        cluster = self.cluster or self.opts.cluster
+        if cluster is None or cluster.images is None:
+            raise RuntimeError("--node real runs on the local tier-c cluster (no --kubeconfig)")
+        images: ImageSet = cluster.images
+        return images
+
+    async def _install_chart(self, kube: ClusterApi, kubeconfig: Path) -> None:
+        """`helm install` of the chart with its defaults (two operator replicas, leader
+        election), the operator image built here, and the drill's key pair as the existing
+        Secret and ConfigMap (so the drill's observer signs what the workers verify); the
+        client token as the Secret the engine pods mount."""
+        images = self._images()
+        mount = self.secrets.mount("router")
+        assert mount.operator_key is not None
+        ns = self.namespace
+        key = {"name": OPERATOR_KEY_OBJECT}
+        await asyncio.to_thread(
+            kube.core.create_namespaced_secret,
+            ns,
+            {"metadata": key, "stringData": {"operator.key": mount.operator_key.read_text()}},
+        )
+        await asyncio.to_thread(
+            kube.core.create_namespaced_config_map,
+            ns,
+            {"metadata": key, "data": {"operator.pem": mount.operator_public.read_text()}},
+        )
+        await asyncio.to_thread(
+            kube.core.create_namespaced_secret,
+            ns,
+            {
+                "metadata": {"name": CLIENT_TOKEN_SECRET},
+                "stringData": {"token": mount.client_token.read_text().split()[0]},
+            },
+        )
+        repository, _, tag = images.operator.rpartition(":")
+        home = self.opts.workdir / "helm"
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(kubeconfig),
+            "HELM_CONFIG_HOME": str(home / "config"),
+            "HELM_CACHE_HOME": str(home / "cache"),
+            "HELM_DATA_HOME": str(home / "data"),
+        }
+        argv = [
+            str(find_binary("helm")), "install", "kvtopo", str(repo_root() / "helm" / "kvtopo"),
+            "--namespace", ns,
+            "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
+            "--set", "image.pullPolicy=Never",
+            "--set", f"operatorKey.existingSecret={OPERATOR_KEY_OBJECT}",
+            "--set", f"operatorKey.existingConfigMap={OPERATOR_KEY_OBJECT}",
+            "--wait", "--timeout", "300s",
+        ]  # fmt: skip
+        self.say("helm install of the chart (two operator replicas, leader election)")
+        result = await asyncio.to_thread(
+            subprocess.run, argv, capture_output=True, text=True, env=env, timeout=330, check=False
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"helm install failed: {result.stderr.strip()[-2000:]}")
 
     def _late_writes(self, engine_id: str, n: int) -> None:
         if n:
@@ -605,7 +710,7 @@ class Drill:
             raise RuntimeError("no serving decode engine to hang")
         victim = self.rng.choice(decodes)
         victim.frozen = True
-        victim.process.send_signal(signal.SIGSTOP)
+        victim.signal(signal.SIGSTOP)
         self.ledger.mark(t, "chaos", f"SIGSTOP decode {victim.pod} for {HANG_S:g} s")
         self.ledger.impair(victim.engine_id, t, t + HANG_S + GIVE_UP_S)
 
@@ -614,7 +719,7 @@ class Drill:
                 await asyncio.sleep(HANG_S)  # the fault's length
             finally:
                 with contextlib.suppress(ProcessLookupError):
-                    victim.process.send_signal(signal.SIGCONT)
+                    victim.signal(signal.SIGCONT)
                 victim.frozen = False
                 self.ledger.mark(time.monotonic(), "chaos", f"SIGCONT decode {victim.pod}")
 
@@ -743,7 +848,7 @@ class Drill:
             self.ledger.going_away(e.engine_id, t)
             self.ledger.impair(e.engine_id, t, t + NODE_FLIP_TIMEOUT_S + GIVE_UP_S)
             with contextlib.suppress(ProcessLookupError):
-                e.process.send_signal(signal.SIGKILL)
+                e.signal(signal.SIGKILL)
 
         def flipped() -> bool:
             obj = kube.core.read_node_status(node)
@@ -820,7 +925,7 @@ class Drill:
                 t, "chaos", f"SIGSTOP decode {victim.pod} for {freeze_s:g} s ({len(parked)} parked)"
             )
             victim.frozen = True
-            victim.process.send_signal(signal.SIGSTOP)
+            victim.signal(signal.SIGSTOP)
             try:
                 # Half the parked requests get their KV while the decode is frozen: their
                 # WRITEs land in a stopped process, their completions wait for it.
@@ -831,7 +936,7 @@ class Drill:
                     )
                 await asyncio.sleep(freeze_s)  # the fault's length
             finally:
-                victim.process.send_signal(signal.SIGCONT)
+                victim.signal(signal.SIGCONT)
                 victim.frozen = False
             resumed = time.monotonic()
             self.ledger.mark(resumed, "chaos", f"SIGCONT decode {victim.pod}")
@@ -845,7 +950,7 @@ class Drill:
             writing = 0
             if hold is not None:
                 hold.frozen = True
-                hold.process.send_signal(signal.SIGSTOP)
+                hold.signal(signal.SIGSTOP)
                 self.ledger.mark(t, "chaos", f"SIGSTOP decode {hold.pod} (WRITEs stall)")
                 for rid, _, decode in parked:
                     if decode is hold:
@@ -858,9 +963,9 @@ class Drill:
             )
             self.ledger.going_away(victim.engine_id, t)
             self.ledger.impair(victim.engine_id, t, t + GIVE_UP_S)
-            victim.process.send_signal(signal.SIGKILL)
+            victim.signal(signal.SIGKILL)
             if hold is not None:
-                hold.process.send_signal(signal.SIGCONT)
+                hold.signal(signal.SIGCONT)
                 hold.frozen = False
                 resumed = time.monotonic()
                 self.ledger.mark(resumed, "chaos", f"SIGCONT decode {hold.pod}")

@@ -156,6 +156,7 @@ def test_default_objects(default_docs: list[dict[str, Any]]) -> None:
             "NetworkPolicy",
             "Secret",
             "ConfigMap",
+            "Lease",
         ]
     )
     assert {d["metadata"]["namespace"] for d in default_docs} == {"llm"}
@@ -513,6 +514,10 @@ def test_leader_election_grants_one_lease_and_binds_it_to_the_operator(helm: Hel
     args = parse_args(container(docs)["args"])
     assert (args.leader_elect_lease_name, args.leader_elect_lease_seconds) == ("kvt-lock", 30)
     assert args.leader_elect_namespace == "ops"
+    # The release owns the Lease (empty: the replicas write its spec), so uninstall deletes it.
+    lease = one(docs, "Lease")
+    assert (lease["metadata"]["name"], lease["metadata"]["namespace"]) == ("kvt-lock", "ops")
+    assert "spec" not in lease
 
 
 def test_without_leader_election_one_replica_is_recreated(helm: Helm) -> None:
@@ -524,6 +529,7 @@ def test_without_leader_election_one_replica_is_recreated(helm: Helm) -> None:
     assert [r["metadata"]["name"] for r in objects(docs, "Role")] == ["kvtopo-operator"]
     for role in objects(docs, "Role"):
         assert not any(g == "coordination.k8s.io" for g, *_ in rules_set(role["rules"]))
+    assert objects(docs, "Lease") == []
 
 
 def test_rbac_and_service_account_can_be_left_to_the_user(helm: Helm) -> None:
