@@ -27,13 +27,14 @@ ENV UV_PROJECT_ENVIRONMENT=/opt/kvtopo \
     PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
 # The locked dependencies first: this layer changes only with uv.lock.
-COPY pyproject.toml uv.lock README.md ./
+COPY pyproject.toml uv.lock ./
 RUN uv sync --frozen --no-install-project
 # Every folder pyproject's package-dir maps must be present for the build.
 
 # The project on top: its own files are all that change from one commit to the next.
 FROM deps AS build
 ARG SSL_CERT_FILE
+COPY README.md ./
 COPY operator/ operator/
 COPY worker/ worker/
 COPY bench/ bench/

@@ -27,12 +27,13 @@ ENV UV_PROJECT_ENVIRONMENT=/opt/kvtopo \
     PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
 # The locked dependencies first (several GB): this layer changes only with uv.lock.
-COPY pyproject.toml uv.lock README.md ./
+COPY pyproject.toml uv.lock ./
 RUN uv sync --frozen --extra worker --no-install-project
 
 # The project on top: its own files are all that change from one commit to the next.
 FROM deps AS build
 ARG SSL_CERT_FILE
+COPY README.md ./
 COPY operator/ operator/
 COPY worker/ worker/
 COPY bench/ bench/

@@ -158,6 +158,7 @@ class ImageBuilder:
         self.cache = images_root()
         self.storage = self.cache / "storage"
         self.runroot = Path("/run/kvtopo-buildah")
+        self.tmp = self.cache / "tmp"
         self.timings: dict[str, float] = {}
 
     # -- buildah ----------------------------------------------------------------------
@@ -338,6 +339,7 @@ class ImageBuilder:
         self.cache.mkdir(parents=True, exist_ok=True)
         with (self.cache / ".build.lock").open("w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
+            shutil.rmtree(self.tmp, ignore_errors=True)
             self.buildah("rm", "--all")
             try:
                 return self._build_all()

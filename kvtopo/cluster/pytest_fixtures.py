@@ -16,6 +16,7 @@ Loaded by ``tests/conftest.py`` through ``pytest_plugins``.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Generator, Iterator
 
 import pytest
@@ -33,7 +34,10 @@ CLUSTER_FIXTURES: dict[str, Tier] = {"cluster_a": "a", "cluster_b": "b", "cluste
 def _session_cluster(
     tmp_path_factory: pytest.TempPathFactory, tier: Tier
 ) -> Iterator[LocalCluster]:
-    cluster = LocalCluster(tmp_path_factory.mktemp(f"cluster-{tier}"), tier)
+    def progress(line: str) -> None:  # shown with -s, and in a failing test's report
+        sys.stderr.write(f"[cluster {tier}] {line}\n")
+
+    cluster = LocalCluster(tmp_path_factory.mktemp(f"cluster-{tier}"), tier, progress=progress)
     try:
         cluster.up()
     except (

@@ -246,6 +246,8 @@ def run_drill(args: argparse.Namespace) -> int:
     report["tp"] = opts.tp
     report["engine"] = opts.engine
     report["node"] = opts.node
+    if real:  # the smaller fleet of the real node (the 1 prefill, 2 decode, 2 rollouts)
+        report["rollouts_target"], report["requests_target"] = opts.rollouts, 300
     report["targets"] = targets(report)
     console.print(render_table(report))
     if opts.json_path is not None:

@@ -27,8 +27,8 @@ def render_table(report: dict[str, Any]) -> Any:
     table.add_column("target")
     conv = report["convergence_s"]
     rows = [
-        ("rollouts", str(report["rollouts"]), ">= 3"),
-        ("requests", str(report["requests_total"]), ">= 1000"),
+        ("rollouts", str(report["rollouts"]), f">= {report.get('rollouts_target', 3)}"),
+        ("requests", str(report["requests_total"]), f">= {report.get('requests_target', 1000)}"),
         ("completed (verified)", str(report["completed"]), ""),
         ("failed", json.dumps(report["failed_by_reason"]) or "{}", "explained"),
         ("lost", str(report["lost"]), "0"),

@@ -22,6 +22,7 @@ from typing import Any
 
 VERSION_LABEL = "app.kubernetes.io/version"
 HTTP_TIMEOUT_S = 3.0
+GONE_AFTER_MISSES = 5
 
 
 def call(endpoint: str, method: str, path: str, token: str, body: object = None) -> tuple[int, Any]:
@@ -92,6 +93,7 @@ class PodRouter:
     endpoints: dict[str, tuple[str, str]] = field(default_factory=dict)  # engine id -> (role, ep)
     acked: dict[str, int] = field(default_factory=dict)  # endpoint -> highest seq recorded
     gone: set[str] = field(default_factory=set)  # endpoints that stopped answering
+    misses: dict[str, int] = field(default_factory=dict)  # endpoint -> failed calls in a row
     seq: int = 0
 
     def routable_pairs(self) -> list[tuple[str, str]]:
@@ -137,8 +139,13 @@ class PodRouter:
             acked = self.acked.get(endpoint, 0)
             status, outcomes = call(endpoint, "GET", f"/v1/finished?ack={acked}", self.token)
             if status == 0:
-                self.gone.add(endpoint)  # its pod is gone (a draining worker answered till then)
+                # A draining worker answers until its outcomes were collected, then exits:
+                # several misses in a row, and its pod is gone.
+                self.misses[endpoint] = self.misses.get(endpoint, 0) + 1
+                if self.misses[endpoint] >= GONE_AFTER_MISSES:
+                    self.gone.add(endpoint)
                 continue
+            self.misses[endpoint] = 0
             if status != 200 or not isinstance(outcomes, list):
                 continue
             fresh = [o for o in outcomes if int(o.get("seq", 0)) > acked]
