@@ -92,8 +92,8 @@ class PodRouter:
     ledger: Ledger = field(default_factory=Ledger)
     endpoints: dict[str, tuple[str, str]] = field(default_factory=dict)  # engine id -> (role, ep)
     acked: dict[str, int] = field(default_factory=dict)  # endpoint -> highest seq recorded
-    gone: set[str] = field(default_factory=set)  # endpoints that stopped answering
     misses: dict[str, int] = field(default_factory=dict)  # endpoint -> failed calls in a row
+    connected: set[str] = field(default_factory=set)  # endpoints of Connected engines
     seq: int = 0
 
     def routable_pairs(self) -> list[tuple[str, str]]:
@@ -102,7 +102,9 @@ class PodRouter:
             p["metadata"]["name"]: p for p in self.get_json("pods", "-n", self.namespace)["items"]
         }
         serving: dict[str, list[tuple[str, str]]] = {"prefill": [], "decode": []}
-        for engine in status.get("engines") or []:
+        engines = status.get("engines") or []
+        self.connected = {e["endpoint"] for e in engines if e.get("state") == "Connected"}
+        for engine in engines:
             self.endpoints[engine["engineId"]] = (engine["role"], engine["endpoint"])
             pod = pods.get(engine.get("pod", ""))
             if pod is None or engine.get("state") != "Connected":
@@ -132,18 +134,19 @@ class PodRouter:
             return False
         return True
 
-    def collect(self) -> None:
+    def collect(self, everyone: bool = False) -> None:
+        """Records new outcomes of every engine known. One that missed several calls in a row
+        and is not Connected (not up yet, or its pod gone) is skipped, unless `everyone`."""
         for role, endpoint in list(self.endpoints.values()):
-            if endpoint in self.gone:
+            quiet = self.misses.get(endpoint, 0) >= GONE_AFTER_MISSES
+            if quiet and not everyone and endpoint not in self.connected:
                 continue
             acked = self.acked.get(endpoint, 0)
             status, outcomes = call(endpoint, "GET", f"/v1/finished?ack={acked}", self.token)
             if status == 0:
-                # A draining worker answers until its outcomes were collected, then exits:
-                # several misses in a row, and its pod is gone.
+                # Not listening yet, or gone: a draining worker answers until its outcomes
+                # were collected, then exits.
                 self.misses[endpoint] = self.misses.get(endpoint, 0) + 1
-                if self.misses[endpoint] >= GONE_AFTER_MISSES:
-                    self.gone.add(endpoint)
                 continue
             self.misses[endpoint] = 0
             if status != 200 or not isinstance(outcomes, list):
@@ -159,7 +162,8 @@ class PodRouter:
         """Collect until every booked request ended on both sides; returns those still open."""
         deadline = time.monotonic() + timeout_s
         while self.ledger.open() and time.monotonic() < deadline:
-            self.collect()
+            self.routable_pairs()  # the engines' states, now
+            self.collect(everyone=True)
             time.sleep(0.2)
         return self.ledger.open()
 
