@@ -437,10 +437,12 @@ def load_images(
     loaded: list[str] = []
     for name in names:
         ref = images.refs[name]
+        # The older tags go once the new one is in: until then they keep the layers the two
+        # share (and their unpacked snapshots) from containerd's garbage collector.
         stale = [r for r in present if r.startswith(f"{REPOSITORY}/{name}:") and r != ref]
-        if stale:
-            ctr(address, "images", "remove", *stale)
         if ref in present:
+            if stale:
+                ctr(address, "images", "remove", *stale)
             continue
         progress(f"loading {ref} into the node's containerd")
         t0 = time.monotonic()
@@ -450,12 +452,22 @@ def load_images(
         layout.parent.mkdir(parents=True, exist_ok=True)
         builder.buildah("push", "--disable-compression", ref, f"oci:{layout}:{ref}")
         trim_layout(layout, ref)
+        # Only the blobs containerd lacks: importing reads what it is given, gigabytes for
+        # the locked dependencies' layer, which it already holds after the first load.
+        held = set(ctr(address, "content", "list", "--quiet").split())
+        members = ["oci-layout", "index.json"] + [
+            str(blob.relative_to(layout))
+            for blob in sorted((layout / "blobs").glob("*/*"))
+            if f"{blob.parent.name}:{blob.name}" not in held
+        ]
         with subprocess.Popen(
-            ["tar", "-C", str(layout), "-cf", "-", "."], stdout=subprocess.PIPE
+            ["tar", "-C", str(layout), "-cf", "-", *members], stdout=subprocess.PIPE
         ) as tar:
             ctr(address, "images", "import", "-", stdin=tar.stdout)
         if tar.returncode:
             raise ImageBuildError(f"reading the OCI layout {layout} failed")
+        if stale:
+            ctr(address, "images", "remove", *stale)
         loaded.append(ref)
         progress(f"loaded {ref} in {time.monotonic() - t0:.0f} s")
     return loaded
