@@ -8,14 +8,14 @@ chart's Deployment (`--leader-elect` included; local paths and loopback ports sw
 signing with the private key of the chart's generated Secret, and its workers verifying
 with the public key of the chart's ConfigMap.
 
-Every verb used is granted: the operator creates the absent Lease and renews it, two engine
-pods backed by real `kvtopo-worker` processes get connected (Ready=True, pairs 1/1), and
-deleting one is evicted and reported by an Event the operator creates, with no refusal in
-its log nor in the API server's audit log. Every verb granted is used: the (resource, verb)
-pairs of the requests the ServiceAccount made over the operator's whole life, read from tier
-a's audit log (which records ServiceAccounts' requests), equal the pairs the chart's rendered
-Role rules grant it. `kubectl auth can-i` (impersonating the ServiceAccount) shows the
-grants and the denials that must hold.
+Every verb used is granted: the operator creates the Lease again (the release's, deleted)
+and renews it, two engine pods backed by real `kvtopo-worker` processes get connected
+(Ready=True, pairs 1/1), and deleting one is evicted and reported by an Event the operator
+creates, with no refusal in its log nor in the API server's audit log. Every verb granted is
+used: the (resource, verb) pairs of the requests the ServiceAccount made over the operator's
+whole life, read from tier a's audit log (which records ServiceAccounts' requests), equal
+the pairs the chart's rendered Role rules grant it. `kubectl auth can-i` (impersonating the
+ServiceAccount) shows the grants and the denials that must hold.
 """
 
 from __future__ import annotations
@@ -254,9 +254,11 @@ def test_operator_as_the_chart_service_account_reconciles_end_to_end(
     assert "--leader-elect" in args and f"--leader-elect-namespace={env.namespace}" in args
     lease = next(a.split("=", 1)[1] for a in args if a.startswith("--leader-elect-lease-name="))
     args.append(f"--kubeconfig={kubeconfig}")
-    # No Lease yet: the operator must create it (and then renew it: get + update).
-    absent = cluster.kubectl("get", "lease", lease, "-n", env.namespace, check=False)
-    assert absent.returncode != 0 and "NotFound" in absent.stderr, absent.stderr
+    # The release's Lease, created empty (so `helm uninstall` deletes it). Deleted here, as a
+    # user might: the operator must create it again (its one use of `create`), then renew it.
+    chart_lease = get_json(cluster, "lease", lease, "-n", env.namespace)
+    assert not (chart_lease.get("spec") or {}).get("holderIdentity"), chart_lease
+    cluster.kubectl("delete", "lease", lease, "-n", env.namespace)
     check_can_i(cluster, user, env.namespace, lease)
 
     for name, role in (("p0", "prefill"), ("d0", "decode")):
