@@ -49,6 +49,7 @@ DEBIAN_MIRROR = "http://deb.debian.org/debian"
 # runtime (nixl's UCX plugins link it), CA certificates.
 DEBIAN_PACKAGES = ("python3.11", "libgomp1", "ca-certificates")
 CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
+VAR_TMP = Path("/var/tmp")  # noqa: S108 - where buildah stages blobs; swept under the lock
 STEPS_FILE = "steps.json"  # ref -> the image ids of its build steps
 CONTAINERD_NAMESPACE = "k8s.io"  # the CRI plugin's namespace: images the kubelet can run
 HASH_LENGTH = 16
@@ -340,6 +341,10 @@ class ImageBuilder:
         with (self.cache / ".build.lock").open("w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             shutil.rmtree(self.tmp, ignore_errors=True)
+            # What a killed or failed build left in /var/tmp (gigabytes: a layer being
+            # committed). Only buildah names folders so, and we hold its one build lock.
+            for stale in [*VAR_TMP.glob("buildah[0-9]*"), *VAR_TMP.glob("storage[0-9]*")]:
+                shutil.rmtree(stale, ignore_errors=True)
             self.buildah("rm", "--all")
             try:
                 return self._build_all()
