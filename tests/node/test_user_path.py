@@ -267,11 +267,15 @@ def test_deleting_the_leader_pod_moves_the_lease(install: Install) -> None:
     holder = install.lease_holder()
     leader_pod = holder.split("_")[0]
     install.cluster.kubectl("delete", "pod", leader_pod, "-n", NAMESPACE, "--wait=false")
-    wait_until(
-        lambda: install.lease_holder().split("_")[0] not in ("", leader_pod),
-        90,
-        "the Lease held by the other operator replica",
-    )
+
+    def new_holder() -> str:
+        pod = install.lease_holder().split("_")[0]
+        return pod if pod not in ("", leader_pod) else ""
+
+    survivor = wait_until(new_holder, 90, "the Lease held by the other operator replica")
+    others = {p["metadata"]["name"] for p in install.pods("app.kubernetes.io/component=operator")}
+    assert survivor != leader_pod
+    assert survivor in others, (survivor, others)  # a replica of the release holds it
     wait_until(
         lambda: (
             len(ops := install.pods("app.kubernetes.io/component=operator")) == 2
