@@ -27,6 +27,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from itertools import repeat
 
 from kvtopo_operator.api import (
     MAX_ENGINES_IN_STATUS,
@@ -340,6 +341,7 @@ class _Among:
 
 
 _NO_PARTNERS: frozenset[str] = frozenset()
+_new = tuple.__new__  # a Handshake from one tuple of its fields (no per-field call)
 
 
 def _extra_held(holder: WorkerView, partners: frozenset[str]) -> frozenset[str]:
@@ -431,6 +433,12 @@ def pair_engines(
         group = groups.setdefault(tuple(e.pod.labels.get(k, "") for k in keys), ([], []))
         group[0 if e.pod.role == "prefill" else 1].append(e)
     incarnation = {eid: e.worker.incarnation for eid, e in live.items()}
+    # Each engine as a handshake's peer: its id, endpoint, role, pod uid and incarnation.
+    as_peer = {
+        eid: (eid, e.pod.endpoint, e.pod.role, e.pod.uid, e.worker.incarnation)
+        for eid, e in live.items()
+    }
+
     incompatible: dict[str, list[str]] = {}
     handshakes: list[Handshake] = []
     unhealthy: dict[tuple[str, str], tuple[str, str, str]] = {}
@@ -497,15 +505,20 @@ def pair_engines(
                 d_lack = lacking.get(pid, [])
                 if not p_lacks and not d_lack:
                     continue  # the whole row is connected
-                for did in p_lacks:
-                    handshakes.append(_handshake(p, live[did], "decode"))
-                for d in d_lack:
-                    handshakes.append(_handshake(d, p, "prefill"))
-                row = {(pid, did) for did in p_lacks}
-                row.update((pid, d.worker.engine_id) for d in d_lack)
-                missing |= row
+                # A half is one tuple joined from its holder's part and its peer's, in C: a
+                # rollout's surge is tens of thousands of halves in one round.
+                head = (p.pod.name, p.pod.endpoint)
+                tail = (pid,)
+                handshakes += [_new(Handshake, head + as_peer[did] + tail) for did in p_lacks]
+                p_peer = as_peer[pid]
+                handshakes += [
+                    _new(Handshake, (d.pod.name, d.pod.endpoint, *p_peer, d.worker.engine_id))
+                    for d in d_lack
+                ]
+                row = p_lacks.union([d.worker.engine_id for d in d_lack]) if d_lack else p_lacks
+                missing.update(zip(repeat(pid), row))
                 misses[pid] += len(row)
-                misses.update(did for _, did in row)
+                misses.update(row)
     extra_held = {
         eid: memo.extra_held(e.worker, partner_ids.get(eid, _NO_PARTNERS))
         for eid, e in live.items()
@@ -515,7 +528,7 @@ def pair_engines(
         partner_ids=partner_ids,
         missing=frozenset(missing),
         incompatible={eid: tuple(why) for eid, why in incompatible.items()},
-        handshakes=tuple(sorted(handshakes, key=_handshake_order)),
+        handshakes=tuple(sorted(handshakes)),  # tuples: ordered field by field, in C
         unhealthy=unhealthy,
         pair_counts={eid: (len(ids) - misses[eid], len(ids)) for eid, ids in partner_ids.items()},
         n_expected=sum(
@@ -526,35 +539,8 @@ def pair_engines(
     )
 
 
-def _handshake_order(h: Handshake) -> tuple[str, ...]:
-    """The dataclass order of a Handshake (its fields in turn), without its slow `__lt__`."""
-    return (
-        h.pod,
-        h.endpoint,
-        h.peer_engine_id,
-        h.peer_endpoint,
-        h.peer_role,
-        h.peer_pod_uid,
-        h.peer_incarnation,
-        h.engine_id,
-    )
-
-
 def _by_pod(e: Usable) -> str:
     return e.pod.name
-
-
-def _handshake(holder: Usable, peer: Usable, peer_role: Role) -> Handshake:
-    return Handshake(
-        holder.pod.name,
-        holder.pod.endpoint,
-        peer.worker.engine_id,
-        peer.pod.endpoint,
-        peer_role,
-        peer.pod.uid,
-        peer.worker.incarnation,
-        holder.worker.engine_id,
-    )
 
 
 @dataclass(frozen=True)
@@ -1147,14 +1133,20 @@ def settle(
     holds the plan's own handshake objects that were made."""
     # The plan's own handshakes, by identity (`made` holds those of them that were made):
     # hashing 16,000 handshakes field by field cost more than the rest of a round.
-    made_ids = {id(h) for h in made}
+    made_ids = set(map(id, made))
     not_made: set[tuple[str, str]] = set()
     planned: set[tuple[str, str]] = set()
-    for h in plan.handshakes:
-        pair = h.pair
+    left = 0
+    for h in plan.handshakes:  # a surge's tens of thousands: `pair` inlined
+        pair = (
+            (h.engine_id, h.peer_engine_id)
+            if h.peer_role == "decode"
+            else (h.peer_engine_id, h.engine_id)
+        )
         planned.add(pair)
         if id(h) not in made_ids:
             not_made.add(pair)
+            left += 1
     now_connected = (planned - not_made) & plan.progress.missing
     per_engine = dict(plan.progress.pair_counts or {})
     for pair in now_connected:
@@ -1169,7 +1161,7 @@ def settle(
     progress = dataclasses.replace(
         plan.progress,
         missing=plan.progress.missing - now_connected,
-        handshakes_left=len(plan.handshakes) - len(made_ids & {id(h) for h in plan.handshakes}),
+        handshakes_left=left,
         failing=tuple(late),
         pair_counts=per_engine,
     )

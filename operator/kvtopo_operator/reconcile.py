@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -671,8 +672,11 @@ class Reconciler:
         (the loop's poke) starts. So a hung or slow worker costs its own engine only."""
         calls = calls if calls is not None else _Calls()
         by_worker: dict[tuple[str, str], _WorkerPart] = {}
-        for h in plan.handshakes:
-            by_worker.setdefault((h.pod, h.endpoint), _WorkerPart()).adds.append(h)
+        for h in plan.handshakes:  # a surge's tens of thousands: no part made per half
+            part = by_worker.get((h.pod, h.endpoint))
+            if part is None:
+                part = by_worker[(h.pod, h.endpoint)] = _WorkerPart()
+            part.adds.append(h)
         for e in plan.evictions:
             by_worker.setdefault((e.pod, e.endpoint), _WorkerPart()).evicts.append(e)
         for change in plan.idle_ttls:
@@ -721,14 +725,8 @@ class Reconciler:
         """One worker's part of a plan: its batches of adds and evictions, then its idle
         TTL; each outcome is recorded in `views` and in `calls.outcome` as it comes."""
 
-        def handshake_done(h: Handshake, res: CallResult, added: dict[str, str]) -> bool:
+        def handshake_failed(h: Handshake, res: CallResult) -> None:
             out = calls.outcome
-            outcome = "ok" if res.ok else ("unreachable" if res.status == 0 else "failed")
-            self.metrics.handshakes.labels(outcome).inc()
-            if res.ok:
-                added[h.peer_engine_id] = h.peer_incarnation
-                out.made.append(h)
-                return True
             views.mark_dirty(h.pod)
             out.failed[h] = res.message[:300]
             msg = f"{h.pod}: adding {h.peer_role} engine {h.peer_engine_id}: {res.message}"
@@ -747,7 +745,6 @@ class Reconciler:
                         ),
                     )
                 )
-            return False
 
         def eviction_done(e: Eviction, res: CallResult, evicted: dict[str, str]) -> bool:
             outcome = res.result or ("unreachable" if res.status == 0 else "failed")
@@ -793,10 +790,22 @@ class Reconciler:
                 )
             added: dict[str, str] = {}
             evicted: dict[str, str] = {}
-            done = [handshake_done(h, results[("add", h.peer_engine_id)], added) for h in add_part]
-            done += [eviction_done(e, results[("evict", e.engine_id)], evicted) for e in ev_part]
+            made = calls.outcome.made
+            outcomes: Counter[str] = Counter()
+            for h in add_part:  # a prefill's batch in a surge: hundreds
+                res = results[("add", h.peer_engine_id)]
+                if res.ok:
+                    added[h.peer_engine_id] = h.peer_incarnation
+                    made.append(h)
+                    outcomes["ok"] += 1
+                else:
+                    handshake_failed(h, res)
+                    outcomes["unreachable" if res.status == 0 else "failed"] += 1
+            for outcome, n in outcomes.items():
+                self.metrics.handshakes.labels(outcome).inc(n)
+            done = [eviction_done(e, results[("evict", e.engine_id)], evicted) for e in ev_part]
             views.peers_changed(pod, added, evicted)
-            if any(done):
+            if added or any(done):
                 calls.outcome.acted = True
         change = part.ttl
         if change is not None:

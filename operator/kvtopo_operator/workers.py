@@ -23,6 +23,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import aiohttp
 import msgspec
@@ -232,10 +233,10 @@ MAX_ETAG = 128
 """The longest ETag kept; a longer one is cut, so it never matches and the next read is whole."""
 
 
-@dataclass(frozen=True)
-class PeerAdd:
+class PeerAdd(NamedTuple):
     """One peer for a worker to add: who it is, where its control API is, and what it must
-    be (its pod's uid and its process's incarnation)."""
+    be (its pod's uid and its process's incarnation). A tuple: a surge round makes one per
+    handshake half, tens of thousands."""
 
     engine_id: str
     endpoint: str
@@ -354,16 +355,38 @@ class WorkerClient:
         the engine at `endpoint` (of pod `pod_uid`); "" when its challenge is not held or
         names another pod (the add then fails at the fetch, and the next round reads the
         peer again)."""
-        held = self._challenges.get(endpoint)
-        if held is None or held.pod_uid != pod_uid or not fetcher[0]:
-            return ""
-        if incarnation and held.incarnation != incarnation:
-            # The challenge is of another process at that endpoint (the peer restarted since
-            # it was read): no ticket it would refuse; the round reads the peer again.
-            self.forget(endpoint)
-            return ""
+        return self.tickets([PeerAdd("", endpoint, "", pod_uid, incarnation)], fetcher)[0]
+
+    def tickets(self, adds: list[PeerAdd], fetcher: tuple[str, str]) -> list[str]:
+        """`ticket` for each of `adds` (its endpoint, pod uid and incarnation), minted as
+        one batch for one fetcher."""
+        out = [""] * len(adds)
+        if not fetcher[0]:
+            return out
+        targets: list[Challenge] = []
+        at: list[int] = []
+        for i, a in enumerate(adds):
+            held = self._challenges.get(a.endpoint)
+            if held is None or held.pod_uid != a.pod_uid:
+                continue
+            if a.incarnation and held.incarnation != a.incarnation:
+                # The challenge is of another process at that endpoint (the peer restarted
+                # since it was read): no ticket it would refuse; the round reads it again.
+                self.forget(a.endpoint)
+                continue
+            targets.append(held)
+            at.append(i)
         try:
-            return self.caller.ticket(held, fetcher[0], fetcher[1])
+            minted = self.caller.tickets(targets, *fetcher)
+        except (SignatureError, TokenError):  # a key that cannot be used: each on its own
+            minted = [self._ticket_or_none(t, fetcher) for t in targets]
+        for i, ticket in zip(at, minted, strict=True):
+            out[i] = ticket
+        return out
+
+    def _ticket_or_none(self, target: Challenge, fetcher: tuple[str, str]) -> str:
+        try:
+            return self.caller.ticket(target, *fetcher)
         except (SignatureError, TokenError):
             return ""
 
@@ -459,9 +482,9 @@ class WorkerClient:
                         role=a.role,  # type: ignore[arg-type]
                         pod_uid=a.pod_uid,
                         incarnation=a.incarnation,
-                        ticket=self.ticket(a.endpoint, a.pod_uid, fetcher, a.incarnation),
+                        ticket=ticket,
                     )
-                    for a in adds
+                    for a, ticket in zip(adds, self.tickets(adds, fetcher), strict=True)
                 ],
                 evict=evicts,
                 handshake_timeout_s=handshake_timeout_s if adds else None,
@@ -489,10 +512,15 @@ class WorkerClient:
         except msgspec.DecodeError as exc:
             return dict.fromkeys(keys, CallResult(False, 502, f"bad batch answer: {exc}"))
         out: dict[tuple[str, str], CallResult] = {}
+        succeeded: dict[str, CallResult] = {}  # one (frozen) result per outcome, shared
         for item in answer.results:
-            ok = item.status == 200
-            message = "" if ok else f"{item.error}: {item.message}"
-            out[(item.op, item.engine_id)] = CallResult(ok, item.status, message, item.result)
+            if item.status == 200:
+                res = succeeded.get(item.result)
+                if res is None:
+                    res = succeeded[item.result] = CallResult(True, 200, "", item.result)
+            else:
+                res = CallResult(False, item.status, f"{item.error}: {item.message}", item.result)
+            out[(item.op, item.engine_id)] = res
         for key in keys:  # an item the worker did not answer has failed
             out.setdefault(key, CallResult(False, 502, "the worker's answer left it out"))
         return out

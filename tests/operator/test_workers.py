@@ -6,6 +6,7 @@ the worker's own guard (`kvtopo_worker.signing.CallGuard`)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import socket
@@ -26,6 +27,7 @@ from kvtopo_worker.signing import (
     PrivateKeys,
     PublicKeys,
     new_private_key,
+    parse_challenge,
     private_pem,
 )
 
@@ -234,6 +236,39 @@ def test_nothing_is_signed_for_an_endpoint_whose_challenge_names_another_pod() -
         assert seen == ["", ""]
 
     run(body)
+
+
+def test_a_batch_s_tickets_skip_only_the_adds_that_cannot_have_one() -> None:
+    """`WorkerClient.tickets` mints a batch at once; an add whose challenge is not held,
+    names another pod or another process, or holds a key that cannot be used gets "" (its
+    fetch fails and the next round reads the peer again), and the others keep theirs, in
+    the batch's order."""
+    client = client_of()
+    guards = {
+        f"10.0.0.{i}:8975": new_guard(uid=f"uid-{i}", incarnation=f"inc-{i}") for i in range(4)
+    }
+    for endpoint, guard in guards.items():
+        challenge = parse_challenge(guard.challenge("operator"))
+        assert challenge is not None
+        client._remember(endpoint, challenge)
+    # The engine at .3 says its key is a point off the curve: no call key can be derived.
+    bad = parse_challenge(guards["10.0.0.3:8975"].challenge("operator"))
+    assert bad is not None
+    client._remember("10.0.0.3:8975", dataclasses.replace(bad, engine_key=b"\x04" + b"\x01" * 64))
+    adds = [
+        PeerAdd("e0", "10.0.0.0:8975", "prefill", "uid-0", "inc-0"),
+        PeerAdd("e1", "10.0.0.1:8975", "prefill", "uid-of-another-pod", "inc-1"),
+        PeerAdd("e3", "10.0.0.3:8975", "prefill", "uid-3", "inc-3"),
+        PeerAdd("e2", "10.0.0.2:8975", "prefill", "uid-2", "inc-2-restarted"),
+        PeerAdd("e9", "10.0.0.9:8975", "prefill", "uid-9", "inc-9"),
+        PeerAdd("e1", "10.0.0.1:8975", "prefill", "uid-1", "inc-1"),
+    ]
+    tickets = client.tickets(adds, ("d0", "inc-d0"))
+    assert [bool(t) for t in tickets] == [True, False, False, False, False, True]
+    assert tickets[0] == client.ticket("10.0.0.0:8975", "uid-0", ("d0", "inc-d0"), "inc-0")
+    assert tickets[0] != tickets[5]
+    assert client.challenge("10.0.0.2:8975") is None, "another process's challenge is dropped"
+    assert client.tickets(adds, ("", "")) == [""] * len(adds), "no fetcher, no ticket"
 
 
 def test_each_add_carries_a_ticket_its_peer_verifies_for_the_fetching_engine() -> None:

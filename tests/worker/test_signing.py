@@ -36,6 +36,7 @@ from kvtopo_worker.signing import (
     private_pem,
     public_pem,
     ticket_authorization,
+    ticket_key,
     valid_ticket,
 )
 
@@ -247,6 +248,25 @@ def test_a_ticket_opens_one_engines_metadata_for_the_fetcher_it_was_minted_for()
     minted = operator().ticket(challenge_of(late), "dec-1", "inc-1")
     header = ticket_authorization(minted, "GET", META, A, now=NOW)
     assert late.accepts_ticket(header, "dec-1", "inc-1", "GET", META, [A], b"") is None
+
+
+def test_a_batch_of_tickets_is_each_engines_own_ticket_under_rfc_2104() -> None:
+    """The operator mints a peer-add batch's tickets at once, with each call key's HMAC pads
+    hashed once (`CallerKey.tickets`): each must be the ticket the engine derives itself
+    (`ticket_key`, the standard library's HMAC), whatever the batch holds and in its order,
+    and a key's second ticket (pads from the cache) must equal its first."""
+    engines = [engine(uid=f"uid-{i}") for i in range(3)]
+    op = operator()
+    targets = [challenge_of(e) for e in engines]
+    batch = op.tickets([*targets, targets[0]], "dec-1", "inc-1")
+    assert batch[0] == batch[3] and len(set(batch)) == 3
+    for e, target, ticket in zip(engines, targets, batch, strict=False):
+        kid, key = op._key(target)
+        assert ticket == f"{kid}:{ticket_key(key, 'dec-1', 'inc-1').hex()}"
+        assert ticket == op.ticket(target, "dec-1", "inc-1")
+        header = ticket_authorization(ticket, "GET", META, A, now=NOW)
+        assert e.accepts_ticket(header, "dec-1", "inc-1", "GET", META, [A], b"") == "current"
+    assert op.tickets([], "dec-1", "inc-1") == []
 
 
 def test_only_an_operator_key_mints_a_ticket_and_a_ticket_must_be_well_formed() -> None:
