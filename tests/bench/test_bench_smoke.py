@@ -80,7 +80,7 @@ def test_the_summary_checks_each_target_and_says_what_is_missing(tmp_path: Path)
             "operator_rss_mb": 170.0,
             "cpu_s_per_1k_events": 4.0,
         }
-        for size, ready, rollout in (("16x64", 0.4, 3.0), ("32x1000", 2.5, 30.0))
+        for size, ready, rollout in (("16x64", 0.4, 3.0), ("32x1000", 1.4, 30.0))
     ]
     decided = {
         "size": "500x1500",
@@ -112,6 +112,20 @@ def test_the_summary_checks_each_target_and_says_what_is_missing(tmp_path: Path)
     (tmp_path / "operator.json").write_text(json.dumps({"sizes": sizes}))
     table, ok = summarize(tmp_path)
     assert not ok and "| rollout converged, 32x1000 | 31.0 s | <= 30 s | **missed** |" in table
+    # The handshake waves' targets at 64 x 2000: p50 and p99, the rollout's ratio.
+    sizes[1]["rollout_converge_s"] = 30.0
+    big = {
+        "size": "64x2000",
+        "ready_to_connected_p50_s": 1.2,
+        "ready_to_connected_p99_s": 1.9,
+        "rollout_vs_control_plane_only": 1.25,
+        "grace_s": 1,
+    }
+    (tmp_path / "operator.json").write_text(json.dumps({"sizes": [*sizes, big]}))
+    table, ok = summarize(tmp_path)
+    assert not ok and "| ready -> connected p50, 64x2000 | 1.20 s | <= 1 s | **missed** |" in table
+    assert "| ready -> connected p99, 64x2000 | 1.90 s | <= 2 s | met |" in table
+    assert "| rollout / control plane only, 64x2000 | 1.25 | <= 1.3 | met |" in table
 
 
 def _vllm_run(i: int, variant: str, p50_small: float, large_bps: float, **extra: Any) -> dict:
