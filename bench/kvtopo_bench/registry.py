@@ -8,12 +8,17 @@ Owns three measurements on a registry of 1,000 engines:
   writer's registry snapshot and send), alone
   and while a churn thread evicts and re-adds other engines at a fixed rate (the churn a
   rollout of a large fleet causes, far above what Kubernetes produces), in alternating
-  100 ms segments of one run, and their ratio (the median over adjacent pairs).
+  100 ms segments of one run, and their ratio (the median over adjacent pairs). The churn
+  arrives as the worker gets it, `CHURN_BATCH` evictions back to back per wake-up (a
+  `PATCH /v1/peers` on the worker's one NIXL thread); also reported: the same churn with a
+  wake-up per eviction, and those wake-ups doing no registry work at all (their thread
+  switches alone: the floor no registry can go under).
 The transport is a null one: the benchmark isolates the registry and the writer's path.
 
 With `--baseline-tree DIR` (a checkout of another commit), the 64-rank critical sections and
-the writer under churn are also measured with that tree's own registry and benchmark code,
-each in a process of its own, the two trees alternating A B B A, and reported side by side.
+the writer under churn are also measured with that tree's registry (its worker package) and
+this tree's benchmark code, each in a process of its own, the two trees alternating A B B A,
+and reported side by side.
 """
 
 from __future__ import annotations
@@ -110,11 +115,19 @@ class WriterResult:
     segments: int
 
 
-def writer_under_churn(seconds: float, churn_per_s: float, segment_s: float) -> WriterResult:
+def writer_under_churn(
+    seconds: float, churn_per_s: float, segment_s: float, batch: int = 1, work: bool = True
+) -> WriterResult:
     """Registration throughput through the real deliver_registration, in alternating segments
     of `segment_s` with the churn thread off and on, in one run on one registry: a burst
     of load from elsewhere on a shared machine lasts longer than a segment, so it hits both
-    alike (separate runs a few seconds apart differed by up to 15% on the same code)."""
+    alike (separate runs a few seconds apart differed by up to 15% on the same code).
+
+    The churn thread wakes `churn_per_s / batch` times a second and evicts and re-adds
+    `batch` engines back to back each time, as the worker's one NIXL thread runs the
+    evictions of one `PATCH /v1/peers`; `batch=1` wakes it for every eviction. `work=False`
+    keeps its wake-ups and does no registry work: what the wake-ups alone cost the writer
+    (the thread switches of the GIL), the floor under any registry."""
     from kvtopo_worker.metrics import WorkerMetrics
     from kvtopo_worker.protocol import PushRegistration
     from kvtopo_worker.push import PushConfig
@@ -148,18 +161,20 @@ def writer_under_churn(seconds: float, churn_per_s: float, segment_s: float) -> 
 
     def churn() -> None:
         # While on: evict and re-add engines the writer does not target, at a fixed rate.
-        period = 1.0 / churn_per_s
+        period = batch / churn_per_s
         i = 0
         while not stop.is_set():
             if not churning.wait(0.05):
                 continue
             next_t = time.perf_counter()
             while churning.is_set() and not stop.is_set():
-                eid = f"e{100 + i % (ENGINES - 100)}"
-                reg.evict(eid)
-                reg.add_engine(eid, _agents(eid, 8))
-                churned[0] += 1
-                i += 1
+                for _ in range(batch):
+                    eid = f"e{100 + i % (ENGINES - 100)}"
+                    if work:
+                        reg.evict(eid)
+                        reg.add_engine(eid, _agents(eid, 8))
+                    churned[0] += 1
+                    i += 1
                 next_t += period
                 delay = next_t - time.perf_counter()
                 if delay > 0:
@@ -205,20 +220,31 @@ def writer_under_churn(seconds: float, churn_per_s: float, segment_s: float) -> 
     )
 
 
+CHURN_PER_S = 1000.0
+# Evictions per wake-up of the churn thread: the worker's one NIXL thread runs the evictions
+# of one `PATCH /v1/peers` back to back, and the operator sends one per worker per round
+# (rounds at least `retry_s` = 0.2 s apart while acting: 200 evictions at this rate). 20
+# wakes the thread ten times as often as that.
+CHURN_BATCH = 20
+
 _ONE_RUN = """
 import dataclasses, json, sys
-from kvtopo_bench.registry import critical_sections, writer_under_churn
+from kvtopo_bench.registry import CHURN_BATCH, CHURN_PER_S, critical_sections, writer_under_churn
 calls, seconds = int(sys.argv[1]), float(sys.argv[2])
 section = critical_sections(64, calls)
-writer = writer_under_churn(seconds, 1000.0, 0.1)
-print(json.dumps({"section": section, "writer": dataclasses.asdict(writer)}))
+writer = writer_under_churn(seconds, CHURN_PER_S, 0.1, batch=CHURN_BATCH)
+each = writer_under_churn(seconds, CHURN_PER_S, 0.1)
+print(json.dumps({"section": section, "writer": dataclasses.asdict(writer),
+                  "writer_each": dataclasses.asdict(each)}))
 """
 
 
 def _tree_run(tree: Path, calls: int, seconds: float) -> dict[str, Any]:
-    """One measurement with `tree`'s registry and benchmark code, in a process of its own."""
+    """One measurement with `tree`'s registry (its worker package) and this tree's benchmark
+    code, in a process of its own: both trees get the same churn and the same writer loop."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(str(tree / d) for d in ("worker", "bench", "."))
+    this = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(tree / "worker"), str(this / "bench"), str(tree)])
     out = subprocess.run(
         [sys.executable, "-c", _ONE_RUN, str(calls), str(seconds)],
         capture_output=True,
@@ -248,7 +274,8 @@ def side_by_side(
         log(
             f"  {which:>8}: snapshot p99 {res['section']['snapshot_p99_us']:.2f} us, writer "
             f"{res['writer']['rps_alone']:.0f}/s alone, {res['writer']['rps_under_churn']:.0f}/s "
-            f"under churn (ratio {res['writer']['churn_ratio']:.3f})"
+            f"under churn (ratio {res['writer']['churn_ratio']:.3f}; a wake-up per eviction "
+            f"{res['writer_each']['churn_ratio']:.3f})"
         )
 
     def medians(rs: list[dict[str, Any]]) -> dict[str, float]:
@@ -261,6 +288,9 @@ def side_by_side(
                 statistics.median(r["writer"]["rps_under_churn"] for r in rs)
             ),
             "churn_ratio": round(statistics.median(r["writer"]["churn_ratio"] for r in rs), 3),
+            "churn_ratio_each_eviction": round(
+                statistics.median(r["writer_each"]["churn_ratio"] for r in rs), 3
+            ),
         }
 
     return {
@@ -280,7 +310,6 @@ def run(
 ) -> dict[str, Any]:
     calls = 20_000 if quick else 100_000
     seconds = 6.0 if quick else 30.0
-    churn_rate = 1000.0
     log(f"kvtopo bench registry: {ENGINES} engines, {calls} calls per measurement")
     sections = [critical_sections(r, calls) for r in RANKS]
     for s in sections:
@@ -289,7 +318,9 @@ def run(
             f"{s['snapshot_p99_us']:.2f} us, evict p50/p99 {s['evict_p50_us']:.2f}/"
             f"{s['evict_p99_us']:.2f} us"
         )
-    writer = writer_under_churn(seconds, churn_rate, segment_s=0.1)
+    writer = writer_under_churn(seconds, CHURN_PER_S, segment_s=0.1, batch=CHURN_BATCH)
+    each = writer_under_churn(seconds, CHURN_PER_S, segment_s=0.1)
+    floor = writer_under_churn(seconds, CHURN_PER_S, segment_s=0.1, work=False)
     report = {
         "benchmark": "registry",
         "engines": ENGINES,
@@ -301,11 +332,18 @@ def run(
         "churn_evictions_per_s": round(writer.evictions_per_s),
         "churn_ratio": round(writer.churn_ratio, 3),
         "churn_segments": writer.segments,
+        "churn_evictions_per_wakeup": CHURN_BATCH,
+        # The same churn with a wake-up per eviction, and those wake-ups with no registry
+        # work (the floor the thread switches set, whatever the registry costs).
+        "churn_ratio_each_eviction": round(each.churn_ratio, 3),
+        "churn_floor_ratio_each_eviction": round(floor.churn_ratio, 3),
     }
     log(
         f"  writer: {report['writer_rps']} registrations/s alone, "
         f"{report['writer_rps_under_churn']} under {report['churn_evictions_per_s']} "
-        f"evictions/s (ratio {report['churn_ratio']})"
+        f"evictions/s, {CHURN_BATCH} a wake-up (ratio {report['churn_ratio']}); a wake-up per "
+        f"eviction {report['churn_ratio_each_eviction']}, the same wake-ups doing nothing "
+        f"{report['churn_floor_ratio_each_eviction']}"
     )
     if baseline_tree is not None:
         log(f"  side by side with {baseline_tree} (A B B A, a process each)")

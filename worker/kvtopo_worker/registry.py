@@ -149,9 +149,10 @@ class EngineRegistry:
     def snapshot(self, engine_id: str) -> Mapping[int, str]:
         """The engine's agents as they are now (empty when unknown): a read-only view that
         no later change alters (the registry replaces an engine's agents, never edits them),
-        so the lock is held for a lookup, not a copy."""
+        so the lock is held for a lookup, not a copy (and no call: see `use`)."""
+        engines = self._engines
         with self.lock:
-            eng = self._engines.get(engine_id)
+            eng = engines[engine_id] if engine_id in engines else None  # noqa: SIM401 (no call)
         return MappingProxyType(eng.agents) if eng is not None else _NO_AGENTS
 
     def current_agent(self, engine_id: str, rank: int) -> str | None:
@@ -391,19 +392,29 @@ class EngineRegistry:
     def use(self, engine_id: str, rank: int) -> str | None:
         """The engine's agent of `rank` (None when absent), the engine marked used now: a
         registration writer's one pass under the lock (a snapshot then a `touch` took it
-        twice per registration)."""
+        twice per registration).
+
+        The lock is held over no call, only lookups and a store: CPython hands the GIL to a
+        waiting thread at a call or a loop, so a thread that evicts can never find the lock
+        held by a writer it preempted there (a convoy: it blocks on the lock, the writer
+        resumes, releases it, then waits for the GIL the evicting thread now needs, and
+        blocks on the lock itself; several thread switches, each eviction)."""
+        now = self._clock()
+        engines = self._engines
         with self.lock:
-            eng = self._engines.get(engine_id)
+            eng = engines[engine_id] if engine_id in engines else None  # noqa: SIM401 (no call)
             if eng is None:
                 return None
-            eng.last_used = self._clock()
-            return eng.agents.get(rank)
+            eng.last_used = now
+            agents = eng.agents
+            return agents[rank] if rank in agents else None  # noqa: SIM401 (no call)
 
     def touch(self, engine_id: str) -> None:
-        with self.lock:
-            eng = self._engines.get(engine_id)
-            if eng is not None:
-                eng.last_used = self._clock()
+        now = self._clock()
+        engines = self._engines
+        with self.lock:  # no call under the lock (see `use`)
+            if engine_id in engines:
+                engines[engine_id].last_used = now
 
     # --- eviction ------------------------------------------------------------------------
 
