@@ -50,6 +50,17 @@ def _bench_summary(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _sizes(text: str) -> list[tuple[int, int]]:
+    """`--sizes`: "PxD,PxD" as (prefill, decode) pairs, each at least 1."""
+    out = []
+    for part in text.split(","):
+        p, sep, d = part.strip().partition("x")
+        if not sep or not p.isdigit() or not d.isdigit() or int(p) < 1 or int(d) < 1:
+            raise argparse.ArgumentTypeError(f"{part!r} is not PREFILLxDECODE, e.g. 32x1000")
+        out.append((int(p), int(d)))
+    return out
+
+
 def _bench_report(module: str) -> Callable[[argparse.Namespace], int]:
     """The handler of a benchmark that writes its own report: run, then say where it is."""
 
@@ -60,6 +71,8 @@ def _bench_report(module: str) -> Callable[[argparse.Namespace], int]:
             extra["baseline_tree"] = args.baseline_tree
         if getattr(args, "hostile", False):
             extra["hostile"] = True
+        if getattr(args, "sizes", None):
+            extra["sizes"] = args.sizes
         if getattr(args, "rounds", None) is not None:
             extra["rounds"] = args.rounds
         if getattr(args, "variants", None):
@@ -157,6 +170,14 @@ def add_bench_parser(
                 "commit, e.g. `git worktree add DIR COMMIT`): each size four times on one "
                 "cluster, that operator and this one alternating (A B B A); every run in the "
                 "report's side_by_side",
+            )
+            kind.add_argument(
+                "--sizes",
+                type=_sizes,
+                default=None,
+                metavar="PxD,...",
+                help="the sizes to run, prefill x decode pods, e.g. 32x1000,64x2000 (default: "
+                "16x64, 32x1000 and 64x2000; 16x64 with --quick)",
             )
             kind.add_argument(
                 "--hostile",

@@ -36,7 +36,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -853,8 +853,10 @@ def run(
     log: Callable[[str], None] = print,
     baseline_tree: Path | None = None,
     hostile: bool = False,
+    sizes: Sequence[tuple[int, int]] | None = None,
 ) -> dict[str, Any]:
-    """Runs each size (16 x 64 only when `quick`) and writes the report to `json_path`.
+    """Runs each size (16 x 64 only when `quick`; `sizes` when given, as (prefill, decode)
+    pairs) and writes the report to `json_path`.
     With `baseline_tree` (a source tree of another commit) each size runs four times on the
     same cluster, the operator of that tree and this one alternating (A B B A, so a drift of
     the machine's speed cancels out); the report's `sizes` are this operator's first runs
@@ -877,7 +879,8 @@ def run(
     log("kvtopo bench operator: the decision alone (evaluate), 500 prefill x 1500 decode")
     decided = decision.measure(500, 1500, rounds=3 if quick else 7)
     log("  " + json.dumps(decided))
-    sizes = SIZES[:1] if quick else SIZES
+    if sizes is None:
+        sizes = SIZES[:1] if quick else SIZES
     nodes = max(3, (max(p + d for p, d in sizes) * 2) // 100 + 1)
     workdir = Path("out") / "bench-operator"  # beside the drill's, under the working folder
     workdir.mkdir(parents=True, exist_ok=True)

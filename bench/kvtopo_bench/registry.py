@@ -23,6 +23,7 @@ and reported side by side.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import statistics
@@ -115,11 +116,42 @@ class WriterResult:
     segments: int
 
 
+def _registration_writer(registry: Any) -> Callable[[Any], object]:
+    """The registration writer's data path of the worker package on the path, with a null
+    transport: `DecodePush.deliver_registration` (this tree), or in a tree from before the
+    push connector was split by role (9cfedae) `PushConnector.send_registration`, as that
+    tree's own benchmark drove it (so `--baseline-tree` runs both under one churn)."""
+    from kvtopo_worker.metrics import WorkerMetrics
+
+    try:
+        from kvtopo_worker.push import PushConfig
+        from kvtopo_worker.push.decode import DecodePush
+    except ImportError:  # an older tree: one PushConnector for both roles
+        older: Any = importlib.import_module("kvtopo_worker.push")
+        connector = older.PushConnector(
+            engine_id="bench-decode",
+            role="decode",
+            transport=NullTransport(),
+            registry=registry,
+            metrics=WorkerMetrics(),
+        )
+        return connector.send_registration  # type: ignore[no-any-return]
+    conn = DecodePush(
+        engine_id="bench-decode",
+        transport=NullTransport(),  # type: ignore[arg-type]
+        registry=registry,
+        metrics=WorkerMetrics(),
+        config=PushConfig(greet_peers=False),  # the writer alone: no greetings
+    )
+    return conn.deliver_registration
+
+
 def writer_under_churn(
     seconds: float, churn_per_s: float, segment_s: float, batch: int = 1, work: bool = True
 ) -> WriterResult:
-    """Registration throughput through the real deliver_registration, in alternating segments
-    of `segment_s` with the churn thread off and on, in one run on one registry: a burst
+    """Registration throughput through the real writer (`_registration_writer`), in
+    alternating segments of `segment_s` with the churn thread off and on, in one run on one
+    registry: a burst
     of load from elsewhere on a shared machine lasts longer than a segment, so it hits both
     alike (separate runs a few seconds apart differed by up to 15% on the same code).
 
@@ -128,22 +160,13 @@ def writer_under_churn(
     evictions of one `PATCH /v1/peers`; `batch=1` wakes it for every eviction. `work=False`
     keeps its wake-ups and does no registry work: what the wake-ups alone cost the writer
     (the thread switches of the GIL), the floor under any registry."""
-    from kvtopo_worker.metrics import WorkerMetrics
     from kvtopo_worker.protocol import PushRegistration
-    from kvtopo_worker.push import PushConfig
-    from kvtopo_worker.push.decode import DecodePush
     from kvtopo_worker.registry import EngineRegistry
 
     reg = EngineRegistry(remove_agent=lambda name: None)
     for e in range(ENGINES):
         reg.add_engine(f"e{e}", _agents(f"e{e}", 8))
-    conn = DecodePush(
-        engine_id="bench-decode",
-        transport=NullTransport(),  # type: ignore[arg-type]
-        registry=reg,
-        metrics=WorkerMetrics(),
-        config=PushConfig(greet_peers=False),  # the writer alone: no greetings
-    )
+    write = _registration_writer(reg)
     regs = [
         PushRegistration(
             request_id=f"r{i}",
@@ -199,7 +222,7 @@ def writer_under_churn(
                 end = t0 + segment_s
                 while time.perf_counter() < end:
                     for r in regs:
-                        conn.deliver_registration(r)
+                        write(r)
                     n += len(regs)
                 elapsed = time.perf_counter() - t0
                 sent[on] += n

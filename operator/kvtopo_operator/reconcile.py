@@ -106,6 +106,9 @@ class Settings:
     max_write_backoff_s: float = 30.0
 
 
+# A round this large or this long is logged (INFO) with where its time went.
+LOUD_ROUND_HANDSHAKES = 1000
+LOUD_ROUND_S = 1.0
 BATCH_LIMIT = 512  # adds plus evictions per worker call (the worker takes up to 1,024)
 
 
@@ -430,6 +433,7 @@ class Reconciler:
         )
         self.metrics.state_reads.inc(loop.views.reads - reads)
         self.metrics.state_unchanged.inc(loop.views.unchanged - unchanged)
+        gathered = time.monotonic()
         now = self.clock()
         # The decision runs off the event loop (a large topology's round takes a share of a
         # second of pure Python): the Lease renewals, the pod watch and the other loops go
@@ -447,6 +451,7 @@ class Reconciler:
             ),
             now,
         )
+        decided = time.monotonic()
         out = await self._act(
             plan,
             loop.views,
@@ -458,6 +463,23 @@ class Reconciler:
             wait_s=self.settings.round_wait_s,
             on_late=loop.poke.set,
         )
+        acted_at = time.monotonic()
+        if len(plan.handshakes) >= LOUD_ROUND_HANDSHAKES or acted_at - started > LOUD_ROUND_S:
+            log.info(
+                "%s/%s: a round of %d engines, %d handshake halves planned, %d made, %d failed, "
+                "%d left to a later round (their worker's calls still out) in %.2f s: gather "
+                "%.2f, decide %.2f, act %.2f",
+                *key,
+                len(workers),
+                len(plan.handshakes),
+                len(out.made),
+                len(out.failed),
+                len(out.deferred),
+                acted_at - started,
+                gathered - started,
+                decided - gathered,
+                acted_at - decided,
+            )
         # Handshakes failing round after round: since when (the progress deadline counts
         # from there); one that succeeded or is no longer wanted is forgotten, one left to a
         # later round (its worker's calls still out) is kept as it was.

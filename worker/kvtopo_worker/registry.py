@@ -152,8 +152,11 @@ class EngineRegistry:
         so the lock is held for a lookup, not a copy (and no call: see `use`)."""
         engines = self._engines
         with self.lock:
-            eng = engines[engine_id] if engine_id in engines else None  # noqa: SIM401 (no call)
-        return MappingProxyType(eng.agents) if eng is not None else _NO_AGENTS
+            try:
+                agents = engines[engine_id].agents
+            except KeyError:
+                return _NO_AGENTS
+        return MappingProxyType(agents)
 
     def current_agent(self, engine_id: str, rank: int) -> str | None:
         """The agent `engine_id` holds for `rank` now (None when absent, or being evicted)."""
@@ -402,19 +405,24 @@ class EngineRegistry:
         now = self._clock()
         engines = self._engines
         with self.lock:
-            eng = engines[engine_id] if engine_id in engines else None  # noqa: SIM401 (no call)
-            if eng is None:
+            try:  # subscripts, not `get`: no call (and as fast, as a miss is rare)
+                eng = engines[engine_id]
+            except KeyError:
                 return None
             eng.last_used = now
-            agents = eng.agents
-            return agents[rank] if rank in agents else None  # noqa: SIM401 (no call)
+            try:
+                return eng.agents[rank]
+            except KeyError:
+                return None
 
     def touch(self, engine_id: str) -> None:
         now = self._clock()
         engines = self._engines
         with self.lock:  # no call under the lock (see `use`)
-            if engine_id in engines:
+            try:  # noqa: SIM105 (contextlib.suppress is a call)
                 engines[engine_id].last_used = now
+            except KeyError:
+                pass
 
     # --- eviction ------------------------------------------------------------------------
 
