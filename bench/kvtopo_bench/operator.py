@@ -138,7 +138,12 @@ class FakeFleet:
         await site.start()
         w = FakeWorker(f"fake-{pod}", role, pod, uid, ip, 0.0, site)
         if self.operator_keys is not None:
-            w.guard = CallGuard({"operator": self.operator_keys}, pod_uid=uid)
+            # Its challenge names its process (its incarnation, the engine id here), as a
+            # worker's does: without it the operator minted no ticket for any add of it and
+            # dropped its challenge each time, so the next call to it was asked afresh.
+            w.guard = CallGuard(
+                {"operator": self.operator_keys}, pod_uid=uid, incarnation=w.engine_id
+            )
         self.by_ip[ip] = w
         self.by_engine[w.engine_id] = w
         return w
