@@ -121,6 +121,9 @@ class FakeFleet:
         app.router.add_patch("/v1/peers", self._patch)
         self.runner = web.AppRunner(app, access_log=None)
         self.requests = 0
+        self.refused = 0  # calls answered 401 (unsigned, or signed for another challenge)
+        self.patches = 0  # PATCH /v1/peers calls taken
+        self.patch_items = 0  # ... and the adds and evictions in them
         self.state_reads = 0
         self.not_modified = 0  # state reads answered 304
         self.never = asyncio.Event()  # what a hung worker's calls wait for (set at cleanup)
@@ -179,6 +182,7 @@ class FakeFleet:
         )
         if accepted is not None:
             return None
+        self.refused += 1
         return web.Response(status=401, headers={"WWW-Authenticate": w.guard.challenge("operator")})
 
     async def _hostile(self, w: FakeWorker, request: web.Request) -> web.Response | None:
@@ -265,6 +269,8 @@ class FakeFleet:
         if (answer := await self._hostile(w, request)) is not None:
             return answer
         changes = msgspec.json.decode(await request.read(), type=PeerChanges)
+        self.patches += 1
+        self.patch_items += len(changes.add) + len(changes.evict)
         results = []
         for item in changes.add:
             if w.guard is not None and not item.ticket:
@@ -606,14 +612,21 @@ class SizeRun:
         args = launch.operator_args(
             self.ns, self.cluster.kubeconfig, Credentials.beside(token_file).operator_key, 2
         )
-        main = (self.operator_tree or Path()) / "operator" / "kvtopo_operator" / "main.py"
-        if self.operator_tree is not None and "--worker-key-file" not in main.read_text():
+        if not self._signs():
             i = args.index("--worker-key-file")
             args[i : i + 2] = ["--worker-token-file", str(token_file)]
         return args
 
+    def _signs(self) -> bool:
+        """Whether the operator under test signs its calls (this tree's does; a
+        `--baseline-tree` from before signed calls does not)."""
+        if self.operator_tree is None:
+            return True
+        main = self.operator_tree / "operator" / "kvtopo_operator" / "main.py"
+        return "--worker-key-file" in main.read_text()
+
     async def run(self, token_file: Path, log_dir: Path) -> dict[str, Any]:
-        if self.operator_tree is None:  # an operator that signs: the workers check it
+        if self._signs():  # an operator that signs (a baseline too): the workers check it
             public = Credentials.beside(token_file).operator_public
             self.fleet.operator_keys = PublicKeys(path=public)
         await self.fleet.start()
@@ -761,6 +774,10 @@ class SizeRun:
                 "hostile": self.hostile,
                 "hostile_calls": self.fleet.hostile_calls,
                 "adds_without_ticket": self.fleet.adds_without_ticket,
+                "fleet_requests": self.fleet.requests,
+                "fleet_refused": self.fleet.refused,
+                "fleet_patches": self.fleet.patches,
+                "fleet_patch_items": self.fleet.patch_items,
                 "pods": self.prefill + self.decode,
                 "ready_to_connected_p50_s": round(_pct(ready, 0.5), 3),
                 "ready_to_connected_p99_s": round(_pct(ready, 0.99), 3),
@@ -833,6 +850,10 @@ SIDE_BY_SIDE_KEYS = (
     "operator_rss_mb",
     "operator_cpu_s",
     "bench_cpu_s",
+    "fleet_requests",
+    "fleet_refused",
+    "fleet_patches",
+    "fleet_patch_items",
 )
 
 
