@@ -466,9 +466,10 @@ class Reconciler:
         acted_at = time.monotonic()
         if len(plan.handshakes) >= LOUD_ROUND_HANDSHAKES or acted_at - started > LOUD_ROUND_S:
             log.info(
-                "%s/%s: a round of %d engines, %d handshake halves planned, %d made, %d failed, "
-                "%d left to a later round (their worker's calls still out) in %.2f s: gather "
-                "%.2f, decide %.2f, act %.2f",
+                "%s/%s: a round of %d engines, %d handshake halves planned; %d made and %d "
+                "failed (with those of earlier rounds' calls that ended since), %d left to a "
+                "later round (their worker's calls still out); %.2f s: gather %.2f, decide "
+                "%.2f, act %.2f",
                 *key,
                 len(workers),
                 len(plan.handshakes),

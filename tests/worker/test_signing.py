@@ -269,6 +269,20 @@ def test_a_batch_of_tickets_is_each_engines_own_ticket_under_rfc_2104() -> None:
     assert op.tickets([], "dec-1", "inc-1") == []
 
 
+def test_the_precomputed_pads_are_hmac_sha256_for_every_key_length() -> None:
+    """The pads the operator keeps per call key (`_Pads`) give the standard library's
+    HMAC-SHA256 for keys shorter than, as long as and longer than SHA-256's block."""
+    import hashlib
+    import hmac
+
+    from kvtopo_worker.signing import _Pads
+
+    for n in (0, 1, 32, 63, 64, 65, 200):
+        key = bytes(range(256))[:n] if n <= 256 else b"k" * n
+        for text in (b"", b"kvtopo-ticket-v1\x00dec-1\x00inc-1", b"x" * 1000):
+            assert _Pads(key).mac(text) == hmac.new(key, text, hashlib.sha256).digest(), n
+
+
 def test_only_an_operator_key_mints_a_ticket_and_a_ticket_must_be_well_formed() -> None:
     a = engine(role="client")
     with pytest.raises(SignatureError, match="only the operator"):

@@ -323,6 +323,8 @@ class _Pads:
     __slots__ = ("inner", "outer")
 
     def __init__(self, key: bytes) -> None:
+        if len(key) > 64:  # RFC 2104: a key longer than the block is hashed first
+            key = hashlib.sha256(key).digest()
         block = key.ljust(64, b"\x00")  # call keys are 32 bytes, under SHA-256's block
         self.inner = hashlib.sha256(block.translate(_IPAD))
         self.outer = hashlib.sha256(block.translate(_OPAD))
