@@ -109,7 +109,7 @@ def _peer_main(
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
-    from kvtopo_worker.emulated import KVContent
+    from kvtopo_worker.emulated import KVContent, rank_kv
     from kvtopo_worker.metrics import WorkerMetrics
     from kvtopo_worker.protocol import (
         CompatInfo,
@@ -127,8 +127,8 @@ def _peer_main(
     transport = NixlTransport(f"kvtopo-{engine_id}", progress_thread=progress)
     if device == "cuda":
         torch.cuda.set_device(0)
-    kv = torch.zeros((num_blocks, block_len), dtype=torch.uint8, device=device)
-    transport.register_kv_cache(kv)
+    kv = rank_kv(num_blocks, block_len, device)
+    transport.register_kv_cache(kv.registrable)
     # The peers meet as engines do: each decodes the other's versioned metadata.
     compat = CompatInfo(block_len=block_len)
     own_role: Role = "prefill" if role == "sender" else "decode"
@@ -138,7 +138,7 @@ def _peer_main(
     peer = decode_metadata(conn.recv_bytes(), compat_hash(compat))
     peer_id = peer.engine_id
     peer_agent = transport.add_remote_peer(peer)
-    content = KVContent(block_len, kv.device)
+    content = KVContent(block_len)
     try:
         while True:
             cmd = conn.recv()

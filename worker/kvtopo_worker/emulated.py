@@ -1,13 +1,14 @@
 """`kvtopo-worker`: an emulated prefill or decode engine that moves real KV bytes over NIXL.
 
-Owns the stand-in for an LLM engine: per TP rank (`--tp N`) a NIXL agent, a torch KV cache
-of equal blocks (CPU, or CUDA where present) and a `PushConnector`; a block allocator shared
-by the ranks; deterministic KV content derived from the request id and the rank (so the
-receiver verifies every byte it was pushed, and a WRITE into the wrong rank fails); the
-engine thread that drains every rank's `get_finished()` and ends a request once every rank
-has (done only when all are); and the traffic routes of `kvtopo_worker.traffic` (POST
-/v1/requests: a prefill fills and offers the request's blocks, a decode allocates blocks and
-registers them with the prefill engine; GET /v1/finished; POST and GET /v1/drain).
+Owns the stand-in for an LLM engine: per TP rank (`--tp N`) a NIXL agent, a KV cache of
+equal blocks (host memory through numpy; CUDA memory through torch with `--device cuda`) and
+a `PushConnector`; a block allocator shared by the ranks; deterministic KV content derived
+from the request id and the rank (so the receiver verifies every byte it was pushed, and a
+WRITE into the wrong rank fails); the engine thread that drains every rank's
+`get_finished()` and ends a request once every rank has (done only when all are); and the
+traffic routes of `kvtopo_worker.traffic` (POST /v1/requests: a prefill fills and offers the
+request's blocks, a decode allocates blocks and registers them with the prefill engine; GET
+/v1/finished; POST and GET /v1/drain).
 
 Draining is an engine state, as in a real engine told to stop (a pod's preStop hook, or
 SIGTERM, which drains the same way before the process exits): no request is accepted after
@@ -27,8 +28,10 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
-import torch
+import numpy as np
+import numpy.typing as npt
 
 from kvtopo_worker.agent import ControlServer, LocalEngine
 from kvtopo_worker.credentials import TokenError, TokenSource
@@ -58,26 +61,118 @@ def _request_seed(request_id: str) -> int:
     return int.from_bytes(digest, "little", signed=True)
 
 
+class HostKV:
+    """One rank's KV cache in host memory: a (num_blocks, block_len) uint8 numpy array,
+    registered with NIXL as DRAM. What an emulated engine holds by default: numpy, not
+    torch, so a worker starts in about a second and a fifth of the memory (torch's import
+    alone took 4 s and 600 MB a process)."""
+
+    def __init__(self, num_blocks: int, block_len: int) -> None:
+        self.array = np.zeros((num_blocks, block_len), dtype=np.uint8)
+        self._words = self.array.view(np.int64)
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.array.shape[0])
+
+    @property
+    def block_len(self) -> int:
+        return int(self.array.shape[1])
+
+    @property
+    def registrable(self) -> Any:
+        """What `NixlTransport.register_kv_cache` takes."""
+        return self.array
+
+    def rows(self, first: int, n: int) -> npt.NDArray[np.int64]:
+        """Blocks first..first+n-1 as int64 words, a view: writes land in the cache."""
+        return self._words[first : first + n]
+
+    def store(self, first: int, words: npt.NDArray[np.int64]) -> None:
+        """Writes words computed in `rows(first, n)` itself: already in place."""
+
+    def zero(self, block_ids: list[int]) -> None:
+        self.array[block_ids] = 0
+
+    def written(self, block_ids: list[int]) -> int:
+        """How many of `block_ids` hold a byte that is not zero."""
+        return int(np.count_nonzero(self.array[block_ids].any(axis=1)))
+
+
+class DeviceKV:
+    """One rank's KV cache in GPU memory (`--device cuda[:N]`): a torch tensor, registered
+    as VRAM. Content is computed on the host and copied (torch is imported only here)."""
+
+    def __init__(self, num_blocks: int, block_len: int, device: str) -> None:
+        import torch
+
+        self._torch = torch
+        self.tensor = torch.zeros((num_blocks, block_len), dtype=torch.uint8, device=device)
+        self._scratch = np.empty((0, block_len // 8), dtype=np.int64)
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.tensor.shape[0])
+
+    @property
+    def block_len(self) -> int:
+        return int(self.tensor.shape[1])
+
+    @property
+    def registrable(self) -> Any:
+        return self.tensor
+
+    def rows(self, first: int, n: int) -> npt.NDArray[np.int64]:
+        """A host copy of blocks first..first+n-1 as int64 words (write back with `store`)."""
+        host = self.tensor[first : first + n].cpu().numpy()
+        return np.ascontiguousarray(host).view(np.int64)
+
+    def store(self, first: int, words: npt.NDArray[np.int64]) -> None:
+        src = self._torch.from_numpy(np.ascontiguousarray(words).view(np.uint8))
+        self.tensor[first : first + len(words)].copy_(src)
+
+    def zero(self, block_ids: list[int]) -> None:
+        index = self._torch.tensor(block_ids, device=self.tensor.device)
+        self.tensor.index_fill_(0, index, 0)
+
+    def written(self, block_ids: list[int]) -> int:
+        index = self._torch.tensor(block_ids, device=self.tensor.device)
+        return int(self.tensor.index_select(0, index).any(dim=1).sum())
+
+
+RankKV = HostKV | DeviceKV
+
+
+def rank_kv(num_blocks: int, block_len: int, device: str = "cpu") -> RankKV:
+    """A rank's KV cache on `device` ("cpu", or "cuda[:N]")."""
+    if num_blocks <= 0 or block_len <= 0 or block_len % 8:
+        raise ValueError("a KV cache needs blocks, of a length that is a multiple of 8 bytes")
+    if device == "cpu":
+        return HostKV(num_blocks, block_len)
+    if not device.startswith("cuda"):
+        raise ValueError(f"device must be cpu or cuda[:N], not {device!r}")
+    return DeviceKV(num_blocks, block_len, device)
+
+
 class KVContent:
     """Deterministic KV bytes: word w of the k-th block of request R is
     w * MULT + seed(R) + k * STRIDE (int64, wrapping), so every byte depends on the request,
     the block's position in it and the byte's offset.
 
-    Fill and check work in place on runs of adjacent blocks, in chunks that stay in the CPU
-    cache, so each costs one pass over the KV bytes in memory (the data path is what is
-    being measured, not this emulation)."""
+    Fill and check work on runs of adjacent blocks, in chunks that stay in the CPU cache,
+    in place in host memory, so each costs one pass over the KV bytes (the data path is what
+    is being measured, not this emulation)."""
 
     CHUNK_BYTES = 1 << 20
 
-    def __init__(self, block_len: int, device: torch.device) -> None:
+    def __init__(self, block_len: int) -> None:
         if block_len % 8:
             raise ValueError("block_len must be a multiple of 8 bytes")
         self.block_len = block_len
-        self._device = device
         self._rows = max(1, self.CHUNK_BYTES // block_len)
-        ramp = torch.arange(block_len // 8, dtype=torch.int64, device=device) * _MULT
-        self._ramp = ramp.unsqueeze(0)  # (1, words)
-        self._scratch = torch.empty((self._rows, block_len // 8), dtype=torch.int64, device=device)
+        with np.errstate(over="ignore"):
+            self._ramp = (np.arange(block_len // 8, dtype=np.int64) * np.int64(_MULT))[None, :]
+        self._scratch = np.empty((self._rows, block_len // 8), dtype=np.int64)
 
     def _runs(self, block_ids: list[int]) -> list[tuple[int, int, int]]:
         """(position in request, first block, count) for chunks of adjacent block ids."""
@@ -95,28 +190,28 @@ class KVContent:
             pos += n
         return runs
 
-    def _offsets(self, request_id: str, pos: int, n: int) -> torch.Tensor:
-        k = torch.arange(pos, pos + n, dtype=torch.int64, device=self._device) * _STRIDE
-        return (k + _request_seed(request_id)).unsqueeze(1)
+    def _offsets(self, request_id: str, pos: int, n: int) -> npt.NDArray[np.int64]:
+        with np.errstate(over="ignore"):
+            k = np.arange(pos, pos + n, dtype=np.int64) * np.int64(_STRIDE)
+            return (k + np.int64(_request_seed(request_id)))[:, None]
 
-    def fill(self, kv: torch.Tensor, block_ids: list[int], request_id: str) -> None:
-        """Writes request `request_id`'s content into `block_ids` of the (N, block_len) cache."""
-        words = kv.view(torch.int64)
+    def fill(self, kv: RankKV, block_ids: list[int], request_id: str) -> None:
+        """Writes request `request_id`'s content into `block_ids` of the cache."""
         for pos, first, n in self._runs(block_ids):
-            torch.add(self._ramp, self._offsets(request_id, pos, n), out=words[first : first + n])
+            out = kv.rows(first, n)
+            np.add(self._ramp, self._offsets(request_id, pos, n), out=out)
+            kv.store(first, out)
 
-    def mismatched_blocks(
-        self, kv: torch.Tensor, block_ids: list[int], request_id: str
-    ) -> list[int]:
+    def mismatched_blocks(self, kv: RankKV, block_ids: list[int], request_id: str) -> list[int]:
         """Positions (within the request) of blocks whose bytes are not what R's must be."""
-        words = kv.view(torch.int64)
         bad: list[int] = []
         for pos, first, n in self._runs(block_ids):
             expected = self._scratch[:n]
-            torch.add(self._ramp, self._offsets(request_id, pos, n), out=expected)
-            if not torch.equal(words[first : first + n], expected):
-                rows = (words[first : first + n] == expected).all(dim=1)
-                bad.extend(pos + int(i) for i in torch.nonzero(~rows).flatten().tolist())
+            np.add(self._ramp, self._offsets(request_id, pos, n), out=expected)
+            actual = kv.rows(first, n)
+            if not np.array_equal(actual, expected):
+                rows = (actual == expected).all(axis=1)
+                bad.extend(pos + int(i) for i in np.flatnonzero(~rows))
         return bad
 
 
@@ -161,18 +256,18 @@ class EmulatedEngine(EngineTraffic):
         self.incarnation = uuid.uuid4().hex
         self.pod = pod
         self.tp_size = tp_size
-        self.device = torch.device(device)
+        self.device = device
         self.metrics = WorkerMetrics()
         self.registry = EngineRegistry(
             remove_agent=self._remove_agent, idle_ttl_s=idle_ttl_s, failing_after=failing_after
         )
-        self.content = KVContent(block_len, self.device)
+        self.content = KVContent(block_len)
         self._outcome_ready = threading.Event()  # set by every rank's connector
         compat = CompatInfo(block_len=block_len, model_id=model_id, dtype="uint8")
         # One NIXL agent, KV cache and connector per TP rank, as vLLM's TP workers have;
         # the ranks share the block ids of a request (and the registry of peers).
         self.transports: list[NixlTransport] = []
-        self.kvs: list[torch.Tensor] = []
+        self.kvs: list[RankKV] = []
         self.connectors: list[PushConnector] = []
         metas = []
         for rank in range(tp_size):
@@ -181,7 +276,7 @@ class EmulatedEngine(EngineTraffic):
                 progress_thread=progress_thread,
                 on_unauthenticated=self.metrics.unauthenticated,
             )
-            kv = torch.zeros((num_blocks, block_len), dtype=torch.uint8, device=self.device)
+            kv = rank_kv(num_blocks, block_len, device)
             connector = new_connector(
                 engine_id=self.engine_id,
                 role=role,
@@ -192,7 +287,7 @@ class EmulatedEngine(EngineTraffic):
                 tp_rank=rank,
                 outcome_ready=self._outcome_ready,
             )
-            connector.register_kv_caches(kv)
+            connector.register_kv_caches(kv.registrable)
             metas.append(
                 transport.describe(
                     engine_id=self.engine_id,
@@ -329,8 +424,8 @@ class EmulatedEngine(EngineTraffic):
 
     def submit(self, req: SubmitRequest) -> None:
         """Starts a request; raises ValueError when it cannot be taken (nothing is lost)."""
-        if not 0 < req.num_blocks <= self.kvs[0].shape[0]:
-            raise ValueError(f"num_blocks must be 1..{self.kvs[0].shape[0]}")
+        if not 0 < req.num_blocks <= self.kvs[0].num_blocks:
+            raise ValueError(f"num_blocks must be 1..{self.kvs[0].num_blocks}")
         with self._alloc_lock:
             if self.draining:
                 raise EngineDraining("the engine is draining: it takes no new requests")
@@ -373,9 +468,8 @@ class EmulatedEngine(EngineTraffic):
             req = self._requests.pop(request_id, None)
             if req is not None:
                 if self.role == "decode":  # free blocks hold zeros: see _guard_free_blocks
-                    index = torch.tensor(req.block_ids, device=self.device)
                     for kv in self.kvs:
-                        kv.index_fill_(0, index, 0)
+                        kv.zero(req.block_ids)
                 self._free.extend(req.block_ids)
             return req
 
@@ -384,10 +478,7 @@ class EmulatedEngine(EngineTraffic):
         that does not when it is taken again was written while nobody held it, by a WRITE
         that landed after its request ended. Counted (`kvtopo_worker_late_writes`) and
         logged; the drill and the tests require 0. Call with the allocator lock held."""
-        index = torch.tensor(blocks, device=self.device)
-        late = 0
-        for kv in self.kvs:
-            late += int(kv.index_select(0, index).any(dim=1).sum())
+        late = sum(kv.written(blocks) for kv in self.kvs)
         if late:
             self.late_writes += late
             self.metrics.late_writes_total.inc(late)
@@ -470,7 +561,7 @@ class EmulatedEngine(EngineTraffic):
                 peer_engine_id=req.peer_engine_id,
                 ended_at=now,
             )
-        nbytes = len(req.block_ids) * int(self.kvs[0].shape[1]) * self.tp_size
+        nbytes = len(req.block_ids) * self.kvs[0].block_len * self.tp_size
         self.verified_bytes += nbytes
         return RequestOutcome(
             request_id=request_id,
@@ -484,7 +575,8 @@ class EmulatedEngine(EngineTraffic):
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="kvtopo-worker",
-        description="An emulated prefill or decode engine: a torch KV cache, a real NIXL agent "
+        description="An emulated prefill or decode engine: a KV cache in host memory (numpy; "
+        "torch with --device cuda), a real NIXL agent "
         "and the kvtopo control API. Prints one JSON line {engine_id, endpoint, role} on "
         "stdout when ready.",
     )

@@ -1,10 +1,10 @@
 """The NIXL data path: the only module of kvtopo that imports nixl.
 
-Owns one NIXL agent per engine rank: its registered KV cache (one torch tensor of
-`num_blocks` equal blocks, CPU or CUDA), the prepped local descriptor list over those blocks,
-the remote agents it has added with their prepped descriptor lists, notifications, and WRITE
-transfers. Straight-line NIXL usage: register, exchange metadata, prep descriptors, transfer,
-poll against a deadline, release in reverse order.
+Owns one NIXL agent per engine rank: its registered KV cache (`num_blocks` equal blocks: a
+numpy array in host memory, or a torch tensor, CPU or CUDA), the prepped local descriptor
+list over those blocks, the remote agents it has added with their prepped descriptor lists,
+notifications, and WRITE transfers. Straight-line NIXL usage: register, exchange metadata,
+prep descriptors, transfer, poll against a deadline, release in reverse order.
 
 Thread safety: NIXL does not promise it, so every call into the agent goes through one lock
 (the explicit sync mode of design.md). The lock is the transport's own and is never held
@@ -42,6 +42,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import numpy as np
+import numpy.typing as npt
 
 from kvtopo_worker.protocol import (
     CompatInfo,
@@ -241,7 +244,7 @@ class NixlTransport:
         self._agent: Any = nixl_agent(agent_name, cfg)
         self._reg_descs: Any = None
         self._local_dlist: int | None = None
-        self._kv: list[torch.Tensor] = []
+        self._kv: list[object] = []  # what owns the registered memory (kept alive)
         self._segments: list[KVSegment] = []
         self._num_blocks = 0
         self._block_len = 0
@@ -263,8 +266,16 @@ class NixlTransport:
 
     # --- local memory --------------------------------------------------------------------
 
-    def register_kv_cache(self, kv: torch.Tensor) -> None:
-        """Registers a contiguous (num_blocks, block_len) uint8 tensor as the KV cache."""
+    def register_kv_cache(self, kv: torch.Tensor | npt.NDArray[np.uint8]) -> None:
+        """Registers a contiguous (num_blocks, block_len) uint8 tensor or numpy array (host
+        memory) as the KV cache."""
+        if isinstance(kv, np.ndarray):
+            if kv.ndim != 2 or kv.dtype != np.uint8 or not kv.flags.c_contiguous:
+                raise ValueError("the KV cache must be a contiguous 2-D uint8 array")
+            num_blocks, block_len = (int(n) for n in kv.shape)
+            segment = KVSegment(int(kv.ctypes.data), block_len, block_len)
+            self._register([kv], [(segment.addr, kv.nbytes)], "DRAM", 0, [segment], num_blocks)
+            return
         if kv.dim() != 2 or not kv.is_contiguous():
             raise ValueError("the KV cache must be a contiguous 2-D (num_blocks, block_len) tensor")
         block_len = int(kv.shape[1]) * kv.element_size()
@@ -295,11 +306,27 @@ class NixlTransport:
                 raise ValueError(f"KV segment {seg}: its length must be 1..stride")
             if not any(lo <= seg.addr and last <= hi for lo, hi in spans):
                 raise ValueError(f"KV segment {seg} leaves the given tensors by block {num_blocks}")
-        self._mem_type = "VRAM" if first.is_cuda else "DRAM"
+        mem_type = "VRAM" if first.is_cuda else "DRAM"
         dev = first.device.index or 0 if first.is_cuda else 0
+        self._register(
+            tensors, [(lo, hi - lo) for lo, hi in spans], mem_type, dev, segments, num_blocks
+        )
+
+    def _register(
+        self,
+        memory: Sequence[object],
+        spans: Sequence[tuple[int, int]],
+        mem_type: str,
+        dev: int,
+        segments: Sequence[KVSegment],
+        num_blocks: int,
+    ) -> None:
+        """Registers the memory spans (address, bytes) and preps one descriptor per block
+        and segment, block-major; keeps `memory` (what owns the spans) alive."""
+        self._mem_type = mem_type
         segs = list(segments)
         with self._lock:
-            regions = [(lo, hi - lo, dev, "") for lo, hi in spans]
+            regions = [(lo, n, dev, "") for lo, n in spans]
             self._reg_descs = self._agent.register_memory(regions, self._mem_type)
             parts = [
                 (seg.addr + i * seg.stride, seg.length, dev)
@@ -310,7 +337,7 @@ class NixlTransport:
             self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs)
             self._base, self._device = segs[0].addr, dev
             self._mem_enum, self._dlist_type = descs.getType(), type(descs)
-        self._kv, self._segments = list(tensors), segs
+        self._kv, self._segments = list(memory), segs
         self._num_blocks, self._block_len = num_blocks, sum(s.length for s in segs)
 
     @property
