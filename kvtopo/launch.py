@@ -118,6 +118,23 @@ def start_worker(
     Waits on the worker's stdout itself (EOF when it exits), at most `deadline_s`; when no
     ready line comes, the worker is killed and :class:`LaunchError` says why, with its log.
     """
+    return wait_ready(spawn_worker(role, token_file, log_path, *extra, engine=engine), deadline_s)
+
+
+@dataclass(frozen=True)
+class SpawnedWorker:
+    """A worker process started, its ready line not read yet (`wait_ready`)."""
+
+    role: str
+    proc: subprocess.Popen[str]
+    log_path: Path
+
+
+def spawn_worker(
+    role: str, token_file: Path, log_path: Path, *extra: str, engine: str = "emulated"
+) -> SpawnedWorker:
+    """Starts a `kvtopo-worker` (stderr to `log_path`) without waiting for it: several
+    start side by side (a vLLM engine's imports take tens of seconds), then `wait_ready`."""
     with log_path.open("w") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen(
             worker_command(role, token_file, *extra, engine=engine),
@@ -125,6 +142,12 @@ def start_worker(
             stderr=log,
             text=True,
         )
+    return SpawnedWorker(role, proc, log_path)
+
+
+def wait_ready(spawned: SpawnedWorker, deadline_s: float = 60.0) -> StartedWorker:
+    """Waits at most `deadline_s` for the spawned worker's ready line (see `start_worker`)."""
+    role, proc, log_path = spawned.role, spawned.proc, spawned.log_path
     assert proc.stdout is not None
     line = ""
     readable, _, _ = select.select([proc.stdout], [], [], deadline_s)

@@ -85,6 +85,10 @@ class FakeWorker:
     peer_incarnations: dict[str, str] = field(default_factory=dict)
     gone_at: float | None = None
     connected_at: float | None = None
+    # Where a new engine's wait went: the operator's first read of its state, its first
+    # call with adds (its own side of its pairs), then connected both ways.
+    first_read_at: float | None = None
+    first_adds_at: float | None = None
     evicted_at: float | None = None
     # A hostile worker (the `hostile` run): "garbage" answers every call with bytes that are
     # no JSON; "hung" accepts every call and never answers (a SIGSTOPped process). Neither
@@ -207,6 +211,8 @@ class FakeFleet:
             w.answer = (self._encode_state(w), f'"{w.engine_id}-{w.generation}"')
         body, tag = w.answer
         self.state_reads += 1
+        if w.first_read_at is None:
+            w.first_read_at = time.monotonic()
         if tag_matches(request.headers.get("If-None-Match"), tag):
             self.not_modified += 1
             return web.Response(status=304, headers={"ETag": tag})
@@ -270,6 +276,8 @@ class FakeFleet:
             return answer
         changes = msgspec.json.decode(await request.read(), type=PeerChanges)
         self.patches += 1
+        if changes.add and w.first_adds_at is None:
+            w.first_adds_at = time.monotonic()
         self.patch_items += len(changes.add) + len(changes.evict)
         results = []
         for item in changes.add:
@@ -324,6 +332,28 @@ class _TouchedPods(PodStore):
         self.latest = {p.uid: p for p in listed}
         self.touched.update(self.latest)
         return super().replace(scope, listed)
+
+
+def _wait_parts(workers: list[FakeWorker]) -> dict[str, dict[str, float]]:
+    """Where the new engines' wait from serving to connected went (p50 and p99 of each
+    part): until the operator first read the engine's state, from there until its first
+    call with adds reached the engine, and from there until every pair was connected both
+    ways (the other side's adds)."""
+    spans: dict[str, list[float]] = {
+        "to_first_read": [],
+        "read_to_adds": [],
+        "adds_to_connected": [],
+    }
+    for w in workers:
+        if w.first_read_at is None or w.first_adds_at is None or w.connected_at is None:
+            continue
+        spans["to_first_read"].append(w.first_read_at - w.serving_at)
+        spans["read_to_adds"].append(w.first_adds_at - w.first_read_at)
+        spans["adds_to_connected"].append(max(0.0, w.connected_at - w.first_adds_at))
+    return {
+        name: {"p50": round(_pct(v, 0.5), 3), "p99": round(_pct(v, 0.99), 3), "n": len(v)}
+        for name, v in spans.items()
+    }
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -767,6 +797,9 @@ class SizeRun:
                 "last_evicted_s": max((w.evicted_at or t_roll for w in old), default=t_roll)
                 - t_roll,
             }
+            parts = _wait_parts(
+                [w for w in self.healthy() if w.serving_at >= t_roll and w.connected_at]
+            )
             pod_events = max(1, len(self.by_uid) * 3)  # add, bind, ready (+delete) per pod
             ready = initial + replaced + later
             return {
@@ -789,6 +822,7 @@ class SizeRun:
                         ("rollout", later),
                     )
                 },
+                "rollout_ready_to_connected_parts_s": parts,
                 "gone_to_evicted_p50_s": round(_pct(gone, 0.5), 3),
                 "gone_to_evicted_p99_s": round(_pct(gone, 0.99), 3),
                 "grace_s": GRACE,

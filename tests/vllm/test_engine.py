@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.worker.workers import WorkerProcess, start_worker
+from tests.worker.workers import WorkerProcess, start_workers
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.nixl
@@ -32,11 +32,13 @@ def token_file(tmp_path: Path) -> Path:
 @pytest.fixture
 def pair(tmp_path: Path, token_file: Path) -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
     opts = ("--registration-timeout", "3", "--transfer-timeout", "3", "--kv-lease", "10")
-    prefill = start_worker(
-        "prefill", token_file, tmp_path, "--engine-id", "p0", *opts, engine="vllm", deadline_s=240
-    )
-    decode = start_worker(
-        "decode", token_file, tmp_path, "--engine-id", "d0", *opts, engine="vllm", deadline_s=240
+    # Side by side: each engine's start (vLLM's imports, its scheduler) takes tens of seconds.
+    prefill, decode = start_workers(
+        [("prefill", ("--engine-id", "p0", *opts)), ("decode", ("--engine-id", "d0", *opts))],
+        token_file,
+        tmp_path,
+        engine="vllm",
+        deadline_s=240,
     )
     try:
         decode.connect(prefill)

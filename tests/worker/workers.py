@@ -10,7 +10,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -175,17 +175,51 @@ def start_worker(
 ) -> WorkerProcess:
     """A serving worker of `role` (`engine`: emulated or vllm), its log `<role>-<ns>.log`
     in `log_dir`."""
-    log_path = log_dir / f"{role}-{time.monotonic_ns()}.log"
-    if "--drain-timeout" not in extra:  # what a stopped test worker still holds fails soon
-        extra = (*extra, "--drain-timeout", "2")
-    w = launch.start_worker(
-        role, token_file, log_path, *extra, deadline_s=deadline_s, engine=engine
-    )
-    creds = Credentials.beside(token_file)
-    client = ControlClient.of(creds)
-    return WorkerProcess(
-        role, w.proc, w.engine_id, w.endpoint, creds.token(), log_path, client, w.incarnation
-    )
+    (w,) = start_workers([(role, extra)], token_file, log_dir, deadline_s=deadline_s, engine=engine)
+    return w
+
+
+def start_workers(
+    workers: Sequence[tuple[str, Sequence[str]]],
+    token_file: Path,
+    log_dir: Path,
+    *,
+    deadline_s: float = 60,
+    engine: str = "emulated",
+) -> list[WorkerProcess]:
+    """Serving workers, each (role, its arguments), started side by side (a vLLM engine
+    takes tens of seconds to start): all spawned, then each waited for."""
+    spawned = []
+    for role, given in workers:
+        log_path = log_dir / f"{role}-{time.monotonic_ns()}.log"
+        args = tuple(given)
+        if "--drain-timeout" not in args:  # what a stopped test worker still holds fails soon
+            args = (*args, "--drain-timeout", "2")
+        spawned.append(launch.spawn_worker(role, token_file, log_path, *args, engine=engine))
+    started: list[WorkerProcess] = []
+    try:
+        for one in spawned:
+            w = launch.wait_ready(one, deadline_s)
+            creds = Credentials.beside(token_file)
+            started.append(
+                WorkerProcess(
+                    w.role,
+                    w.proc,
+                    w.engine_id,
+                    w.endpoint,
+                    creds.token(),
+                    w.log_path,
+                    ControlClient.of(creds),
+                    w.incarnation,
+                )
+            )
+    except BaseException:
+        for one in spawned:  # the others of a start that failed
+            if one.proc.poll() is None:
+                one.proc.kill()
+                one.proc.wait()
+        raise
+    return started
 
 
 def stop_operator_and_workers(
