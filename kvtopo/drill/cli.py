@@ -96,8 +96,9 @@ def add_drill_parser(verbs: Any) -> None:
         "landing after its request ended (late_writes); node-failure kills the engines of one "
         "fake node and stops its kubelet (kwok): once the node lifecycle controller flips "
         "the node's Ready, those engines must be evicted from every peer within the grace "
-        "+ 2 s (node_failure_evicted_s); hang-decode SIGSTOPs one decode engine for 60 s as "
-        "the second decode rollout begins: the other engines' gate p99 must stay within "
+        "+ 2 s (node_failure_evicted_s); hang-decode SIGSTOPs one decode engine as the "
+        "second decode rollout begins, until a new engine was gated and 5 s more (60 s at "
+        "most): the other engines' gate p99 must stay within "
         "1 s and their convergence p99 within 5 s",
     )
     p.add_argument(

@@ -119,6 +119,12 @@ class Ledger:
         """A fault impaired the engine from `start` to `end` (its requests may fail)."""
         self.impaired.setdefault(engine_id, []).append((start, end))
 
+    def impair_until(self, engine_id: str, start: float, end: float) -> None:
+        """The impairment of the engine that began at `start` ends at `end` (a fault that
+        ended sooner than first said)."""
+        spans = self.impaired.get(engine_id, [])
+        self.impaired[engine_id] = [(a, end if a == start else b) for a, b in spans]
+
     def mark(self, t: float, kind: str, label: str) -> None:
         self.marks.append(Mark(t, kind, label))
 

@@ -46,7 +46,8 @@ from kvtopo_operator.kube import ClusterApi
 log = logging.getLogger(__name__)
 
 ENGINE_FAULTS = ("freeze-decode", "kill-prefill", "restart-engine", "node-failure")
-HANG_S = 60.0  # --chaos hang-decode: how long the decode engine stays SIGSTOPped
+HANG_S = 60.0  # --chaos hang-decode: how long the decode engine stays SIGSTOPped at most
+HANG_AFTER_GATE_S = 5.0  # ... and at least this long after a new engine was gated meanwhile
 HANG_CONVERGENCE_P99_S = 5.0  # ... and the other engines' convergence p99 limit then
 NODE_EVICTION_SLACK_S = 2.0  # --chaos node-failure: evicted within the grace + this
 NODE_FLIP_TIMEOUT_S = 120.0  # the controller's node-monitor grace (50 s by default) + slack
@@ -701,9 +702,10 @@ class Drill:
         return flag.split("=", 1)[1]
 
     def _hang_decode(self, t: float) -> None:
-        """hang-decode: one serving decode engine is SIGSTOPped for `HANG_S` while the
-        rollout goes on (hung, not dead: its sockets accept and nothing answers); the
-        operator must decide about every other engine as fast as without it."""
+        """hang-decode: one serving decode engine is SIGSTOPped while the rollout goes on
+        (hung, not dead: its sockets accept and nothing answers), until a new engine was
+        gated meanwhile and `HANG_AFTER_GATE_S` more, at most `HANG_S`; the operator must
+        decide about every other engine as fast as without it."""
         assert self.fleet is not None
         decodes = [e for e in self.fleet.serving() if e.role == "decode" and not e.frozen]
         if not decodes:
@@ -711,17 +713,49 @@ class Drill:
         victim = self.rng.choice(decodes)
         victim.frozen = True
         victim.signal(signal.SIGSTOP)
-        self.ledger.mark(t, "chaos", f"SIGSTOP decode {victim.pod} for {HANG_S:g} s")
+        self.ledger.mark(
+            t,
+            "chaos",
+            f"SIGSTOP decode {victim.pod} until a new engine is gated and {HANG_AFTER_GATE_S:g} s "
+            f"more (at most {HANG_S:g} s)",
+        )
         self.ledger.impair(victim.engine_id, t, t + HANG_S + GIVE_UP_S)
 
         async def thaw() -> None:
+            # The fault lasts until an engine that began serving during it was gated (its
+            # pod Ready: the operator connected it while one of its peers hung) and a few
+            # rounds more, at most `HANG_S`: what follows (the Deployment waits for the hung
+            # pod to go) tests nothing more, and took a minute of every suite run.
+            assert self.fleet is not None
+            fleet = self.fleet
+            deadline = t + HANG_S
+            gated_at: float | None = None
             try:
-                await asyncio.sleep(HANG_S)  # the fault's length
+                while time.monotonic() < deadline:
+                    if gated_at is None:
+                        gated_at = next(
+                            (
+                                e.ready_at
+                                for e in fleet.engines.values()
+                                if e is not victim and e.serving_at > t and e.ready_at
+                            ),
+                            None,
+                        )
+                    elif time.monotonic() >= gated_at + HANG_AFTER_GATE_S:
+                        break
+                    await asyncio.sleep(0.1)  # polling the fleet's own gate records
             finally:
                 with contextlib.suppress(ProcessLookupError):
                     victim.signal(signal.SIGCONT)
                 victim.frozen = False
-                self.ledger.mark(time.monotonic(), "chaos", f"SIGCONT decode {victim.pod}")
+                now = time.monotonic()
+                self.ledger.impair_until(victim.engine_id, t, min(now, deadline) + GIVE_UP_S)
+                meanwhile = (
+                    f"a new engine gated {now - gated_at:.1f} s before"
+                    if gated_at is not None
+                    else "no new engine gated meanwhile"
+                )
+                self.ledger.mark(now, "chaos", f"SIGCONT decode {victim.pod} ({meanwhile})")
 
         self._thaw = asyncio.create_task(thaw(), name="hang-decode-thaw")
 
