@@ -174,8 +174,13 @@ def apiserver_argv(binary: Path, layout: ControlPlaneLayout, tier: str) -> list[
     return argv
 
 
-def controller_manager_argv(binary: Path, layout: ControlPlaneLayout) -> list[str]:
+def controller_manager_argv(
+    binary: Path, layout: ControlPlaneLayout, node_grace_s: int | None = None
+) -> list[str]:
+    """`node_grace_s`: the node lifecycle controller's grace for a silent node (its
+    `--node-monitor-grace-period`; the default, 50 s, when None)."""
     pki = layout.pki
+    grace = [f"--node-monitor-grace-period={node_grace_s}s"] if node_grace_s else []
     return [
         str(binary),
         f"--kubeconfig={layout.controller_manager_kubeconfig}",
@@ -199,6 +204,7 @@ def controller_manager_argv(binary: Path, layout: ControlPlaneLayout) -> list[st
         # the default client rate limit (20 qps) stretches that to seconds.
         "--kube-api-qps=200",
         "--kube-api-burst=400",
+        *grace,
     ]
 
 
@@ -216,7 +222,9 @@ def scheduler_argv(binary: Path, layout: ControlPlaneLayout) -> list[str]:
     ]
 
 
-def kwok_argv(binary: Path, layout: ControlPlaneLayout) -> list[str]:
+def kwok_argv(
+    binary: Path, layout: ControlPlaneLayout, node_lease_s: int = NODE_LEASE_DURATION_S
+) -> list[str]:
     # No --server-address and no --node-port: kwok then serves nothing at all (its
     # logs/exec/metrics server would otherwise bind 0.0.0.0 by default).
     return [
@@ -226,5 +234,5 @@ def kwok_argv(binary: Path, layout: ControlPlaneLayout) -> list[str]:
         f"--manage-nodes-with-annotation-selector={KWOK_MANAGED_NODES}",
         f"--cidr={layout.pod_cidr}",
         f"--node-ip={FAKE_NODE_IP}",
-        f"--node-lease-duration-seconds={NODE_LEASE_DURATION_S}",
+        f"--node-lease-duration-seconds={node_lease_s}",
     ]

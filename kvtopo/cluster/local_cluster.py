@@ -278,12 +278,18 @@ class LocalCluster:
         fake_nodes: int = DEFAULT_FAKE_NODES,
         die_with_parent: bool = True,
         progress: Progress = _quiet,
+        node_grace_s: int | None = None,
     ) -> None:
+        """`node_grace_s` (tiers b and c): how long the node lifecycle controller waits for
+        a silent fake node before it flips its Ready (kwok's node Leases last as long, and
+        are renewed a quarter of it apart); None: Kubernetes' default grace (50 s) and 40 s
+        Leases."""
         if tier not in TIERS:
             raise ValueError(f"unknown tier {tier!r} (known: a, b, c)")
         self.directory = Path(directory).resolve()
         self.tier: Tier = tier
         self.fake_nodes = fake_nodes
+        self.node_grace_s = node_grace_s
         self.die_with_parent = die_with_parent
         self.progress = progress
         self.ready_s: float | None = None
@@ -550,10 +556,13 @@ class LocalCluster:
         self.progress("starting kube-controller-manager, kube-scheduler and kwok")
         self._launch(
             "kube-controller-manager",
-            components.controller_manager_argv(binaries.kube_controller_manager, layout),
+            components.controller_manager_argv(
+                binaries.kube_controller_manager, layout, self.node_grace_s
+            ),
         )
         self._launch("kube-scheduler", components.scheduler_argv(binaries.kube_scheduler, layout))
-        self._launch("kwok", components.kwok_argv(binaries.kwok, layout))
+        lease = self.node_grace_s or components.NODE_LEASE_DURATION_S
+        self._launch("kwok", components.kwok_argv(binaries.kwok, layout, lease))
         for name in self.fake_node_names:
             api.create("/api/v1/nodes", fake_node_manifest(name))
 

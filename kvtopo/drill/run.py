@@ -50,6 +50,7 @@ HANG_S = 60.0  # --chaos hang-decode: how long the decode engine stays SIGSTOPpe
 HANG_AFTER_GATE_S = 5.0  # ... and at least this long after a new engine was gated meanwhile
 HANG_CONVERGENCE_P99_S = 5.0  # ... and the other engines' convergence p99 limit then
 NODE_EVICTION_SLACK_S = 2.0  # --chaos node-failure: evicted within the grace + this
+NODE_FAILURE_GRACE_S = 20  # ... on a cluster of its own whose silent node flips this soon
 NODE_FLIP_TIMEOUT_S = 120.0  # the controller's node-monitor grace (50 s by default) + slack
 # --chaos abort-storm: the share of requests aborted, at random stages on either side
 # (more than the 10% the drill requires, as some aborts come after the request ended).
@@ -162,7 +163,13 @@ class Drill:
                 "controller manager, scheduler, kwok)"
             )
             tier = "b"
-        self.cluster = LocalCluster(self.opts.workdir / "cluster", tier, progress=self.say)
+        # --chaos node-failure waits for the node lifecycle controller to give up on the
+        # silenced node: its own cluster's grace is 20 s (kwok renews each node's Lease every
+        # 5 s), not Kubernetes' 50 s.
+        grace = NODE_FAILURE_GRACE_S if self.opts.chaos == "node-failure" else None
+        self.cluster = LocalCluster(
+            self.opts.workdir / "cluster", tier, progress=self.say, node_grace_s=grace
+        )
         self.cluster.up()
         return Path(self.cluster.kubeconfig)
 
@@ -814,13 +821,14 @@ class Drill:
 
     async def _node_failure(self) -> None:
         """node-failure: a fake node fails while traffic flows. Its engines' processes are
-        SIGKILLed and its kubelet is cut off (`_cut_off`); the node lifecycle controller
-        flips the node's Ready to Unknown once its heartbeats are overdue (~40 s) and marks
-        its pods not Ready (their ContainersReady, last reported by the
-        silent kubelet, stays True; the pods are only deleted by the taint eviction, minutes
-        later). From that flip, the operator must evict those engines from every peer
-        within the grace + 2 s. Then the pods are deleted (as an administrator does for a
-        node that is gone) and the node comes back."""
+        SIGKILLed and its kubelet is cut off (`_cut_off`); the node lifecycle
+        controller flips the node's Ready to Unknown once its heartbeats are overdue
+        (20 s on the drill's own cluster, Kubernetes' 50 s on one given) and marks
+        its pods not Ready (their ContainersReady, last reported by the silent
+        kubelet, stays True; the pods are only deleted by the taint eviction,
+        minutes later). From that flip, the operator must evict those engines from
+        every peer within the grace + 2 s. Then the pods are deleted (as an
+        administrator does for a node that is gone) and the node comes back."""
         assert self.fleet is not None and self.kube is not None
         fleet, kube = self.fleet, self.kube
         self.phase = "chaos: node-failure"
