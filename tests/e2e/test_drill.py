@@ -159,8 +159,9 @@ def test_a_failed_node_s_engines_are_evicted_within_the_grace_of_its_ready_flip(
 ) -> None:
     # node-failure: the engines of one kwok node are SIGKILLed and its kubelet (kwok) goes
     # silent; the node lifecycle controller flips its Ready 20 s later (the drill's own
-    # cluster's grace) and marks its pods not Ready (their ContainersReady stays True). On 9cfedae the operator kept those
-    # engines (unreachable: "cannot tell") until the taint eviction deleted the pods.
+    # cluster's grace) and marks its pods not Ready (their ContainersReady stays True). On
+    # 9cfedae the operator kept those engines (unreachable: "cannot tell") until the taint
+    # eviction deleted the pods.
     out, report = drill(tmp_path, "--chaos", "node-failure")
     assert out.returncode == 0, out.stdout[-3000:]
     struck = [m["label"] for m in report["marks"] if m["kind"] == "chaos"]
