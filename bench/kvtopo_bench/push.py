@@ -107,8 +107,6 @@ def _peer_main(
 ) -> None:
     """One side of the benchmark; obeys commands from the parent over `conn`."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
-
     from kvtopo_worker.emulated import KVContent, rank_kv
     from kvtopo_worker.metrics import WorkerMetrics
     from kvtopo_worker.protocol import (
@@ -122,10 +120,12 @@ def _peer_main(
     from kvtopo_worker.registry import EngineRegistry
     from kvtopo_worker.transport import NixlTransport
 
-    torch.set_num_threads(1)
     engine_id = f"bench-{role}-{os.getpid()}"
     transport = NixlTransport(f"kvtopo-{engine_id}", progress_thread=progress)
-    if device == "cuda":
+    if device == "cuda":  # torch only on a GPU (the host-memory cache is numpy's)
+        import torch
+
+        torch.set_num_threads(1)
         torch.cuda.set_device(0)
     kv = rank_kv(num_blocks, block_len, device)
     transport.register_kv_cache(kv.registrable)
@@ -422,6 +422,25 @@ def run_case(
         finally:
             pair.close()
 
+    return summarize(
+        block_len, per_req, total, tp, verified, raw=raw, raw_engine=raw_engine, push=push
+    )
+
+
+def summarize(
+    block_len: int,
+    per_req: int,
+    requests: int,
+    tp: int,
+    verified: bool,
+    *,
+    raw: dict[str, float],
+    raw_engine: dict[str, float],
+    push: dict[str, float],
+) -> CaseResult:
+    """A case's result from its throughputs (GB/s, by configuration): the best of each
+    kind, and their ratios computed before anything is rounded for the report."""
+
     def best(results: dict[str, float], merge: str) -> tuple[str, float]:
         key = max((k for k in results if k.endswith(merge)), key=lambda k: results[k])
         return key, results[key]
@@ -436,7 +455,7 @@ def run_case(
     return CaseResult(
         block_bytes=block_len,
         blocks_per_request=per_req,
-        requests=total,
+        requests=requests,
         raw_nixl_gbps=round(raw_gbps, 3),
         raw_config=raw_key,
         push_gbps=round(push_gbps, 3),
