@@ -134,11 +134,9 @@ class WorkerViews:
         concurrency: int,
         timeout_s: float,
         wait_s: float | None = None,
-        listed_at: float | None = None,
     ) -> Mapping[str, Seen]:
         """The view of every usable pod's worker (Ready, not deleting, with an endpoint),
-        reading again those that are due; forgets pods that are no longer usable (but a
-        view read after `listed_at`, when the pods were listed, on the views' clock).
+        reading again those that are due; forgets pods that are no longer usable.
 
         `wait_s`: how long the round waits for its reads (None: until each has answered or
         reached `timeout_s`, an unreachable worker's too). A read still out then goes on in
@@ -147,57 +145,8 @@ class WorkerViews:
         is out and that has no view yet is left out of the answer (not read yet)."""
         usable = {p.name: p for p in pods if p.ready and not p.deleting and p.endpoint}
         for name in [n for n in self._entries if n not in usable]:
-            # A view read after the pods were listed is of a pod newer than the listing (an
-            # engine that arrived between the rounds, `read_new`): the next round's.
-            if listed_at is None or self._entries[name].read_at < listed_at:
-                del self._entries[name]
+            del self._entries[name]
         due = [p for p in usable.values() if p.name not in self._reading and self._due(p)]
-        await self._read_due(due, concurrency, timeout_s, wait_s)
-        now = self._clock()
-        old = now - self.refresh_age(len(usable))
-        stale = [
-            p
-            for p in usable.values()
-            if p.name not in self._refreshing
-            and p.name not in self._reading
-            and p.name in self._entries
-            and self._entries[p.name].read_at <= old
-        ]
-        if stale:
-            self._refreshing.update(p.name for p in stale)
-            self._background(self._refresh(stale, concurrency, timeout_s))
-        return {name: self._entries[name].view for name in usable if name in self._entries}
-
-    def now(self) -> float:
-        """The views' clock (what `gather`'s `listed_at` is on)."""
-        return self._clock()
-
-    async def read_new(
-        self,
-        pods: Iterable[PodView],
-        *,
-        concurrency: int,
-        timeout_s: float,
-        wait_s: float | None = None,
-    ) -> None:
-        """Reads the workers of `pods` that were never read (engines that arrived between
-        the rounds), as `gather` reads them, forgetting nothing."""
-        due = [
-            p
-            for p in pods
-            if p.ready
-            and not p.deleting
-            and p.endpoint
-            and p.name not in self._reading
-            and p.name not in self._entries
-        ]
-        await self._read_due(due, concurrency, timeout_s, wait_s)
-
-    async def _read_due(
-        self, due: list[PodView], concurrency: int, timeout_s: float, wait_s: float | None
-    ) -> None:
-        """Reads `due`, waiting up to `wait_s` (see `gather`); a read still out then goes on
-        in the background and pokes the loop when it ends."""
         sem = asyncio.Semaphore(max(1, concurrency))
 
         async def read(pod: PodView) -> None:
@@ -230,6 +179,20 @@ class WorkerViews:
         if waited:
             await asyncio.wait(waited, timeout=wait_s)
         late[0] = True
+        now = self._clock()
+        old = now - self.refresh_age(len(usable))
+        stale = [
+            p
+            for p in usable.values()
+            if p.name not in self._refreshing
+            and p.name not in self._reading
+            and p.name in self._entries
+            and self._entries[p.name].read_at <= old
+        ]
+        if stale:
+            self._refreshing.update(p.name for p in stale)
+            self._background(self._refresh(stale, concurrency, timeout_s))
+        return {name: self._entries[name].view for name in usable if name in self._entries}
 
     def _background(self, work: Awaitable[None]) -> None:
         task = asyncio.ensure_future(work)

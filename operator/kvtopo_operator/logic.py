@@ -539,67 +539,6 @@ def pair_engines(
     )
 
 
-def admission_handshakes(
-    spec: KVTopologySpec, arrivals: Mapping[str, Usable], known: Mapping[str, Usable]
-) -> tuple[Handshake, ...]:
-    """Policy, between the rounds: the handshake halves that pair the engines that arrived
-    since the last round (`arrivals`: usable, none of them `known`) with the engines that
-    round found usable (`known`, as they are now) and with each other, as `pair_engines`
-    pairs them (equal pairing-label values and compatibility hash, the other role); each
-    half that its holder does not hold as it is now (`holds`).
-
-    Costs in proportion to the arrivals and their partners: a known engine is only looked
-    at for the arrivals of its group (what it lacks of the other known engines, and every
-    decision beyond these halves, is the next round's)."""
-    keys = spec.pairing.match_labels
-
-    def group_of(e: Usable) -> tuple[tuple[str, ...], str]:
-        return tuple(e.pod.labels.get(k, "") for k in keys), e.worker.compat_hash
-
-    # group -> (arrived, known) engines, each by role (0: prefill, 1: decode)
-    groups: dict[tuple[tuple[str, ...], str], tuple[list[list[Usable]], list[list[Usable]]]] = {}
-    for e in arrivals.values():
-        g = groups.setdefault(group_of(e), ([[], []], [[], []]))
-        g[0][0 if e.pod.role == "prefill" else 1].append(e)
-    for e in known.values():
-        g_ = groups.get(group_of(e))
-        if g_ is not None:
-            g_[1][0 if e.pod.role == "prefill" else 1].append(e)
-    incarnation = {eid: e.worker.incarnation for eid, e in (*arrivals.items(), *known.items())}
-    handshakes: list[Handshake] = []
-    for arrived, old in groups.values():
-        for side in (0, 1):  # the holders of this role; their peers are of the other
-            other = 1 - side
-            new_peers = frozenset(e.worker.engine_id for e in arrived[other])
-            all_peers = new_peers | frozenset(e.worker.engine_id for e in old[other])
-            if not all_peers:
-                continue
-            everyone = _Among.of(all_peers, incarnation)
-            newcomers = _Among.of(new_peers, incarnation) if new_peers else None
-            peers_by_id = {e.worker.engine_id: e for e in (*arrived[other], *old[other])}
-            # An arrival pairs with every engine of the other role; a known engine with
-            # the arrivals only.
-            holders = [(h, everyone) for h in arrived[side]]
-            if newcomers is not None:
-                holders += [(h, newcomers) for h in old[side]]
-            for h, among in holders:
-                for peer in among.ids - _held_as_is(h.worker, among):
-                    b = peers_by_id[peer]
-                    handshakes.append(
-                        Handshake(
-                            h.pod.name,
-                            h.pod.endpoint,
-                            peer,
-                            b.pod.endpoint,
-                            b.pod.role,
-                            b.pod.uid,
-                            b.worker.incarnation,
-                            h.worker.engine_id,
-                        )
-                    )
-    return tuple(sorted(handshakes))
-
-
 def _by_pod(e: Usable) -> str:
     return e.pod.name
 

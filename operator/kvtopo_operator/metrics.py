@@ -29,12 +29,6 @@ class OperatorMetrics:
             ["result"],
             registry=self.registry,
         )
-        self.admissions = Counter(
-            "kvtopo_operator_admission_handshakes",
-            "Handshake halves made between the rounds for engines that arrived since the "
-            "last one (admissions; their results count in kvtopo_operator_handshakes).",
-            registry=self.registry,
-        )
         self.state_reads = Counter(
             "kvtopo_operator_worker_state_reads",
             "Worker /v1/state reads (new, failed or stale workers only).",

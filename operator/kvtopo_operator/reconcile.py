@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, NamedTuple
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -39,8 +39,6 @@ from kvtopo_operator.gate import GateChange, gate_changes, stray_gates
 from kvtopo_operator.gather import WorkerViews
 from kvtopo_operator.kube import KubeClient
 from kvtopo_operator.logic import (
-    Usable,
-    admission_handshakes,
     claim_order,
     evaluate,
     invalid_spec,
@@ -106,26 +104,12 @@ class Settings:
     # A status write that failed is tried again after retry_s, doubling with each failure
     # in a row up to this (a refusal that lasts costs the API server little).
     max_write_backoff_s: float = 30.0
-    # Engines that arrive between the rounds are read and connected at once, off the
-    # rounds' path (`Reconciler._admit`): a new engine waits for its reads and calls, not
-    # for the round under way and the next (which cost seconds each at 2,000 engines).
-    admissions: bool = True
 
 
 # A round this large or this long is logged (INFO) with where its time went.
 LOUD_ROUND_HANDSHAKES = 1000
 LOUD_ROUND_S = 1.0
 BATCH_LIMIT = 512  # adds plus evictions per worker call (the worker takes up to 1,024)
-ADMIT_GAP_S = 0.05  # admissions of arrived engines at most this often (arrivals batch up)
-
-
-class _Admission(NamedTuple):
-    """What an admission acts on (the parts of a plan `_act` takes): the halves that
-    connect the engines arrived since the last round."""
-
-    handshakes: tuple[Handshake, ...]
-    evictions: tuple[Eviction, ...] = ()
-    idle_ttls: tuple[SetIdleTTL, ...] = ()
 
 
 @dataclass
@@ -190,13 +174,6 @@ class _Loop:
     writer: asyncio.Task[None] | None = None
     write_failures: int = 0  # status writes failed in a row
     refusal_told: str = ""  # the last permanent refusal an Event said
-    # Admissions (`Reconciler._admit`): the engines that arrived since the last round are
-    # read and connected between the rounds, off their path. From the last round: the
-    # topology as it read it, and the usable engines it found ((pod name, engine id)).
-    admit_poke: asyncio.Event = field(default_factory=asyncio.Event)
-    admitter: asyncio.Task[None] | None = None
-    me: TopologyView | None = None
-    known: tuple[tuple[str, str], ...] = ()
 
 
 class Reconciler:
@@ -233,25 +210,16 @@ class Reconciler:
         """Starts the topology's loop if needed; pokes it when its spec changed."""
         loop = self._loops.get(key)
         if loop is None or loop.task.done():
-            poke, admit = asyncio.Event(), asyncio.Event()
+            poke = asyncio.Event()
             task = asyncio.create_task(self._run(key, poke), name=f"kvtopo-{key[0]}/{key[1]}")
-
-            def changed() -> None:
-                poke.set()
-                admit.set()
-
             # A stale worker is re-read in the background; a different view pokes the loop.
             views = WorkerViews(
                 self.workers.state,
                 max_age_s=0.9 * self.settings.resync_s,
                 reads_per_s=self.settings.state_reads_per_s,
-                on_change=changed,
+                on_change=poke.set,
             )
-            new = self._loops[key] = _Loop(task=task, views=views, poke=poke, admit_poke=admit)
-            if self.settings.admissions:
-                new.admitter = asyncio.create_task(
-                    self._admissions(key, new), name=f"kvtopo-admit-{key[0]}/{key[1]}"
-                )
+            self._loops[key] = _Loop(task=task, views=views, poke=poke)
             poke.set()
             return
         if generation is not None and generation != loop.generation:
@@ -261,7 +229,6 @@ class Reconciler:
         for (ns, _), loop in self._loops.items():
             if ns == namespace:
                 loop.poke.set()
-                loop.admit_poke.set()
 
     def forget(self, key: TopologyKey) -> None:
         """The topology is gone: its loop stops. The gates of the pods only it selected
@@ -288,8 +255,6 @@ class Reconciler:
         loop = self._loops.pop(key, None)
         if loop is not None:
             loop.task.cancel()
-            if loop.admitter is not None:
-                loop.admitter.cancel()
             loop.views.close()
             loop.calls.cancel()
             if loop.writer is not None:
@@ -454,7 +419,6 @@ class Reconciler:
         # The claim: of the pods this spec selects, those an older topology of the namespace
         # selects too are that one's; they are left alone (`logic.owned_pods`).
         me = TopologyView(name, str(body["metadata"].get("creationTimestamp") or ""), spec)
-        listed_at = loop.views.now()
         all_pods = tuple(self.pods(namespace, spec.control_port))
         others = tuple(self.topologies(namespace))
         pods, claimed = owned_pods(me, others, all_pods)
@@ -466,7 +430,6 @@ class Reconciler:
             concurrency=spec.handshake.max_concurrent,
             timeout_s=timeout,
             wait_s=self.settings.round_wait_s,
-            listed_at=listed_at,
         )
         self.metrics.state_reads.inc(loop.views.reads - reads)
         self.metrics.state_unchanged.inc(loop.views.unchanged - unchanged)
@@ -489,8 +452,6 @@ class Reconciler:
             now,
         )
         decided = time.monotonic()
-        # What the admissions between this round and the next start from.
-        loop.me, loop.known = me, plan.progress.live
         out = await self._act(
             plan,
             loop.views,
@@ -710,7 +671,7 @@ class Reconciler:
 
     async def _act(
         self,
-        plan: Plan | _Admission,
+        plan: Plan,
         views: WorkerViews,
         sem: asyncio.Semaphore,
         call_timeout: float,
@@ -720,7 +681,6 @@ class Reconciler:
         calls: _Calls | None = None,
         wait_s: float | None = None,
         on_late: Callable[[], None] = lambda: None,
-        take_outcome: bool = True,
     ) -> _Outcome:
         """Makes the plan's handshakes and evictions: one call per worker (a batch of its
         adds and evictions, the adds bounded by `call_timeout`, the handshake deadline), and
@@ -732,9 +692,7 @@ class Reconciler:
         now, its part of the plan waits for the next round). The round waits for them up to
         `wait_s` (None: until each has answered or reached its deadline); those still out go
         on, and what they end with is the next round's (`calls.outcome`), which `on_late`
-        (the loop's poke) starts. So a hung or slow worker costs its own engine only.
-        An admission (`take_outcome` False) leaves what its calls end with, and what calls
-        of earlier rounds ended with, to the next round."""
+        (the loop's poke) starts. So a hung or slow worker costs its own engine only."""
         calls = calls if calls is not None else _Calls()
         by_worker: dict[tuple[str, str], _WorkerPart] = {}
         for h in plan.handshakes:  # a surge's tens of thousands: no part made per half
@@ -768,112 +726,12 @@ class Reconciler:
             task = asyncio.create_task(work(pod, endpoint, part), name=f"kvtopo-calls-{pod}")
             calls.out[pod] = task
             started.append(task)
-        if started and wait_s != 0:
+        if started:
             await asyncio.wait(started, timeout=wait_s)
         round_over[0] = True
-        if not take_outcome:
-            return _Outcome(False, [], [], [], {}, deferred)
         out, calls.outcome = calls.outcome, _Outcome(False, [], [], [], {})
         out.deferred = deferred
         return out
-
-    async def _admissions(self, key: TopologyKey, loop: _Loop) -> None:
-        """The topology's admissions: one whenever its pods change or a call or read ends,
-        at most one every `ADMIT_GAP_S`, beside its rounds."""
-        while True:
-            await loop.admit_poke.wait()
-            loop.admit_poke.clear()
-            try:
-                await self._admit(key, loop)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("an admission of %s/%s failed; the rounds carry on", *key)
-            await asyncio.sleep(ADMIT_GAP_S)
-
-    async def _admit(self, key: TopologyKey, loop: _Loop) -> None:
-        """Connects the engines that arrived since the last round, at once: reads the
-        workers of the topology's usable pods that round did not find usable, and makes the
-        halves that pair them with its engines and with each other
-        (`logic.admission_handshakes`), without waiting for their calls. An arrival is only
-        a worker of its pod (its uid), of its pod's role, with an engine id no other engine
-        has; anything else, and every other decision, is the rounds'. What the calls end
-        with is the next round's, which they poke."""
-        me = loop.me
-        if me is None or me.spec is None:
-            return  # no round yet
-        spec, namespace = me.spec, key[0]
-        pods, _ = owned_pods(
-            me, tuple(self.topologies(namespace)), tuple(self.pods(namespace, spec.control_port))
-        )
-        by_name = {p.name: p for p in pods}
-        known_pods = dict(loop.known)
-        arriving = [
-            p
-            for p in pods
-            if p.ready
-            and not p.deleting
-            and p.endpoint
-            and not p.endpoint_error
-            and p.name not in known_pods
-        ]
-        if not arriving:
-            return
-        timeout = float(spec.handshake.timeout_seconds)
-        await loop.views.read_new(
-            arriving,
-            concurrency=spec.handshake.max_concurrent,
-            timeout_s=timeout,
-            wait_s=self.settings.round_wait_s,
-        )
-        known_ids = set(known_pods.values())
-        claims: dict[str, list[Usable]] = {}
-        for p in arriving:
-            v = loop.views.view(p.name)
-            if (
-                isinstance(v, WorkerView)
-                and v.pod_uid == p.uid
-                and v.role in (p.role, "both")
-                and v.engine_id not in known_ids
-            ):
-                claims.setdefault(v.engine_id, []).append(Usable(p, v))
-        arrivals = {eid: us[0] for eid, us in claims.items() if len(us) == 1}
-        if not arrivals:
-            return
-        known: dict[str, Usable] = {}
-        for name, eid in loop.known:
-            kp, kv = by_name.get(name), loop.views.view(name)
-            if (
-                kp is not None
-                and kp.ready
-                and not kp.deleting
-                and kp.endpoint
-                and isinstance(kv, WorkerView)
-                and kv.engine_id == eid
-                and kv.pod_uid == kp.uid
-            ):
-                known[eid] = Usable(kp, kv)
-        halves = admission_handshakes(spec, arrivals, known)
-        if not halves:
-            return
-
-        def late() -> None:
-            loop.poke.set()
-            loop.admit_poke.set()
-
-        await self._act(
-            _Admission(halves),
-            loop.views,
-            asyncio.Semaphore(spec.handshake.max_concurrent),
-            timeout,
-            self.clock(),
-            set(loop.failing),
-            calls=loop.calls,
-            wait_s=0,
-            on_late=late,
-            take_outcome=False,
-        )
-        self.metrics.admissions.inc(len(halves))
 
     async def _worker_calls(
         self,
