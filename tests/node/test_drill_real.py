@@ -21,6 +21,10 @@ from kvtopo.drill.run import Drill, DrillOptions
 pytestmark = pytest.mark.node
 
 
+# The first test of the session on the real node also starts it (cluster_c): after a source
+# change that imports the new images into containerd, 136 s on a clean clone; the drill
+# itself has its own deadline (timeout_s) and the namespace's deletion 180 s.
+@pytest.mark.timeout(1200)
 def test_the_drill_on_real_pods_loses_nothing(cluster_c: LocalCluster, tmp_path: Path) -> None:
     opts = DrillOptions(
         prefill=1,
