@@ -68,16 +68,9 @@ class HostKV:
     alone took 4 s and 600 MB a process)."""
 
     def __init__(self, num_blocks: int, block_len: int) -> None:
+        self.num_blocks, self.block_len = num_blocks, block_len
         self.array = np.zeros((num_blocks, block_len), dtype=np.uint8)
         self._words = self.array.view(np.int64)
-
-    @property
-    def num_blocks(self) -> int:
-        return int(self.array.shape[0])
-
-    @property
-    def block_len(self) -> int:
-        return int(self.array.shape[1])
 
     @property
     def registrable(self) -> Any:
@@ -107,16 +100,8 @@ class DeviceKV:
         import torch
 
         self._torch = torch
+        self.num_blocks, self.block_len = num_blocks, block_len
         self.tensor = torch.zeros((num_blocks, block_len), dtype=torch.uint8, device=device)
-        self._scratch = np.empty((0, block_len // 8), dtype=np.int64)
-
-    @property
-    def num_blocks(self) -> int:
-        return int(self.tensor.shape[0])
-
-    @property
-    def block_len(self) -> int:
-        return int(self.tensor.shape[1])
 
     @property
     def registrable(self) -> Any:
