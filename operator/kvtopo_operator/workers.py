@@ -396,8 +396,8 @@ class WorkerClient:
             # An idle connection is kept a minute: a large topology's workers are re-read
             # every 10-20 s (`Settings.state_reads_per_s`), and at aiohttp's default 15 s
             # each re-read opened a new connection (8% of the operator's samples at 2,000
-            # workers went to connecting). A worker's server keeps one 75 s (aiohttp's
-            # default), so the operator is the side that closes an idle connection.
+            # workers went to connecting). A worker's server keeps one far longer (aiohttp's
+            # default, 3630 s), so the operator is the side that closes an idle connection.
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(
                     limit=256, force_close=False, keepalive_timeout=KEEPALIVE_S
