@@ -146,7 +146,59 @@ class WorkerViews:
         usable = {p.name: p for p in pods if p.ready and not p.deleting and p.endpoint}
         for name in [n for n in self._entries if n not in usable]:
             del self._entries[name]
-        due = [p for p in usable.values() if p.name not in self._reading and self._due(p)]
+        late = [False]
+        await self._read_due(usable.values(), concurrency, timeout_s, wait_s, late)
+        late[0] = True
+        now = self._clock()
+        old = now - self.refresh_age(len(usable))
+        stale = [
+            p
+            for p in usable.values()
+            if p.name not in self._refreshing
+            and p.name not in self._reading
+            and p.name in self._entries
+            and self._entries[p.name].read_at <= old
+        ]
+        if stale:
+            self._refreshing.update(p.name for p in stale)
+            self._background(self._refresh(stale, concurrency, timeout_s))
+        return {name: self._entries[name].view for name in usable if name in self._entries}
+
+    def is_new(self, pod: PodView) -> bool:
+        """Whether `pod`'s worker was never read at its endpoint (nor is being read): an
+        engine that came up since the last round (`read_new`)."""
+        entry = self._entries.get(pod.name)
+        return pod.name not in self._reading and (entry is None or entry.endpoint != pod.endpoint)
+
+    async def read_new(
+        self,
+        pods: Iterable[PodView],
+        *,
+        concurrency: int,
+        timeout_s: float,
+        wait_s: float | None = None,
+    ) -> Mapping[str, Seen]:
+        """Reads the workers of `pods` that are new (`is_new`) and usable, as `gather`
+        would, but forgets nothing: the fast pass between rounds reads only the engines
+        that came up since the last round. Returns the views of `pods` held now."""
+        usable = [p for p in pods if p.ready and not p.deleting and p.endpoint and self.is_new(p)]
+        late = [False]
+        await self._read_due(usable, concurrency, timeout_s, wait_s, late)
+        late[0] = True
+        return {p.name: self._entries[p.name].view for p in usable if p.name in self._entries}
+
+    async def _read_due(
+        self,
+        usable: Iterable[PodView],
+        concurrency: int,
+        timeout_s: float,
+        wait_s: float | None,
+        late: list[bool],
+    ) -> None:
+        """Reads the workers of `usable` that are due (`_due`, unless a read of one is
+        already out) and waits for them up to `wait_s` (not for one unreachable at its last
+        read: `_waited_for`). A read that ends once `late[0]` is set pokes the loop."""
+        due = [p for p in usable if p.name not in self._reading and self._due(p)]
         sem = asyncio.Semaphore(max(1, concurrency))
 
         async def read(pod: PodView) -> None:
@@ -167,7 +219,6 @@ class WorkerViews:
             finally:
                 self._reading.pop(pod.name, None)
 
-        late = [False]
         waited: list[asyncio.Future[None]] = []
         for p in due:
             task = asyncio.ensure_future(read(p))
@@ -178,21 +229,6 @@ class WorkerViews:
                 waited.append(task)
         if waited:
             await asyncio.wait(waited, timeout=wait_s)
-        late[0] = True
-        now = self._clock()
-        old = now - self.refresh_age(len(usable))
-        stale = [
-            p
-            for p in usable.values()
-            if p.name not in self._refreshing
-            and p.name not in self._reading
-            and p.name in self._entries
-            and self._entries[p.name].read_at <= old
-        ]
-        if stale:
-            self._refreshing.update(p.name for p in stale)
-            self._background(self._refresh(stale, concurrency, timeout_s))
-        return {name: self._entries[name].view for name in usable if name in self._entries}
 
     def _background(self, work: Awaitable[None]) -> None:
         task = asyncio.ensure_future(work)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from itertools import repeat
@@ -646,6 +646,8 @@ def evictions_due(
         held = pairing.extra_held.get(eid)
         if held is None:
             held = _extra_held(e.worker, partners.get(eid, _NO_PARTNERS))
+        if not held:
+            continue  # nearly every engine, every round
         for peer in sorted(held):
             if peer not in live:
                 continue
@@ -1007,6 +1009,42 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
         wake_in_s=min(evicting.due_in) if evicting.due_in else None,
         idle_ttls=idle_ttl_changes(spec, engines.live),
         unhealthy_peers=frozenset(pairing.unhealthy),
+    )
+
+
+def admissions(
+    spec: KVTopologySpec,
+    pods: Iterable[PodView],
+    workers: Mapping[str, WorkerView | WorkerUnreachable],
+    new: Collection[str],
+    live: Mapping[str, str],
+) -> tuple[Handshake, ...]:
+    """Policy (the fast pass between rounds): the handshakes that pair the engines of the
+    `new` pods (come up since the last round, their workers just read) with their
+    partners, by the rules of `evaluate` (`usable_engines`, `pair_engines`) applied to them
+    and to the engines they pair with only: a decode's arrival costs its prefills, not the
+    fleet. `pods`: the new pods and the pods of the engines they may pair with, the claim
+    applied (`owned_pods`); `live`: engine id -> pod of the last round's usable engines.
+
+    Anything else is the next round's: an engine that is not usable (unreachable, of
+    another pod, duplicate), one whose engine id another pod's engine had at the last round
+    (the round says DuplicateEngineId), a partner the last round did not find usable, every
+    eviction, status line and Event."""
+    selected = pods_of(spec, pods)
+    fresh = usable_engines([p for p in selected if p.name in new], workers).live
+    fresh = {eid: u for eid, u in fresh.items() if live.get(eid, u.pod.name) == u.pod.name}
+    if not fresh:
+        return ()
+    wanted = {"decode" if u.pod.role == "prefill" else "prefill" for u in fresh.values()}
+    partners = usable_engines(
+        [p for p in selected if p.name not in new and p.role in wanted], workers
+    ).live
+    engines = {eid: u for eid, u in partners.items() if live.get(eid) == u.pod.name}
+    engines.update(fresh)
+    return tuple(
+        h
+        for h in pair_engines(spec, engines).handshakes
+        if h.engine_id in fresh or h.peer_engine_id in fresh
     )
 
 

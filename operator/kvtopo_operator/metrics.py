@@ -29,6 +29,13 @@ class OperatorMetrics:
             ["result"],
             registry=self.registry,
         )
+        self.fast_pass_handshakes = Counter(
+            "kvtopo_operator_fast_pass_handshakes",
+            "Handshake halves planned by the fast pass between rounds (engines that came "
+            "up during a round, paired before the next; their results are counted in "
+            "kvtopo_operator_handshakes).",
+            registry=self.registry,
+        )
         self.state_reads = Counter(
             "kvtopo_operator_worker_state_reads",
             "Worker /v1/state reads (new, failed or stale workers only).",

@@ -192,9 +192,11 @@ class Progress:
         return self.pairs_expected - len(self.missing)
 
 
-@dataclass(frozen=True, order=True)
-class Eviction:
-    """Tell the worker at `endpoint` (pod `pod`) to evict engine `engine_id`."""
+class Eviction(NamedTuple):
+    """Tell the worker at `endpoint` (pod `pod`) to evict engine `engine_id`.
+
+    A named tuple, as `Handshake`: a rollout evicts each old decode from every prefill
+    (64 x 500 in one round at 64 x 2,000), and the plan sorts them."""
 
     pod: str
     endpoint: str

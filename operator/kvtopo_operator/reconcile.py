@@ -39,6 +39,7 @@ from kvtopo_operator.gate import GateChange, gate_changes, stray_gates
 from kvtopo_operator.gather import WorkerViews
 from kvtopo_operator.kube import KubeClient
 from kvtopo_operator.logic import (
+    admissions,
     claim_order,
     evaluate,
     invalid_spec,
@@ -59,6 +60,7 @@ from kvtopo_operator.model import (
     PodView,
     SetIdleTTL,
     TopologyView,
+    WorkerUnreachable,
     WorkerView,
     rfc3339,
 )
@@ -95,6 +97,10 @@ class Settings:
     status_interval_s: float = 1.0
     status_engines_per_interval: int = 500
     max_gap_s: float = 0.5  # the longest pause between rounds for their CPU (see `_run`)
+    # A pause between rounds at least this long is used by the fast pass (`_fast_pass`):
+    # the engines that came up during the last round are read and paired then, not a
+    # round later. Shorter pauses (a small topology's) are simply waited out.
+    fast_pass_min_gap_s: float = 0.05
     # How long a round waits for a worker's read or calls: one still out then goes on in
     # the background, bounded by its own deadline (the handshake timeout), and pokes the
     # loop when it ends. A hung worker costs its own engine, not every decision.
@@ -147,11 +153,22 @@ class _Calls:
             task.cancel()
 
 
+@dataclass(frozen=True)
+class _Decided:
+    """What the last full round went by, for the fast pass until the next (`_fast_pass`)."""
+
+    generation: int
+    me: TopologyView  # the topology as the claim sees it (its spec)
+    live: Mapping[str, str]  # engine id -> pod of each usable engine
+    pods_of_role: Mapping[str, frozenset[str]]  # role -> the pods of its usable engines
+
+
 @dataclass
 class _Loop:
     task: asyncio.Task[None]
     views: WorkerViews
     poke: asyncio.Event = field(default_factory=asyncio.Event)
+    decided: _Decided | None = None  # the last full round's (None: none yet, or refused)
     generation: int = -1
     uid: str = ""  # the object's metadata.uid, as its first round read it
     failed_rounds: int = 0
@@ -338,7 +355,7 @@ class Reconciler:
             # much less than one per change, and the loop leaves the CPU to the rest of the
             # cluster at least half of the time. A round that mostly waited on its calls
             # (a small fleet's handshakes) cost little CPU and is followed at once.
-            await asyncio.sleep(gap)
+            await self._between_rounds(key, gap)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(poke.wait(), timeout=max(0.0, delay - gap))
             poke.clear()
@@ -362,6 +379,93 @@ class Reconciler:
                 loop.failed_rounds += 1
                 delay = min(self.settings.max_backoff_s, 0.5 * 2**loop.failed_rounds)
                 log.exception("reconcile of %s/%s failed; retrying in %.1fs", *key, delay)
+
+    async def _between_rounds(self, key: TopologyKey, gap: float) -> None:
+        """The pause between rounds (`gap` seconds, see `_run`). One long enough
+        (`Settings.fast_pass_min_gap_s`) begins with the fast pass: the engines that came up
+        during the round are read and paired (`_fast_pass`); the rest waits for the next
+        round. One pass per pause: a pass per pod event (a rollout's hundreds) would call
+        every prefill for each, where the next round calls it once for all of them."""
+        loop = self._loops.get(key)
+        end = time.monotonic() + gap
+        if loop is not None and gap >= self.settings.fast_pass_min_gap_s:
+            try:
+                await self._fast_pass(key, loop, end)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the next round decides it all again
+                log.exception("the fast pass of %s/%s failed; the next round decides", *key)
+        await asyncio.sleep(max(0.0, end - time.monotonic()))
+
+    async def _fast_pass(self, key: TopologyKey, loop: _Loop, until: float) -> None:
+        """Pairs the engines that came up since the last round, between rounds: reads their
+        workers and makes their handshakes (`logic.admissions`, under the last round's
+        spec, claim and view of which engines are usable), waiting for them at most until
+        `until` (monotonic). A large topology's round costs a share of a second of CPU and
+        is followed by a pause as long; an engine that came up during one was read at the
+        next and paired at its end, seconds later in a rollout. Here it costs its own read
+        and its partners' calls only. What the calls end with is the next round's (its
+        outcome, its status, Events and gates): that round runs as it would have, on views
+        that already hold the pairs made. Nothing is done when the spec or the object
+        changed since the last round."""
+        decided = loop.decided
+        if decided is None or decided.me.spec is None:
+            return
+        spec = decided.me.spec
+        namespace, _ = key
+        body = self.bodies(key) or await self.kube.get_topology(*key)
+        if body is None:
+            return
+        meta = body.get("metadata") or {}
+        if int(meta.get("generation", 0)) != decided.generation or (
+            loop.uid and str(meta.get("uid") or "") != loop.uid
+        ):
+            return  # the round reads the topology afresh
+        all_pods = tuple(self.pods(namespace, spec.control_port))
+        new = [p for p in all_pods if p.ready and not p.deleting and loop.views.is_new(p)]
+        if not new:
+            return
+        names = {p.name for p in new}
+        wanted: set[str] = set()
+        for role in {p.role for p in new}:
+            wanted |= decided.pods_of_role.get("decode" if role == "prefill" else "prefill", set())
+        candidates = [p for p in all_pods if p.name in names or p.name in wanted]
+        pods, _ = owned_pods(decided.me, tuple(self.topologies(namespace)), candidates)
+        timeout = float(spec.handshake.timeout_seconds)
+        wait = max(0.0, min(self.settings.round_wait_s, until - time.monotonic()))
+        read = await loop.views.read_new(
+            [p for p in pods if p.name in names],
+            concurrency=spec.handshake.max_concurrent,
+            timeout_s=timeout,
+            wait_s=wait,
+        )
+        if not read:
+            return
+        workers: dict[str, WorkerView | WorkerUnreachable] = dict(read)
+        for p in pods:
+            if p.name in wanted:
+                view = loop.views.view(p.name)
+                if view is not None:
+                    workers[p.name] = view
+        handshakes = await asyncio.to_thread(
+            admissions, spec, pods, workers, frozenset(read), decided.live
+        )
+        if not handshakes:
+            return
+        plan = Plan(handshakes, (), KVTopologyStatus(), (), 0, 0)
+        await self._act(
+            plan,
+            loop.views,
+            asyncio.Semaphore(spec.handshake.max_concurrent),
+            timeout,
+            self.clock(),
+            set(loop.failing),
+            calls=loop.calls,
+            wait_s=max(0.0, until - time.monotonic()),
+            on_late=loop.poke.set,
+            take=False,
+        )
+        self.metrics.fast_pass_handshakes.inc(len(handshakes))
 
     async def reconcile(self, key: TopologyKey, loop: _Loop) -> tuple[bool, float | None]:
         """One round; returns whether it changed something (so it runs again soon) and when
@@ -405,6 +509,7 @@ class Reconciler:
                 KVTopologySpec, body.get("spec"), ".spec", drop_invalid=False
             )
         except ValidationError as exc:
+            loop.decided = None
             await self._invalid_spec(key, loop, body, previous, generation, exc)
             return False, None
         ignored = ignored_spec + ignored
@@ -452,6 +557,16 @@ class Reconciler:
             now,
         )
         decided = time.monotonic()
+        roles = plan.progress.live_roles or {}
+        by_role: dict[str, set[str]] = {}
+        for pod_name, eid in plan.progress.live:
+            by_role.setdefault(roles.get(eid, ""), set()).add(pod_name)
+        loop.decided = _Decided(
+            generation,
+            me,
+            {eid: pod_name for pod_name, eid in plan.progress.live},
+            {role: frozenset(names) for role, names in by_role.items()},
+        )
         out = await self._act(
             plan,
             loop.views,
@@ -681,6 +796,7 @@ class Reconciler:
         calls: _Calls | None = None,
         wait_s: float | None = None,
         on_late: Callable[[], None] = lambda: None,
+        take: bool = True,
     ) -> _Outcome:
         """Makes the plan's handshakes and evictions: one call per worker (a batch of its
         adds and evictions, the adds bounded by `call_timeout`, the handshake deadline), and
@@ -692,7 +808,9 @@ class Reconciler:
         now, its part of the plan waits for the next round). The round waits for them up to
         `wait_s` (None: until each has answered or reached its deadline); those still out go
         on, and what they end with is the next round's (`calls.outcome`), which `on_late`
-        (the loop's poke) starts. So a hung or slow worker costs its own engine only."""
+        (the loop's poke) starts. So a hung or slow worker costs its own engine only.
+        `take=False` (the fast pass): what every call ends with is left to the next round,
+        which takes it with its own (the answer is then empty)."""
         calls = calls if calls is not None else _Calls()
         by_worker: dict[tuple[str, str], _WorkerPart] = {}
         for h in plan.handshakes:  # a surge's tens of thousands: no part made per half
@@ -729,6 +847,8 @@ class Reconciler:
         if started:
             await asyncio.wait(started, timeout=wait_s)
         round_over[0] = True
+        if not take:
+            return _Outcome(False, [], [], [], {}, deferred)
         out, calls.outcome = calls.outcome, _Outcome(False, [], [], [], {})
         out.deferred = deferred
         return out

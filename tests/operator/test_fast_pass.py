@@ -1,0 +1,167 @@
+"""The fast pass between rounds (`Reconciler._fast_pass`, `logic.admissions`): an engine that
+came up during a round is read and paired in the pause after it, by the rules of a round and
+under the last round's spec, claim and view of which engines are usable, and nothing it
+cannot vouch for is acted on; what its calls end with is the next round's. Built through the
+real constructor with the fakes of `tests.operator.fakes`; the loop's first rounds run as
+in production, the fast pass is then called as `_between_rounds` calls it, and each test
+checks that no round ran meanwhile."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+
+from kvtopo_operator.logic import admissions
+from kvtopo_operator.model import PodView, WorkerView
+from kvtopo_operator.reconcile import Reconciler
+from tests.operator.fakes import FakeKube, RecordingWorkers
+from tests.operator.test_reconcile import KEY, SPEC, build, pod, topology_body, until
+
+
+def worker_of(p: PodView, **changes: object) -> WorkerView:
+    return dataclasses.replace(
+        WorkerView(p.name.upper(), p.role, "h", frozenset(), pod_uid=p.uid), **changes
+    )
+
+
+async def settled(reconciler: Reconciler, workers: RecordingWorkers, pods: list[PodView]) -> float:
+    """Runs the loop until every pair of `pods` is held both ways and a round has ended
+    since; returns when that round ended (monotonic)."""
+    reconciler.ensure(KEY)
+    prefills = {p.name.upper() for p in pods if p.role == "prefill"}
+    decodes = {p.name.upper() for p in pods if p.role == "decode"}
+
+    def meshed() -> bool:
+        return all(
+            workers.peers_of(p.endpoint) == (decodes if p.role == "prefill" else prefills)
+            for p in pods
+        )
+
+    await until("the first pairs", meshed)
+    loop = reconciler._loops[KEY]
+    seen = loop.round_ended
+    await until("a round after them", lambda: loop.round_ended > seen)
+    return loop.round_ended
+
+
+@pytest.mark.asyncio
+async def test_a_decode_up_since_the_last_round_is_paired_by_the_fast_pass_alone() -> None:
+    pods = [pod("p0", "prefill"), pod("p1", "prefill"), pod("d0", "decode")]
+    kube = FakeKube({"llama": topology_body()})
+    workers = RecordingWorkers.for_pods(pods)
+    reconciler = build(lambda: pods, kube, workers)
+    try:
+        ended = await settled(reconciler, workers, pods)
+        loop = reconciler._loops[KEY]
+        d1 = pod("d1", "decode")
+        workers.views[d1.endpoint] = worker_of(d1)
+        pods.append(d1)
+        reads = len(workers.reads)
+        await reconciler._fast_pass(KEY, loop, time.monotonic() + 2.0)
+        # Both halves of both pairs, with one read: the new worker's only.
+        assert workers.peers_of(d1.endpoint) == {"P0", "P1"}
+        assert all("D1" in workers.peers_of(p.endpoint) for p in pods[:2])
+        assert workers.reads[reads:] == [d1.endpoint]
+        assert loop.round_ended == ended  # no round ran
+        assert reconciler.metrics.fast_pass_handshakes._value.get() == 4
+        # Nothing left for a round to make: the views hold what the calls made.
+        loop.poke.set()
+        await until("a round after the fast pass", lambda: loop.round_ended > ended)
+        await until(
+            "the status with every pair",
+            lambda: kube.bodies["llama"]["status"]["summary"]["pairs"] == "4/4",
+        )
+    finally:
+        await reconciler.stop()
+
+
+@pytest.mark.asyncio
+async def test_the_fast_pass_acts_on_nothing_it_cannot_vouch_for() -> None:
+    pods = [pod("p0", "prefill"), pod("d0", "decode")]
+    kube = FakeKube({"llama": topology_body()})
+    workers = RecordingWorkers.for_pods(pods)
+    reconciler = build(lambda: pods, kube, workers)
+    try:
+        ended = await settled(reconciler, workers, pods)
+        loop = reconciler._loops[KEY]
+        calls = len(workers.calls)
+        # A worker of another pod, a second engine with d0's engine id, and one that is not
+        # up yet: none is paired; the round says why.
+        stranger, twin, down = pod("d1", "decode"), pod("d2", "decode"), pod("d3", "decode")
+        workers.views[stranger.endpoint] = worker_of(stranger, pod_uid="uid-elsewhere")
+        workers.views[twin.endpoint] = worker_of(twin, engine_id="D0")
+        workers.views[down.endpoint] = worker_of(down)
+        pods += [stranger, twin, dataclasses.replace(down, ready=False)]
+        await reconciler._fast_pass(KEY, loop, time.monotonic() + 2.0)
+        made = [c for c in workers.calls[calls:] if c[0] != "state"]
+        assert made == []
+        assert sorted(workers.reads[-2:]) == sorted([stranger.endpoint, twin.endpoint])
+        # A spec changed since the last round: the round reads it; the pass does nothing.
+        late = pod("d4", "decode")
+        workers.views[late.endpoint] = worker_of(late)
+        pods.append(late)
+        kube.bodies["llama"]["metadata"]["generation"] = 2
+        reads = len(workers.reads)
+        await reconciler._fast_pass(KEY, loop, time.monotonic() + 2.0)
+        assert len(workers.reads) == reads
+        assert loop.round_ended == ended
+    finally:
+        await reconciler.stop()
+
+
+@pytest.mark.asyncio
+async def test_what_the_fast_pass_s_calls_end_with_is_the_next_round_s() -> None:
+    pods = [pod("p0", "prefill"), pod("d0", "decode")]
+    kube = FakeKube({"llama": topology_body()})
+    workers = RecordingWorkers.for_pods(pods)
+    reconciler = build(lambda: pods, kube, workers)
+    try:
+        ended = await settled(reconciler, workers, pods)
+        loop = reconciler._loops[KEY]
+        d1 = pod("d1", "decode")
+        workers.views[d1.endpoint] = worker_of(d1)
+        workers.refused_adds = {"D1"}  # the prefill cannot add it
+        pods.append(d1)
+        await reconciler._fast_pass(KEY, loop, time.monotonic() + 2.0)
+        assert "D1" not in workers.peers_of(pods[0].endpoint)
+        assert workers.peers_of(d1.endpoint) == {"P0"}
+        assert not any(e[2] == "HandshakeFailed" for e in kube.events)
+        # The next round takes the failure: its Event, and the half is tried again.
+        loop.poke.set()
+        await until("a round after the fast pass", lambda: loop.round_ended > ended)
+        await until(
+            "the failure's Event", lambda: any(e[2] == "HandshakeFailed" for e in kube.events)
+        )
+        assert sum(1 for e in kube.events if e[2] == "HandshakeFailed") == 1
+    finally:
+        await reconciler.stop()
+
+
+def test_admissions_pair_only_the_new_engines_rows_by_the_round_s_rules() -> None:
+    spec = SPEC.model_copy(
+        update={"pairing": SPEC.pairing.model_copy(update={"match_labels": ["zone"]})}
+    )
+
+    def zoned(name: str, role: str, zone: str) -> PodView:
+        p = pod(name, role)
+        return dataclasses.replace(p, labels={**p.labels, "zone": zone})
+
+    p0, p1, d0, d1 = (
+        zoned("p0", "prefill", "a"),
+        zoned("p1", "prefill", "b"),
+        zoned("d0", "decode", "a"),
+        zoned("d1", "decode", "a"),
+    )
+    views = {p.name: worker_of(p) for p in (p0, p1, d0, d1)}
+    views["d0"] = dataclasses.replace(views["d0"], peers=frozenset({"P0"}))
+    live = {"P0": "p0", "P1": "p1", "D0": "d0"}
+    made = admissions(spec, [p0, p1, d0, d1], views, {"d1"}, live)
+    # d1 pairs with its zone's prefill only, both halves; d0's own missing half (P0 lacks
+    # it) is the round's, not the fast pass's.
+    assert sorted((h.pod, h.peer_engine_id) for h in made) == [("d1", "P0"), ("p0", "D1")]
+    # A prefill the last round did not find usable is no partner; nor is an incompatible one.
+    assert admissions(spec, [p0, d1], views, {"d1"}, {"D0": "d0"}) == ()
+    views["d1"] = dataclasses.replace(views["d1"], compat_hash="other")
+    assert admissions(spec, [p0, d1], views, {"d1"}, live) == ()
