@@ -889,9 +889,10 @@ class Reconciler:
                     )
                 )
 
-        def eviction_done(e: Eviction, res: CallResult, evicted: dict[str, str]) -> bool:
-            outcome = res.result or ("unreachable" if res.status == 0 else "failed")
-            self.metrics.evictions.labels(outcome).inc()
+        def eviction_done(
+            e: Eviction, res: CallResult, evicted: dict[str, str], outcomes: Counter[str]
+        ) -> bool:
+            outcomes[res.result or ("unreachable" if res.status == 0 else "failed")] += 1
             if res.ok:
                 evicted[e.engine_id] = res.result
                 return True
@@ -946,7 +947,13 @@ class Reconciler:
                     outcomes["unreachable" if res.status == 0 else "failed"] += 1
             for outcome, n in outcomes.items():
                 self.metrics.handshakes.labels(outcome).inc(n)
-            done = [eviction_done(e, results[("evict", e.engine_id)], evicted) for e in ev_part]
+            evictions: Counter[str] = Counter()
+            done = [
+                eviction_done(e, results[("evict", e.engine_id)], evicted, evictions)
+                for e in ev_part
+            ]
+            for outcome, n in evictions.items():  # a rollout's round: thousands
+                self.metrics.evictions.labels(outcome).inc(n)
             views.peers_changed(pod, added, evicted)
             if added or any(done):
                 calls.outcome.acted = True
