@@ -8,7 +8,6 @@ checks that no round ran meanwhile."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 
@@ -199,40 +198,5 @@ async def test_after_long_pauses_a_round_leaves_new_workers_to_the_fast_pass_aft
             "the status with the new pair",
             lambda: kube.bodies["llama"]["status"]["summary"]["pairs"] == "2/2",
         )
-    finally:
-        await reconciler.stop()
-
-
-@pytest.mark.asyncio
-async def test_the_fast_pass_queues_a_part_behind_a_worker_s_calls_still_out_one_at_most() -> None:
-    pods = [pod("p0", "prefill"), pod("d0", "decode")]
-    kube = FakeKube({"llama": topology_body()})
-    workers = RecordingWorkers.for_pods(pods)
-    reconciler = build(lambda: pods, kube, workers)
-    try:
-        await settled(reconciler, workers, pods)
-        loop = reconciler._loops[KEY]
-        # The prefill's calls of the round are still out (a slow worker).
-        release = asyncio.Event()
-        earlier = asyncio.create_task(release.wait())
-        loop.calls.out["p0"] = earlier  # type: ignore[assignment]
-        d1, d2 = pod("d1", "decode"), pod("d2", "decode")
-        workers.views[d1.endpoint] = worker_of(d1)
-        pods.append(d1)
-        await reconciler._fast_pass(KEY, loop, time.monotonic() + 0.05)
-        assert workers.peers_of(d1.endpoint) == {"P0"}  # the new worker's own half: made
-        assert "D1" not in workers.peers_of(pods[0].endpoint)  # the prefill's: queued
-        assert loop.calls.queued == {"p0"}
-        # A second pass while that part waits: the prefill's part is left (one queued).
-        workers.views[d2.endpoint] = worker_of(d2)
-        pods.append(d2)
-        await reconciler._fast_pass(KEY, loop, time.monotonic() + 0.05)
-        assert workers.peers_of(d2.endpoint) == {"P0"}
-        release.set()
-        await until("the queued half", lambda: "D1" in workers.peers_of(pods[0].endpoint))
-        await until("no call out", lambda: not loop.calls.out and not loop.calls.queued)
-        # The round after takes the left half.
-        loop.poke.set()
-        await until("the left half", lambda: "D2" in workers.peers_of(pods[0].endpoint))
     finally:
         await reconciler.stop()
