@@ -147,13 +147,9 @@ class _Calls:
 
     out: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     outcome: _Outcome = field(default_factory=lambda: _Outcome(False, [], [], [], {}))
-    # Pods whose task in `out` is the fast pass's, queued behind an earlier one (at most
-    # one queued per worker), and every task not ended yet (`out` names the last only).
-    queued: set[str] = field(default_factory=set)
-    running: set[asyncio.Task[None]] = field(default_factory=set)
 
     def cancel(self) -> None:
-        for task in (*self.out.values(), *self.running):
+        for task in self.out.values():
             task.cancel()
 
 
@@ -833,9 +829,7 @@ class Reconciler:
         on, and what they end with is the next round's (`calls.outcome`), which `on_late`
         (the loop's poke) starts. So a hung or slow worker costs its own engine only.
         `take=False` (the fast pass): what every call ends with is left to the next round,
-        which takes it with its own (the answer is then empty), and a worker whose calls
-        are still out gets its part right after them (queued; at most one part queued per
-        worker), not left to a later round."""
+        which takes it with its own (the answer is then empty)."""
         calls = calls if calls is not None else _Calls()
         by_worker: dict[tuple[str, str], _WorkerPart] = {}
         for h in plan.handshakes:  # a surge's tens of thousands: no part made per half
@@ -850,41 +844,24 @@ class Reconciler:
         failing_before = failing_before or set()
         round_over = [False]
 
-        async def work(
-            pod: str, endpoint: str, part: _WorkerPart, after: asyncio.Task[None] | None
-        ) -> None:
-            me = asyncio.current_task()
+        async def work(pod: str, endpoint: str, part: _WorkerPart) -> None:
             try:
-                if after is not None:  # the fast pass's, behind the worker's calls still out
-                    await asyncio.wait([after])
-                    calls.queued.discard(pod)
                 await self._worker_calls(
                     pod, endpoint, part, views, sem, call_timeout, now, failing_before, calls
                 )
             finally:
-                if calls.out.get(pod) is me:
-                    calls.out.pop(pod, None)
-                    calls.queued.discard(pod)
+                calls.out.pop(pod, None)
                 if round_over[0]:
                     on_late()
 
         started: list[asyncio.Task[None]] = []
         deferred: list[Handshake] = []
         for (pod, endpoint), part in by_worker.items():
-            after = calls.out.get(pod)
-            if after is not None and (take or pod in calls.queued):
-                # Its calls of an earlier round are still out: a round leaves its part to
-                # a later one; the fast pass queues its own behind them (the round's calls
-                # to a prefill are often still out when the pause begins, and a part left
-                # would be a second wave of calls to every prefill), one queued at most.
+            if pod in calls.out:  # its calls of an earlier round are still out
                 deferred.extend(part.adds)
                 continue
-            task = asyncio.create_task(work(pod, endpoint, part, after), name=f"kvtopo-calls-{pod}")
-            if after is not None:
-                calls.queued.add(pod)
+            task = asyncio.create_task(work(pod, endpoint, part), name=f"kvtopo-calls-{pod}")
             calls.out[pod] = task
-            calls.running.add(task)
-            task.add_done_callback(calls.running.discard)
             started.append(task)
         if started:
             await asyncio.wait(started, timeout=wait_s)

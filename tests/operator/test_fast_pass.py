@@ -165,38 +165,3 @@ def test_admissions_pair_only_the_new_engines_rows_by_the_round_s_rules() -> Non
     assert admissions(spec, [p0, d1], views, {"d1"}, {"D0": "d0"}) == ()
     views["d1"] = dataclasses.replace(views["d1"], compat_hash="other")
     assert admissions(spec, [p0, d1], views, {"d1"}, live) == ()
-
-
-@pytest.mark.asyncio
-async def test_after_long_pauses_a_round_leaves_new_workers_to_the_fast_pass_after_it() -> None:
-    pods = [pod("p0", "prefill"), pod("d0", "decode")]
-    kube = FakeKube({"llama": topology_body()})
-    workers = RecordingWorkers.for_pods(pods)
-    reconciler = build(lambda: pods, kube, workers)
-    # Every pause counts as long: the loop runs as a large topology's does.
-    reconciler.settings = dataclasses.replace(reconciler.settings, fast_pass_min_gap_s=0.0)
-    try:
-        await settled(reconciler, workers, pods)
-        loop = reconciler._loops[KEY]
-        assert loop.fast
-        d1 = pod("d1", "decode")
-        workers.views[d1.endpoint] = worker_of(d1)
-        pods.append(d1)
-        reconciler.poke_namespace("ns")
-        await until(
-            "the new pair, both ways",
-            lambda: (
-                workers.peers_of(d1.endpoint) == {"P0"}
-                and "D1" in workers.peers_of(pods[0].endpoint)
-            ),
-        )
-        # Both halves were the fast pass's (the round left the new worker to it), and the
-        # round after it took their outcome into the status.
-        assert reconciler.metrics.fast_pass_handshakes._value.get() == 2
-        assert workers.reads.count(d1.endpoint) == 1
-        await until(
-            "the status with the new pair",
-            lambda: kube.bodies["llama"]["status"]["summary"]["pairs"] == "2/2",
-        )
-    finally:
-        await reconciler.stop()
