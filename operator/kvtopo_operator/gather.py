@@ -134,12 +134,9 @@ class WorkerViews:
         concurrency: int,
         timeout_s: float,
         wait_s: float | None = None,
-        leave_new: bool = False,
     ) -> Mapping[str, Seen]:
         """The view of every usable pod's worker (Ready, not deleting, with an endpoint),
         reading again those that are due; forgets pods that are no longer usable.
-        `leave_new`: a worker never read is not read here either (the fast pass after the
-        round reads it, `read_new`); it is left out, as not read yet.
 
         `wait_s`: how long the round waits for its reads (None: until each has answered or
         reached `timeout_s`, an unreachable worker's too). A read still out then goes on in
@@ -150,12 +147,7 @@ class WorkerViews:
         for name in [n for n in self._entries if n not in usable]:
             del self._entries[name]
         late = [False]
-        to_read = (
-            [p for p in usable.values() if p.name in self._entries]
-            if leave_new
-            else usable.values()
-        )
-        await self._read_due(to_read, concurrency, timeout_s, wait_s, late)
+        await self._read_due(usable.values(), concurrency, timeout_s, wait_s, late)
         late[0] = True
         now = self._clock()
         old = now - self.refresh_age(len(usable))

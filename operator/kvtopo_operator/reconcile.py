@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -97,10 +98,14 @@ class Settings:
     status_interval_s: float = 1.0
     status_engines_per_interval: int = 500
     max_gap_s: float = 0.5  # the longest pause between rounds for their CPU (see `_run`)
-    # A pause between rounds at least this long is used by the fast pass (`_fast_pass`):
-    # the engines that came up during the last round are read and paired then, not a
-    # round later. Shorter pauses (a small topology's) are simply waited out.
-    fast_pass_min_gap_s: float = 0.05
+    # A pause between rounds at least this long begins with the fast pass (`_fast_pass`):
+    # the engines that came up during the last round are read and paired then, not at the
+    # end of the next round. Off (infinite) by default: at 64 x 2,000 on a 2-core machine
+    # shared with the control plane it halved ready -> connected p50 (2.0 -> 1.1 s) but
+    # took 28-35% more operator CPU, a second wave of calls to every prefill per round,
+    # and the rollout fell from 1.2 to 1.5 times the control plane alone (BENCHMARKS.md,
+    # issue 32). 0.05 turns it on for a topology whose rounds cost that much CPU.
+    fast_pass_min_gap_s: float = math.inf
     # How long a round waits for a worker's read or calls: one still out then goes on in
     # the background, bounded by its own deadline (the handshake timeout), and pokes the
     # loop when it ends. A hung worker costs its own engine, not every decision.
@@ -169,10 +174,6 @@ class _Loop:
     views: WorkerViews
     poke: asyncio.Event = field(default_factory=asyncio.Event)
     decided: _Decided | None = None  # the last full round's (None: none yet, or refused)
-    # The pauses are long enough for the fast pass, and it could judge at the last: a
-    # round then leaves the workers never read to the fast pass after it (`_between_rounds`)
-    fast: bool = False
-    left_new: bool = False  # the last round left them
     generation: int = -1
     uid: str = ""  # the object's metadata.uid, as its first round read it
     failed_rounds: int = 0
@@ -385,28 +386,18 @@ class Reconciler:
                 log.exception("reconcile of %s/%s failed; retrying in %.1fs", *key, delay)
 
     async def _between_rounds(self, key: TopologyKey, gap: float) -> None:
-        """The pause between rounds (`gap` seconds, see `_run`). One long enough
-        (`Settings.fast_pass_min_gap_s`) begins with the fast pass (`_fast_pass`), and the
-        next round leaves the engines that come up to the fast pass after it: one wave of
-        calls per round to every prefill, not two (each wave calls every prefill: a second
-        one cost a fifth more CPU at 64 x 2,000, taken from the control plane). A round
-        that left them is always followed by the fast pass, however short the pause; one
-        that the fast pass could not judge after (the spec or object changed, no round
-        decided yet) has the next round read them itself."""
+        """The pause between rounds (`gap` seconds, see `_run`). One at least
+        `Settings.fast_pass_min_gap_s` long begins with the fast pass (`_fast_pass`): the
+        engines that came up during the round are read and paired then."""
         loop = self._loops.get(key)
         end = time.monotonic() + gap
-        if loop is None:
-            await asyncio.sleep(gap)
-            return
-        judged = False
-        if loop.left_new or gap >= self.settings.fast_pass_min_gap_s:
+        if loop is not None and gap >= self.settings.fast_pass_min_gap_s:
             try:
-                judged = await self._fast_pass(key, loop, max(end, time.monotonic()))
+                await self._fast_pass(key, loop, end)
             except asyncio.CancelledError:
                 raise
             except Exception:  # the next round decides it all again
                 log.exception("the fast pass of %s/%s failed; the next round decides", *key)
-        loop.fast = judged and gap >= self.settings.fast_pass_min_gap_s
         await asyncio.sleep(max(0.0, end - time.monotonic()))
 
     async def _fast_pass(self, key: TopologyKey, loop: _Loop, until: float) -> bool:
@@ -547,13 +538,11 @@ class Reconciler:
         sem = asyncio.Semaphore(spec.handshake.max_concurrent)
         timeout = float(spec.handshake.timeout_seconds)
         reads, unchanged = loop.views.reads, loop.views.unchanged
-        loop.left_new = loop.fast
         workers = await loop.views.gather(
             pods,
             concurrency=spec.handshake.max_concurrent,
             timeout_s=timeout,
             wait_s=self.settings.round_wait_s,
-            leave_new=loop.left_new,
         )
         self.metrics.state_reads.inc(loop.views.reads - reads)
         self.metrics.state_unchanged.inc(loop.views.unchanged - unchanged)

@@ -128,13 +128,16 @@ async def test_what_the_fast_pass_s_calls_end_with_is_the_next_round_s() -> None
         assert "D1" not in workers.peers_of(pods[0].endpoint)
         assert workers.peers_of(d1.endpoint) == {"P0"}
         assert not any(e[2] == "HandshakeFailed" for e in kube.events)
-        # The next round takes the failure: its Event, and the half is tried again.
+        # The next round takes the failure (its Event), though its own try of the half
+        # succeeds: the prefill takes the decode now.
+        workers.refused_adds = set()
         loop.poke.set()
         await until("a round after the fast pass", lambda: loop.round_ended > ended)
         await until(
             "the failure's Event", lambda: any(e[2] == "HandshakeFailed" for e in kube.events)
         )
         assert sum(1 for e in kube.events if e[2] == "HandshakeFailed") == 1
+        await until("the half, made", lambda: "D1" in workers.peers_of(pods[0].endpoint))
     finally:
         await reconciler.stop()
 
@@ -161,6 +164,19 @@ def test_admissions_pair_only_the_new_engines_rows_by_the_round_s_rules() -> Non
     # d1 pairs with its zone's prefill only, both halves; d0's own missing half (P0 lacks
     # it) is the round's, not the fast pass's.
     assert sorted((h.pod, h.peer_engine_id) for h in made) == [("d1", "P0"), ("p0", "D1")]
+    # A new prefill and a new decode: each one's row, with the old engines too, but not the
+    # old engines' own missing half (P0 lacks D0: the round's).
+    p2 = zoned("p2", "prefill", "a")
+    views["p2"] = worker_of(p2)
+    both = admissions(spec, [p0, p1, p2, d0, d1], views, {"d1", "p2"}, live)
+    assert sorted((h.pod, h.peer_engine_id) for h in both) == [
+        ("d0", "P2"),
+        ("d1", "P0"),
+        ("d1", "P2"),
+        ("p0", "D1"),
+        ("p2", "D0"),
+        ("p2", "D1"),
+    ]
     # A prefill the last round did not find usable is no partner; nor is an incompatible one.
     assert admissions(spec, [p0, d1], views, {"d1"}, {"D0": "d0"}) == ()
     views["d1"] = dataclasses.replace(views["d1"], compat_hash="other")
