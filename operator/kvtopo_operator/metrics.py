@@ -30,10 +30,10 @@ class OperatorMetrics:
             registry=self.registry,
         )
         self.fast_pass_handshakes = Counter(
-            "kvtopo_operator_fast_pass_handshakes",
-            "Handshake halves planned by the fast pass between rounds (engines that came "
-            "up during a round, paired before the next; their results are counted in "
-            "kvtopo_operator_handshakes).",
+            "kvtopo_operator_arrival_handshakes",
+            "Handshake halves planned for engines that came up after a round's gather: "
+            "joined to that round's calls (or made by the fast pass between rounds, when "
+            "on); their results are counted in kvtopo_operator_handshakes.",
             registry=self.registry,
         )
         self.state_reads = Counter(

@@ -106,6 +106,10 @@ class Settings:
     # and the rollout fell from 1.2 to 1.5 times the control plane alone (BENCHMARKS.md,
     # issue 32). 0.05 turns it on for a topology whose rounds cost that much CPU.
     fast_pass_min_gap_s: float = math.inf
+    # The engines that came up after a round's gather join its calls (`_arrivals`): their
+    # workers are read just before the round acts, waiting at most this long (0: off), and
+    # their halves go in the same call to each prefill as the round's own.
+    late_arrivals_s: float = 0.1
     # How long a round waits for a worker's read or calls: one still out then goes on in
     # the background, bounded by its own deadline (the handshake timeout), and pokes the
     # loop when it ends. A hung worker costs its own engine, not every decision.
@@ -401,50 +405,75 @@ class Reconciler:
         await asyncio.sleep(max(0.0, end - time.monotonic()))
 
     async def _fast_pass(self, key: TopologyKey, loop: _Loop, until: float) -> bool:
-        """Pairs the engines that came up since the last round, between rounds: reads their
-        workers and makes their handshakes (`logic.admissions`, under the last round's
-        spec, claim and view of which engines are usable), waiting for them at most until
-        `until` (monotonic). A large topology's round costs a share of a second of CPU and
-        is followed by a pause as long; an engine that came up during one was read at the
-        next and paired at its end, seconds later in a rollout. Here it costs its own read
-        and its partners' calls only. What the calls end with is the next round's (its
-        outcome, its status, Events and gates): that round runs as it would have, on views
-        that already hold the pairs made. Nothing is done when the spec or the object
-        changed since the last round, or no round decided yet: False then (it could not
-        judge), else True."""
+        """Pairs the engines that came up since the last round, between rounds
+        (`_arrivals`), waiting for their reads and calls at most until `until`
+        (monotonic). What the calls end with is the next round's (its outcome, its
+        status, Events and gates): that round runs as it would have, on views that already
+        hold the pairs made. False when it could not judge (`_arrivals`)."""
+        handshakes = await self._arrivals(key, loop, until)
+        if not handshakes:
+            return handshakes is not None
+        decided = loop.decided
+        assert decided is not None and decided.me.spec is not None
+        spec = decided.me.spec
+        plan = Plan(handshakes, (), KVTopologyStatus(), (), 0, 0)
+        await self._act(
+            plan,
+            loop.views,
+            asyncio.Semaphore(spec.handshake.max_concurrent),
+            float(spec.handshake.timeout_seconds),
+            self.clock(),
+            set(loop.failing),
+            calls=loop.calls,
+            wait_s=max(0.0, until - time.monotonic()),
+            on_late=loop.poke.set,
+            take=False,
+        )
+        # The next round takes what the calls ended with (its status, gates, Events),
+        # those that ended during the pass too: it must run.
+        loop.poke.set()
+        return True
+
+    async def _arrivals(
+        self, key: TopologyKey, loop: _Loop, until: float
+    ) -> tuple[Handshake, ...] | None:
+        """The handshakes of the engines that came up since the last round's gather: their
+        workers are read (waiting at most until `until`, monotonic; a read still out then
+        pokes the loop when it ends) and paired by `logic.admissions`, under the last
+        round's spec, claim and view of which engines are usable (`loop.decided`). None
+        when that cannot be judged: no round decided yet, or the spec or the object
+        changed since."""
         decided = loop.decided
         if decided is None or decided.me.spec is None:
-            return False
+            return None
         spec = decided.me.spec
         namespace, _ = key
         body = self.bodies(key) or await self.kube.get_topology(*key)
         if body is None:
-            return False
+            return None
         meta = body.get("metadata") or {}
         if int(meta.get("generation", 0)) != decided.generation or (
             loop.uid and str(meta.get("uid") or "") != loop.uid
         ):
-            return False  # the round reads the topology afresh
+            return None  # the round reads the topology afresh
         all_pods = tuple(self.pods(namespace, spec.control_port))
         new = [p for p in all_pods if p.ready and not p.deleting and loop.views.is_new(p)]
         if not new:
-            return True
+            return ()
         names = {p.name for p in new}
         wanted: set[str] = set()
         for role in {p.role for p in new}:
             wanted |= decided.pods_of_role.get("decode" if role == "prefill" else "prefill", set())
         candidates = [p for p in all_pods if p.name in names or p.name in wanted]
         pods, _ = owned_pods(decided.me, tuple(self.topologies(namespace)), candidates)
-        timeout = float(spec.handshake.timeout_seconds)
-        wait = max(0.0, min(self.settings.round_wait_s, until - time.monotonic()))
         read = await loop.views.read_new(
             [p for p in pods if p.name in names],
             concurrency=spec.handshake.max_concurrent,
-            timeout_s=timeout,
-            wait_s=wait,
+            timeout_s=float(spec.handshake.timeout_seconds),
+            wait_s=max(0.0, min(self.settings.round_wait_s, until - time.monotonic())),
         )
         if not read:
-            return True
+            return ()
         workers: dict[str, WorkerView | WorkerUnreachable] = dict(read)
         for p in pods:
             if p.name in wanted:
@@ -454,26 +483,8 @@ class Reconciler:
         handshakes = await asyncio.to_thread(
             admissions, spec, pods, workers, frozenset(read), decided.live
         )
-        if not handshakes:
-            return True
-        plan = Plan(handshakes, (), KVTopologyStatus(), (), 0, 0)
-        await self._act(
-            plan,
-            loop.views,
-            asyncio.Semaphore(spec.handshake.max_concurrent),
-            timeout,
-            self.clock(),
-            set(loop.failing),
-            calls=loop.calls,
-            wait_s=max(0.0, until - time.monotonic()),
-            on_late=loop.poke.set,
-            take=False,
-        )
         self.metrics.fast_pass_handshakes.inc(len(handshakes))
-        # The next round takes what the calls ended with (its status, gates, Events),
-        # those that ended during the pass too: it must run.
-        loop.poke.set()
-        return True
+        return handshakes
 
     async def reconcile(self, key: TopologyKey, loop: _Loop) -> tuple[bool, float | None]:
         """One round; returns whether it changed something (so it runs again soon) and when
@@ -575,6 +586,12 @@ class Reconciler:
             {eid: pod_name for pod_name, eid in plan.progress.live},
             {role: frozenset(names) for role, names in by_role.items()},
         )
+        if self.settings.late_arrivals_s > 0:
+            # The engines that came up while this round gathered and decided join its
+            # calls: one wave of calls to every prefill carries their halves too.
+            late = await self._arrivals(key, loop, time.monotonic() + self.settings.late_arrivals_s)
+            if late:
+                plan = dataclasses.replace(plan, handshakes=plan.handshakes + late)
         out = await self._act(
             plan,
             loop.views,

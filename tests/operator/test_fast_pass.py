@@ -181,3 +181,47 @@ def test_admissions_pair_only_the_new_engines_rows_by_the_round_s_rules() -> Non
     assert admissions(spec, [p0, d1], views, {"d1"}, {"D0": "d0"}) == ()
     views["d1"] = dataclasses.replace(views["d1"], compat_hash="other")
     assert admissions(spec, [p0, d1], views, {"d1"}, live) == ()
+
+
+@pytest.mark.asyncio
+async def test_a_decode_up_after_the_round_s_gather_joins_that_round_s_calls() -> None:
+    pods = [pod("p0", "prefill"), pod("d0", "decode")]
+    d1 = pod("d1", "decode")
+    kube = FakeKube({"llama": topology_body()})
+    workers = RecordingWorkers.for_pods([*pods, d1])
+    listed: list[int] = []  # how many pods each listing gave
+
+    def listing() -> list[PodView]:
+        # From the round's gather on, the next listing (the one just before it acts)
+        # has the new decode: it came up while the round decided.
+        out = list(pods)
+        if armed and len(listed) >= armed[0]:
+            out.append(d1)
+        listed.append(len(out))
+        return out
+
+    armed: list[int] = []
+    reconciler = build(listing, kube, workers)
+    try:
+        ended = await settled(reconciler, workers, pods)
+        loop = reconciler._loops[KEY]
+        armed.append(len(listed) + 1)  # the round's first listing lacks it, the next has it
+        loop.poke.set()
+        await until(
+            "the new pair, both ways",
+            lambda: (
+                workers.peers_of(d1.endpoint) == {"P0"}
+                and "D1" in workers.peers_of(pods[0].endpoint)
+            ),
+        )
+        # Both halves were planned as arrivals, in the round that had not gathered it.
+        assert reconciler.metrics.fast_pass_handshakes._value.get() == 2
+        assert listed[armed[0] - 1 : armed[0] + 1] == [2, 3]
+        assert workers.reads.count(d1.endpoint) == 1
+        assert loop.round_ended > ended
+        await until(
+            "the status with the new pair",
+            lambda: kube.bodies["llama"]["status"]["summary"]["pairs"] == "2/2",
+        )
+    finally:
+        await reconciler.stop()
