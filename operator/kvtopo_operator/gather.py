@@ -146,9 +146,7 @@ class WorkerViews:
         usable = {p.name: p for p in pods if p.ready and not p.deleting and p.endpoint}
         for name in [n for n in self._entries if n not in usable]:
             del self._entries[name]
-        late = [False]
-        await self._read_due(usable.values(), concurrency, timeout_s, wait_s, late)
-        late[0] = True
+        await self._read_due(usable.values(), concurrency, timeout_s, wait_s)
         now = self._clock()
         old = now - self.refresh_age(len(usable))
         stale = [
@@ -182,9 +180,7 @@ class WorkerViews:
         would, but forgets nothing: the fast pass between rounds reads only the engines
         that came up since the last round. Returns the views of `pods` held now."""
         usable = [p for p in pods if p.ready and not p.deleting and p.endpoint and self.is_new(p)]
-        late = [False]
-        await self._read_due(usable, concurrency, timeout_s, wait_s, late)
-        late[0] = True
+        await self._read_due(usable, concurrency, timeout_s, wait_s)
         return {p.name: self._entries[p.name].view for p in usable if p.name in self._entries}
 
     async def _read_due(
@@ -193,11 +189,12 @@ class WorkerViews:
         concurrency: int,
         timeout_s: float,
         wait_s: float | None,
-        late: list[bool],
     ) -> None:
         """Reads the workers of `usable` that are due (`_due`, unless a read of one is
         already out) and waits for them up to `wait_s` (not for one unreachable at its last
-        read: `_waited_for`). A read that ends once `late[0]` is set pokes the loop."""
+        read: `_waited_for`). A read that ends after that wait pokes the loop: what it
+        found is the next round's."""
+        late = [False]
         due = [p for p in usable if p.name not in self._reading and self._due(p)]
         sem = asyncio.Semaphore(max(1, concurrency))
 
@@ -229,6 +226,7 @@ class WorkerViews:
                 waited.append(task)
         if waited:
             await asyncio.wait(waited, timeout=wait_s)
+        late[0] = True
 
     def _background(self, work: Awaitable[None]) -> None:
         task = asyncio.ensure_future(work)

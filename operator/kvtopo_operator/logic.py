@@ -1019,12 +1019,13 @@ def admissions(
     new: Collection[str],
     live: Mapping[str, str],
 ) -> tuple[Handshake, ...]:
-    """Policy (the fast pass between rounds): the handshakes that pair the engines of the
-    `new` pods (come up since the last round, their workers just read) with their
-    partners, by the rules of `evaluate` (`usable_engines`, `pair_engines`) applied to them
-    and to the engines they pair with only: a decode's arrival costs its prefills, not the
-    fleet. `pods`: the new pods and the pods of the engines they may pair with, the claim
-    applied (`owned_pods`); `live`: engine id -> pod of the last round's usable engines.
+    """Policy (late arrivals, and the fast pass between rounds): the handshakes that pair
+    the engines of the `new` pods (come up since the round gathered, their workers just
+    read) with their partners, by the rules of `evaluate` (`usable_engines`,
+    `pair_engines`) applied to them and to the engines they pair with only: a decode's
+    arrival costs its prefills, not the fleet. `pods`: the new pods and the pods of the
+    engines they may pair with, the claim applied (`owned_pods`); `live`: engine id -> pod
+    of the last round's usable engines.
 
     Anything else is the next round's: an engine that is not usable (unreachable, of
     another pod, duplicate), one whose engine id another pod's engine had at the last round

@@ -29,7 +29,7 @@ class OperatorMetrics:
             ["result"],
             registry=self.registry,
         )
-        self.fast_pass_handshakes = Counter(
+        self.arrival_handshakes = Counter(
             "kvtopo_operator_arrival_handshakes",
             "Handshake halves planned for engines that came up after a round's gather: "
             "joined to that round's calls (or made by the fast pass between rounds, when "

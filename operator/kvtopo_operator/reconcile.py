@@ -164,7 +164,8 @@ class _Calls:
 
 @dataclass(frozen=True)
 class _Decided:
-    """What the last full round went by, for the fast pass until the next (`_fast_pass`)."""
+    """What the last full round went by: the engines that came up since are paired under it
+    (`_arrivals`: late arrivals joining that round's calls, and the fast pass)."""
 
     generation: int
     me: TopologyView  # the topology as the claim sees it (its spec)
@@ -483,7 +484,7 @@ class Reconciler:
         handshakes = await asyncio.to_thread(
             admissions, spec, pods, workers, frozenset(read), decided.live
         )
-        self.metrics.fast_pass_handshakes.inc(len(handshakes))
+        self.metrics.arrival_handshakes.inc(len(handshakes))
         return handshakes
 
     async def reconcile(self, key: TopologyKey, loop: _Loop) -> tuple[bool, float | None]:

@@ -1,15 +1,18 @@
-"""The fast pass between rounds (`Reconciler._fast_pass`, `logic.admissions`): an engine that
-came up during a round is read and paired in the pause after it, by the rules of a round and
-under the last round's spec, claim and view of which engines are usable, and nothing it
-cannot vouch for is acted on; what its calls end with is the next round's. Built through the
-real constructor with the fakes of `tests.operator.fakes`; the loop's first rounds run as
-in production, the fast pass is then called as `_between_rounds` calls it, and each test
-checks that no round ran meanwhile."""
+"""Engines that come up after a round gathered (`Reconciler._arrivals`, `logic.admissions`):
+late arrivals join the round's own calls, and the fast pass (off by default) pairs them in
+the pause after a round; both by the rules of a round and under its spec, claim and view of
+which engines are usable, acting on nothing they cannot vouch for; what the fast pass's
+calls end with is the next round's. Built through the real constructor with the fakes of
+`tests.operator.fakes`; the loop's first rounds run as in production, the fast pass is then
+called as `_between_rounds` calls it, and each such test checks that no round ran
+meanwhile."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -46,14 +49,25 @@ async def settled(reconciler: Reconciler, workers: RecordingWorkers, pods: list[
     return loop.round_ended
 
 
-@pytest.mark.asyncio
-async def test_a_decode_up_since_the_last_round_is_paired_by_the_fast_pass_alone() -> None:
-    pods = [pod("p0", "prefill"), pod("p1", "prefill"), pod("d0", "decode")]
+@contextlib.asynccontextmanager
+async def settled_loop(
+    pods: list[PodView],
+) -> AsyncIterator[tuple[FakeKube, RecordingWorkers, Reconciler, float]]:
+    """A reconciler over `pods` (listed afresh each round) whose loop has settled
+    (`settled`): its kube, workers, itself and when the settling round ended; stopped after."""
     kube = FakeKube({"llama": topology_body()})
     workers = RecordingWorkers.for_pods(pods)
     reconciler = build(lambda: pods, kube, workers)
     try:
-        ended = await settled(reconciler, workers, pods)
+        yield kube, workers, reconciler, await settled(reconciler, workers, pods)
+    finally:
+        await reconciler.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_decode_up_since_the_last_round_is_paired_by_the_fast_pass_alone() -> None:
+    pods = [pod("p0", "prefill"), pod("p1", "prefill"), pod("d0", "decode")]
+    async with settled_loop(pods) as (kube, workers, reconciler, ended):
         loop = reconciler._loops[KEY]
         d1 = pod("d1", "decode")
         workers.views[d1.endpoint] = worker_of(d1)
@@ -65,7 +79,7 @@ async def test_a_decode_up_since_the_last_round_is_paired_by_the_fast_pass_alone
         assert all("D1" in workers.peers_of(p.endpoint) for p in pods[:2])
         assert workers.reads[reads:] == [d1.endpoint]
         assert loop.round_ended == ended  # no round ran
-        assert reconciler.metrics.fast_pass_handshakes._value.get() == 4
+        assert reconciler.metrics.arrival_handshakes._value.get() == 4
         # Nothing left for a round to make: the views hold what the calls made.
         loop.poke.set()
         await until("a round after the fast pass", lambda: loop.round_ended > ended)
@@ -73,18 +87,12 @@ async def test_a_decode_up_since_the_last_round_is_paired_by_the_fast_pass_alone
             "the status with every pair",
             lambda: kube.bodies["llama"]["status"]["summary"]["pairs"] == "4/4",
         )
-    finally:
-        await reconciler.stop()
 
 
 @pytest.mark.asyncio
 async def test_the_fast_pass_acts_on_nothing_it_cannot_vouch_for() -> None:
     pods = [pod("p0", "prefill"), pod("d0", "decode")]
-    kube = FakeKube({"llama": topology_body()})
-    workers = RecordingWorkers.for_pods(pods)
-    reconciler = build(lambda: pods, kube, workers)
-    try:
-        ended = await settled(reconciler, workers, pods)
+    async with settled_loop(pods) as (kube, workers, reconciler, ended):
         loop = reconciler._loops[KEY]
         calls = len(workers.calls)
         # A worker of another pod, a second engine with d0's engine id, and one that is not
@@ -107,18 +115,12 @@ async def test_the_fast_pass_acts_on_nothing_it_cannot_vouch_for() -> None:
         await reconciler._fast_pass(KEY, loop, time.monotonic() + 2.0)
         assert len(workers.reads) == reads
         assert loop.round_ended == ended
-    finally:
-        await reconciler.stop()
 
 
 @pytest.mark.asyncio
 async def test_what_the_fast_pass_s_calls_end_with_is_the_next_round_s() -> None:
     pods = [pod("p0", "prefill"), pod("d0", "decode")]
-    kube = FakeKube({"llama": topology_body()})
-    workers = RecordingWorkers.for_pods(pods)
-    reconciler = build(lambda: pods, kube, workers)
-    try:
-        ended = await settled(reconciler, workers, pods)
+    async with settled_loop(pods) as (kube, workers, reconciler, ended):
         loop = reconciler._loops[KEY]
         d1 = pod("d1", "decode")
         workers.views[d1.endpoint] = worker_of(d1)
@@ -138,8 +140,6 @@ async def test_what_the_fast_pass_s_calls_end_with_is_the_next_round_s() -> None
         )
         assert sum(1 for e in kube.events if e[2] == "HandshakeFailed") == 1
         await until("the half, made", lambda: "D1" in workers.peers_of(pods[0].endpoint))
-    finally:
-        await reconciler.stop()
 
 
 def test_admissions_pair_only_the_new_engines_rows_by_the_round_s_rules() -> None:
@@ -215,7 +215,7 @@ async def test_a_decode_up_after_the_round_s_gather_joins_that_round_s_calls() -
             ),
         )
         # Both halves were planned as arrivals, in the round that had not gathered it.
-        assert reconciler.metrics.fast_pass_handshakes._value.get() == 2
+        assert reconciler.metrics.arrival_handshakes._value.get() == 2
         assert listed[armed[0] - 1 : armed[0] + 1] == [2, 3]
         assert workers.reads.count(d1.endpoint) == 1
         assert loop.round_ended > ended
