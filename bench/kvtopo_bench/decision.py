@@ -11,7 +11,10 @@ side by side in one run,
 - `steady_no_memo_round_s`: the same round with the memo of the previous round dropped
   (what every round cost before it);
 - `one_replaced_round_s`: a round after one decode engine was replaced and every prefill
-  connected to its successor (every prefill's view is new, as after the operator's adds).
+  connected to its successor (every prefill's view is new, derived from the last round's
+  by the operator's calls: the memo patches each prefill's result for the two engines);
+- `one_replaced_read_round_s`: the same round with every prefill's view read anew from its
+  worker (no lineage: each prefill's result computed whole).
 """
 
 from __future__ import annotations
@@ -94,21 +97,34 @@ def measure(prefill: int = 500, decode: int = 1500, rounds: int = 5) -> dict[str
         forgetful = dataclasses.replace(plan.memory, cache=RoundCache())
         took, _ = _round(dataclasses.replace(obs, memory=forgetful), now)
         no_memo.append(took)
-    # One decode replaced (a new pod and engine), every prefill now holding it instead.
+    # One decode replaced (a new pod and engine), every prefill now holding it instead: the
+    # prefills' views as the operator makes them from its calls' answers (derived from the
+    # views the last round saw), and, side by side, as read anew from every worker.
     gone = f"d{decode - 1}"
     new_pod, new_worker = _engine("decode", decode, {f"P{i}": f"inc-p{i}" for i in range(prefill)})
     replaced = {n: w for n, w in workers.items() if n != gone}
-    replaced[new_pod.name] = new_worker
+    read = dict(replaced)
+    replaced[new_pod.name] = read[new_pod.name] = new_worker
     for name, w in list(replaced.items()):
         if w.role == "prefill":
-            held = {k: v for k, v in w.peer_incarnations.items() if k != gone.upper()}
-            held[new_worker.engine_id] = new_worker.incarnation
-            replaced[name] = dataclasses.replace(w, peers=frozenset(held), peer_incarnations=held)
+            replaced[name] = w.answered(
+                {new_worker.engine_id: new_worker.incarnation}, {gone.upper(): "evicted"}
+            )
+            read[name] = dataclasses.replace(
+                replaced[name], peer_incarnations=dict(replaced[name].peer_incarnations)
+            )
     new_pods = (*(p for p in pods if p.name != gone), new_pod)
     obs = dataclasses.replace(
         obs, pods=new_pods, workers=replaced, previous=plan.status, memory=plan.memory
     )
-    one_replaced, plan = _round(obs, T0 + timedelta(seconds=rounds + 1))
+    twin = RoundCache()  # the same memo, for the round that must not use up the other's
+    twin.groups, twin.results = dict(plan.memory.cache.groups), dict(plan.memory.cache.results)
+    as_read = dataclasses.replace(
+        obs, workers=read, memory=dataclasses.replace(plan.memory, cache=twin)
+    )
+    now = T0 + timedelta(seconds=rounds + 1)
+    one_replaced_read, _ = _round(as_read, now)
+    one_replaced, plan = _round(obs, now)
     assert plan.pairs_connected == plan.pairs_expected
     # A compatibility rollout under way: a tenth more of each role, new engines of a new
     # hash, holding nothing yet (pairs across hashes are no pairs: one round once formatted
@@ -135,6 +151,7 @@ def measure(prefill: int = 500, decode: int = 1500, rounds: int = 5) -> dict[str
         "steady_round_s": round(statistics.median(steady), 4),
         "steady_no_memo_round_s": round(statistics.median(no_memo), 4),
         "one_replaced_round_s": round(one_replaced, 4),
+        "one_replaced_read_round_s": round(one_replaced_read, 4),
         "compat_rollout_round_s": round(compat_rollout, 4),
         "rounds": rounds,
     }

@@ -318,10 +318,12 @@ class WorkerViews:
             task.cancel()
 
     def _update(self, pod: str, change: Callable[[WorkerView], WorkerView]) -> None:
+        """The view of the worker of `pod` changed here by `change` (which must derive it,
+        `WorkerView.derive`: no longer the view as read, so the worker's ETag no longer
+        vouches for it)."""
         entry = self._entries.get(pod)
         if entry is not None and isinstance(entry.view, WorkerView):
-            # No longer the view as read: the worker's ETag no longer vouches for it.
-            entry.view = dataclasses.replace(change(entry.view), etag="")
+            entry.view = change(entry.view)
             entry.changes += 1
 
     def peer_added(self, pod: str, engine_id: str, incarnation: str = "") -> None:
@@ -334,37 +336,10 @@ class WorkerViews:
         self.peers_changed(pod, {}, {engine_id: result})
 
     def peers_changed(self, pod: str, added: Mapping[str, str], evicted: Mapping[str, str]) -> None:
-        """The worker of `pod` answered a batch: it holds each engine of `added` (engine id
-        -> its incarnation; added, renewed or present, healthy), and each of `evicted`
-        (engine id -> the result) is evicted or absent, or "deferred" (held until its
-        transfers finish). One new view per batch, not one per peer (a prefill's view holds
-        a thousand peers)."""
-        if not added and not evicted:
-            return
-
-        def change(v: WorkerView) -> WorkerView:
-            peers, evicting = set(v.peers), set(v.evicting)
-            incarnations = dict(v.peer_incarnations)
-            unhealthy = v.unhealthy_peers
-            if any(eid in unhealthy for eid in added):
-                unhealthy = {k: w for k, w in unhealthy.items() if k not in added}
-            peers.update(added)
-            incarnations.update(added)
-            for eid, result in evicted.items():
-                if result == "deferred":
-                    evicting.add(eid)
-                else:
-                    peers.discard(eid)
-                    evicting.discard(eid)
-            return dataclasses.replace(
-                v,
-                peers=frozenset(peers),
-                evicting=frozenset(evicting),
-                peer_incarnations=incarnations,
-                unhealthy_peers=unhealthy,
-            )
-
-        self._update(pod, change)
+        """The worker of `pod` answered a batch (`WorkerView.answered`). One new view per
+        batch, not one per peer (a prefill's view holds a thousand peers)."""
+        if added or evicted:
+            self._update(pod, lambda v: v.answered(added, evicted))
 
     def view(self, pod: str) -> Seen | None:
         """The last view of the worker of `pod` (None when it was never read)."""
@@ -373,7 +348,7 @@ class WorkerViews:
 
     def idle_ttl_set(self, pod: str, idle_ttl_s: float) -> None:
         """The worker of `pod` answered that its idle TTL is now `idle_ttl_s`."""
-        self._update(pod, lambda v: dataclasses.replace(v, idle_ttl_s=idle_ttl_s))
+        self._update(pod, lambda v: v.derive((), idle_ttl_s=idle_ttl_s))
 
     def mark_dirty(self, pod: str) -> None:
         """A call to the worker of `pod` failed: read it again next round."""

@@ -339,8 +339,15 @@ class _Among:
             frozenset(eid for eid in ids if not incarnation[eid]),
         )
 
+    def changed_since(self, old: _Among) -> frozenset[str]:
+        """The engines that joined, left or changed incarnation since `old`."""
+        return frozenset(eid for eid, _ in self.items ^ old.items).union(
+            self.no_incarnation ^ old.no_incarnation
+        )
+
 
 _NO_PARTNERS: frozenset[str] = frozenset()
+_NOBODY = _Among(_NO_PARTNERS, frozenset(), _NO_PARTNERS)  # an unpaired engine's partners
 _new = tuple.__new__  # a Handshake from one tuple of its fields (no per-field call)
 
 
@@ -352,47 +359,111 @@ def _extra_held(holder: WorkerView, partners: frozenset[str]) -> frozenset[str]:
 
 class _Memo:
     """One round's use of a `RoundCache`: an engine set equal to last round's is last
-    round's object, and a result for a view and a set that are the objects it was computed
-    from is taken as it was (every input of these functions is immutable). What this round
-    did not use is dropped at `done`."""
+    round's object; a holder's result for the view and the set it was computed from last
+    round is taken as it was (every input of these functions is immutable), and for a view
+    derived from that one (`WorkerView.changed_since`) and a set changed from that one it is
+    patched for the engines that changed only (a rollout's round changes every prefill's
+    view and its group's set, each by a few engines of a thousand). What this round did not
+    use is dropped at `done`."""
 
     def __init__(self, cache: RoundCache | None) -> None:
         self.cache = cache
         self.groups: dict[object, object] = {}
-        self.results: dict[tuple[str, int, int], tuple[object, object, frozenset[str]]] = {}
+        self.results: dict[tuple[str, str], tuple[object, object, frozenset[str]]] = {}
+        # id(this round's set) -> (last round's set at its key, the engine ids changed)
+        self.since: dict[int, tuple[_Among, frozenset[str]]] = {}
 
     def among(self, key: object, ids: frozenset[str], incarnation: Mapping[str, str]) -> _Among:
         fresh = _Among.of(ids, incarnation)
         old = self.cache.groups.get(key) if self.cache is not None else None
-        if isinstance(old, _Among) and old == fresh:
-            fresh = old
+        if isinstance(old, _Among):
+            if old == fresh:
+                fresh = old
+            else:
+                self.since[id(fresh)] = (old, fresh.changed_since(old))
         self.groups[key] = fresh
         return fresh
 
+    def _changed(
+        self, view: WorkerView, among: _Among, old_view: object, old_among: object
+    ) -> frozenset[str] | None:
+        """The engine ids whose result may differ from that for (`old_view`, `old_among`),
+        or None when that is not known."""
+        if not isinstance(old_view, WorkerView):
+            return None
+        in_view = view.changed_since(old_view)
+        if in_view is None:
+            return None
+        if among is old_among:
+            return in_view
+        since = self.since.get(id(among))
+        if since is None or since[0] is not old_among:
+            return None
+        return in_view | since[1]
+
     def _result(
-        self, kind: str, view: WorkerView, among: object, compute: Callable[[], frozenset[str]]
+        self,
+        kind: str,
+        view: WorkerView,
+        among: _Among,
+        compute: Callable[[], frozenset[str]],
+        patch: Callable[[frozenset[str], frozenset[str]], frozenset[str]],
     ) -> frozenset[str]:
-        """The result for exactly these objects: last round's when it computed it for them,
-        else `compute()`; kept for the next round."""
-        key = (kind, id(view), id(among))
+        """The holder's result for these objects: last round's when it computed it for
+        them, `patch(last round's, the engines changed)` when they changed from those by
+        known engines, else `compute()`; kept for the next round."""
+        key = (kind, view.engine_id)
         hit = self.cache.results.get(key) if self.cache is not None else None
-        value = hit[2] if hit is not None and hit[0] is view and hit[1] is among else compute()
+        if hit is None:
+            value = compute()
+        elif hit[0] is view and hit[1] is among:
+            value = hit[2]
+        else:
+            changed = self._changed(view, among, hit[0], hit[1])
+            value = compute() if changed is None else patch(hit[2], changed)
         self.results[key] = (view, among, value)
         return value
 
     def lacking(self, holder: WorkerView, among: _Among) -> frozenset[str]:
         """The engines of `among` that `holder` does not hold as they are now."""
+
+        def patch(was: frozenset[str], changed: frozenset[str]) -> frozenset[str]:
+            recheck = changed & among.ids
+            now = [eid for eid in recheck if not _holds_one(holder, among, eid)]
+            kept = was.difference(changed) if changed else was
+            return kept.union(now) if now else kept
+
         return self._result(
-            "lacking", holder, among, lambda: among.ids - _held_as_is(holder, among)
+            "lacking", holder, among, lambda: among.ids - _held_as_is(holder, among), patch
         )
 
-    def extra_held(self, holder: WorkerView, partners: frozenset[str]) -> frozenset[str]:
+    def extra_held(self, holder: WorkerView, partners: _Among) -> frozenset[str]:
         """The engines `holder` holds that are none of `partners` (`_extra_held`)."""
-        return self._result("extra", holder, partners, lambda: _extra_held(holder, partners))
+
+        def patch(was: frozenset[str], changed: frozenset[str]) -> frozenset[str]:
+            now = [
+                eid
+                for eid in changed
+                if eid in holder.peers and eid not in holder.evicting and eid not in partners.ids
+            ]
+            kept = was.difference(changed) if changed else was
+            return kept.union(now) if now else kept
+
+        return self._result(
+            "extra", holder, partners, lambda: _extra_held(holder, partners.ids), patch
+        )
 
     def done(self) -> None:
         if self.cache is not None:
             self.cache.groups, self.cache.results = self.groups, self.results
+
+
+def _holds_one(holder: WorkerView, among: _Among, eid: str) -> bool:
+    """Whether `holder` holds `eid` of `among` as it is now (`holds`, for one engine)."""
+    if eid not in holder.peers or eid in holder.evicting or eid in holder.unhealthy_peers:
+        return False
+    known = holder.peer_incarnations.get(eid, "")
+    return not known if eid in among.no_incarnation else (eid, known) in among.items
 
 
 def _held_as_is(holder: WorkerView, among: _Among) -> frozenset[str]:
@@ -443,6 +514,7 @@ def pair_engines(
     handshakes: list[Handshake] = []
     unhealthy: dict[tuple[str, str], tuple[str, str, str]] = {}
     partner_ids: dict[str, frozenset[str]] = {}
+    partner_among: dict[str, _Among] = {}
     missing: set[tuple[str, str]] = set()
     misses: Counter[str] = Counter()  # engine id -> its pairs not connected
     for gkey, (prefills, decodes) in groups.items():
@@ -485,8 +557,10 @@ def pair_engines(
             pset, dset = p_among.ids, d_among.ids
             for pid in pset:
                 partner_ids[pid] = dset
+                partner_among[pid] = d_among
             for did in dset:
                 partner_ids[did] = pset
+                partner_among[did] = p_among
             # The decodes that do not hold a prefill as it is now, by prefill (only the
             # missing halves are visited).
             lacking: dict[str, list[Usable]] = {}
@@ -520,8 +594,7 @@ def pair_engines(
                 misses[pid] += len(row)
                 misses.update(row)
     extra_held = {
-        eid: memo.extra_held(e.worker, partner_ids.get(eid, _NO_PARTNERS))
-        for eid, e in live.items()
+        eid: memo.extra_held(e.worker, partner_among.get(eid, _NOBODY)) for eid, e in live.items()
     }
     memo.done()
     return Pairing(

@@ -9,10 +9,12 @@ and the time stamps the status uses. No behaviour beyond small derived propertie
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+import weakref
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from kvtopo_operator.api import KVTopologySpec, KVTopologyStatus, LastFailure, Reason
 
@@ -79,6 +81,63 @@ class WorkerView:
     # The worker's ETag of the answer this view was read from ("": none, or the view was
     # changed here since: only a view exactly as read may be confirmed by a 304).
     etag: str = ""
+    # Not data (never compared, shown or copied by `dataclasses.replace`): the views this
+    # one was made from here by `derive`, nearest first, each weakly, with the engine ids
+    # whose holding (peers, evicting, incarnations, health) may differ since. A round's
+    # decision patches last round's results by it instead of computing them anew.
+    lineage: tuple[tuple[weakref.ref[WorkerView], frozenset[str]], ...] = field(
+        default=(), init=False, compare=False, repr=False
+    )
+
+    def derive(self, changed: Iterable[str], **fields: Any) -> WorkerView:
+        """This view with `fields` replaced and no ETag (no longer the view as read), where
+        the holding of no engine beyond `changed` differs."""
+        new = dataclasses.replace(self, etag="", **fields)
+        ids = frozenset(changed)
+        older = [(ref, held | ids) for ref, held in self.lineage[: LINEAGE_DEPTH - 1]]
+        object.__setattr__(new, "lineage", ((weakref.ref(self), ids), *older))
+        return new
+
+    def changed_since(self, old: WorkerView) -> frozenset[str] | None:
+        """The engine ids whose holding may differ between `old` and this view, when this
+        view was derived from it (None when that is not known: compare them whole)."""
+        if old is self:
+            return frozenset()
+        for ref, ids in self.lineage:
+            if ref() is old:
+                return ids
+        return None
+
+    def answered(self, added: Mapping[str, str], evicted: Mapping[str, str]) -> WorkerView:
+        """This view after the worker answered a batch: it holds each engine of `added`
+        (engine id -> its incarnation; added, renewed or present, healthy), and each of
+        `evicted` (engine id -> the result) is evicted or absent, or "deferred" (held
+        until its transfers finish)."""
+        peers, evicting = set(self.peers), set(self.evicting)
+        incarnations = dict(self.peer_incarnations)
+        unhealthy = self.unhealthy_peers
+        if any(eid in unhealthy for eid in added):
+            unhealthy = {k: w for k, w in unhealthy.items() if k not in added}
+        peers.update(added)
+        incarnations.update(added)
+        for eid, result in evicted.items():
+            if result == "deferred":
+                evicting.add(eid)
+            else:
+                peers.discard(eid)
+                evicting.discard(eid)
+        return self.derive(
+            added.keys() | evicted.keys(),
+            peers=frozenset(peers),
+            evicting=frozenset(evicting),
+            peer_incarnations=incarnations,
+            unhealthy_peers=unhealthy,
+        )
+
+
+# How many views back a view's `lineage` reaches (a round's calls derive a view once or
+# twice: adds, then evictions).
+LINEAGE_DEPTH = 4
 
 
 @dataclass(frozen=True)
@@ -92,15 +151,18 @@ class WorkerUnreachable:
 
 class RoundCache:
     """`evaluate`'s memo of its per-engine set operations (a prefill holds a thousand
-    peers; 500 x 1,500 engines are 750,000 pairs a round): each result kept by the worker
-    view and the engine set it was computed from, valid while both are the same objects
-    (views are immutable: a worker that changed is a new view), and kept for one round
-    after its last use. Not data: never compared, shown or written; an empty one only
-    costs a round its full price."""
+    peers; 500 x 1,500 engines are 750,000 pairs a round): each holder's result kept with
+    the worker view and the engine set it was computed from. It is taken as it is while
+    both are the same objects (views are immutable: a worker that changed is a new view),
+    patched for the engines that changed where the new view was derived from the old one
+    (`WorkerView.lineage`) and the set from last round's, and kept for one round after its
+    last use. Not data: never compared, shown or written; an empty one only costs a round
+    its full price."""
 
     def __init__(self) -> None:
         self.groups: dict[object, object] = {}  # group key -> its engine set (logic._Among)
-        self.results: dict[tuple[str, int, int], tuple[object, object, frozenset[str]]] = {}
+        # (kind, holder engine id) -> (its view, its partners' set, the result)
+        self.results: dict[tuple[str, str], tuple[object, object, frozenset[str]]] = {}
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import random
 from datetime import timedelta
 from typing import Any, cast
 
 import pytest
 
+from kvtopo_operator import logic
 from kvtopo_operator.api import MAX_ENGINES_IN_STATUS, EngineState, KVTopologyStatus, dump
 from kvtopo_operator.kube import KubeClient
 from kvtopo_operator.logic import evaluate
@@ -296,6 +298,110 @@ def test_the_round_memo_changes_no_decision() -> None:
         assert remembered.memory is not None
         previous, memory = remembered.status, remembered.memory
     assert memory.cache.results  # the memo was used and kept
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_patched_results_decide_as_fresh_ones_through_random_churn(seed: int) -> None:
+    """Rounds whose views the operator derived from last round's (`WorkerView.answered`:
+    adds, evictions, deferred ones, several batches between two rounds, more than the
+    lineage reaches) and whose groups changed (engines joining, leaving, restarting,
+    relabelled, some without an incarnation), mixed with views read anew (health reports),
+    decide exactly as rounds that start with an empty memo."""
+    rng = random.Random(seed)
+    ps, ds = [f"p{i}" for i in range(4)], [f"d{i}" for i in range(6)]
+    pods = {n: pod(n, "prefill" if n in ps else "decode") for n in ps + ds}
+    views = _full_mesh(ps, ds)
+    next_id = 100
+    previous, memory = KVTopologyStatus(), Memory()
+    patched = 0
+    for i in range(30):
+        names = sorted(views)
+        for _ in range(rng.randrange(6)):  # the operator's own calls, answered
+            holder = rng.choice(names)
+            v = views[holder]
+            others = [views[n] for n in names if views[n].role != v.role]
+            added = {
+                o.engine_id: o.incarnation if rng.random() < 0.9 else "stale"
+                for o in rng.sample(others, min(len(others), rng.randrange(3)))
+            }
+            evicted = {
+                eid: rng.choice(["evicted", "absent", "deferred"])
+                for eid in rng.sample(sorted(v.peers), min(len(v.peers), rng.randrange(2)))
+            }
+            views[holder] = v.answered(added, evicted)
+        roll = rng.random()
+        if roll < 0.15 and len(views) > 4:  # an engine goes
+            gone = rng.choice(names)
+            del views[gone], pods[gone]
+        elif roll < 0.3:  # an engine comes (its worker holds nothing yet)
+            role = rng.choice(["prefill", "decode"])
+            name = f"{role[0]}{next_id}"
+            next_id += 1
+            pods[name] = pod(name, role)
+            inc = "" if rng.random() < 0.3 else f"i-{name}"
+            views[name] = dataclasses.replace(_view(name.upper(), role, {}), incarnation=inc)
+        elif roll < 0.4:  # an engine restarts under its id
+            name = rng.choice(names)
+            views[name] = dataclasses.replace(views[name], incarnation=f"i-{name}-{i}")
+        elif roll < 0.5:  # a view read anew: a peer reported unhealthy
+            name = rng.choice(names)
+            v = views[name]
+            if v.peers:
+                sick = rng.choice(sorted(v.peers))
+                views[name] = dataclasses.replace(v, unhealthy_peers={sick: "dropped: gone"})
+        elif roll < 0.55:  # relabelled into another pairing group, or back
+            name = rng.choice(names)
+            version = "v2" if pods[name].labels["version"] == "v1" else "v1"
+            pods[name] = pod(name, pods[name].role, version=version)
+        now = T0 + timedelta(seconds=5 * i)
+        obs = Observed(3, SPEC, tuple(pods.values()), dict(views), previous, memory=memory)
+        before = dict(memory.cache.results)
+        remembered = evaluate(obs, now)
+        fresh = evaluate(
+            dataclasses.replace(obs, memory=dataclasses.replace(memory, cache=RoundCache())), now
+        )
+        assert remembered == fresh, f"seed {seed}, round {i}"
+        assert remembered.memory is not None
+        previous, memory = remembered.status, remembered.memory
+        patched += sum(
+            1
+            for key, (view, _, _) in memory.cache.results.items()
+            if key in before and before[key][0] is not view and view.changed_since(before[key][0])
+        )
+    assert patched  # derived views met last round's results
+
+
+def test_a_derived_views_result_is_patched_not_computed_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After the operator's calls changed every prefill's view by a few engines, a round
+    computes no holder's result over its whole group (a rollout's round is not its cold
+    price): only the engines that changed are looked at."""
+    ps, ds = [f"p{i}" for i in range(3)], [f"d{i}" for i in range(5)]
+    pods = [pod(n, "prefill" if n in ps else "decode") for n in ps + ds]
+    views = _full_mesh(ps, ds)
+    first = evaluate(Observed(3, SPEC, tuple(pods), views, KVTopologyStatus()), T0)
+    assert first.memory is not None and first.pairs_connected == 15
+    # d4 is replaced by d5: every prefill evicts D4 and adds D5 (one batch each).
+    d5 = _view("D5", "decode", {p.upper(): f"i-{p.upper()}" for p in ps})
+    now = {n: v for n, v in views.items() if n != "d4"}
+    now["d5"] = d5
+    for p in ps:
+        now[p] = views[p].answered({"D5": "i-D5"}, {"D4": "evicted"})
+    pods = [p for p in pods if p.name != "d4"] + [pod("d5", "decode")]
+    whole: list[str] = []
+    real = logic._held_as_is
+    monkeypatch.setattr(logic, "_held_as_is", lambda h, a: whole.append(h.engine_id) or real(h, a))
+    obs = Observed(3, SPEC, tuple(pods), now, first.status, memory=first.memory)
+    second = evaluate(obs, T0 + timedelta(seconds=5))
+    assert second.pairs_connected == second.pairs_expected == 15
+    assert whole == ["D5"]  # the new engine alone: nothing to patch from
+    # A prefill whose view was read anew (no lineage) is computed whole.
+    now["p0"] = dataclasses.replace(now["p0"], peer_incarnations=dict(now["p0"].peer_incarnations))
+    whole.clear()
+    obs = Observed(3, SPEC, tuple(pods), now, second.status, memory=second.memory)
+    evaluate(obs, T0 + timedelta(seconds=10))
+    assert whole == ["P0"]
 
 
 def test_an_unchanged_engine_line_is_last_rounds_line_and_a_changed_one_is_new() -> None:
