@@ -100,12 +100,12 @@ class Settings:
     max_gap_s: float = 0.5  # the longest pause between rounds for their CPU (see `_run`)
     # A pause between rounds at least this long begins with the fast pass (`_fast_pass`):
     # the engines that came up during the last round are read and paired then, not at the
-    # end of the next round. Off (infinite) by default: at 64 x 2,000 on a 2-core machine
-    # shared with the control plane it halved ready -> connected p50 (2.0 -> 1.1 s) but
-    # took 28-35% more operator CPU, a second wave of calls to every prefill per round,
-    # and the rollout fell from 1.2 to 1.5 times the control plane alone (BENCHMARKS.md,
-    # issue 32). 0.05 turns it on for a topology whose rounds cost that much CPU.
-    fast_pass_min_gap_s: float = math.inf
+    # end of the next round. On at this length since rounds patch last round's results
+    # (`logic._Memo`): at 64 x 2,000 on a 2-core machine shared with the control plane,
+    # ready -> connected p50 1.2-1.4 -> 0.7-0.8 s, for 13-25% more operator CPU and a
+    # second, smaller wave of calls to the prefills per round (BENCHMARKS.md, issue 32).
+    # Infinite turns it off (a machine whose control plane cannot spare that CPU).
+    fast_pass_min_gap_s: float = 0.05
     # The engines that came up after a round's gather join its calls (`_arrivals`): their
     # workers are read just before the round acts, waiting at most this long (0: off), and
     # their halves go in the same call to each prefill as the round's own.
