@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, cast
 
 import pytest
@@ -261,6 +261,16 @@ def _full_mesh(ps: list[str], ds: list[str]) -> dict[str, WorkerView]:
     }
 
 
+def _as_without_memo(obs: Observed, now: datetime, what: str) -> tuple[KVTopologyStatus, Memory]:
+    """`evaluate` of `obs`, asserted equal to the same round with an empty memo: the status
+    and the memory for the next round."""
+    remembered = evaluate(obs, now)
+    empty = dataclasses.replace(obs.memory, cache=RoundCache())
+    assert remembered == evaluate(dataclasses.replace(obs, memory=empty), now), what
+    assert remembered.memory is not None
+    return remembered.status, remembered.memory
+
+
 def test_the_round_memo_changes_no_decision() -> None:
     """Rounds that carry `Memory.cache` decide exactly as rounds that start without it,
     through unchanged views (the memo's hits), replaced ones, a restarted engine, an
@@ -290,13 +300,7 @@ def test_the_round_memo_changes_no_decision() -> None:
         now = T0 + timedelta(seconds=5 * i)
         present = [p for p in round_pods if p.name in workers]
         obs = Observed(3, SPEC, tuple(present), workers, previous, memory=memory)
-        remembered = evaluate(obs, now)
-        fresh = evaluate(
-            dataclasses.replace(obs, memory=dataclasses.replace(memory, cache=RoundCache())), now
-        )
-        assert remembered == fresh, f"round {i}"
-        assert remembered.memory is not None
-        previous, memory = remembered.status, remembered.memory
+        previous, memory = _as_without_memo(obs, now, f"round {i}")
     assert memory.cache.results  # the memo was used and kept
 
 
@@ -356,13 +360,7 @@ def test_patched_results_decide_as_fresh_ones_through_random_churn(seed: int) ->
         now = T0 + timedelta(seconds=5 * i)
         obs = Observed(3, SPEC, tuple(pods.values()), dict(views), previous, memory=memory)
         before = dict(memory.cache.results)
-        remembered = evaluate(obs, now)
-        fresh = evaluate(
-            dataclasses.replace(obs, memory=dataclasses.replace(memory, cache=RoundCache())), now
-        )
-        assert remembered == fresh, f"seed {seed}, round {i}"
-        assert remembered.memory is not None
-        previous, memory = remembered.status, remembered.memory
+        previous, memory = _as_without_memo(obs, now, f"seed {seed}, round {i}")
         patched += sum(
             1
             for key, (view, _, _) in memory.cache.results.items()
