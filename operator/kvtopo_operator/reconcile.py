@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
