@@ -4,7 +4,9 @@ Owns the types the decision functions (`kvtopo_operator.logic`, `kvtopo_operator
 and return, and the reconciler (`kvtopo_operator.reconcile`) builds and acts on: the views of
 pods, workers and topologies; the operator's memory between rounds; the plan (handshakes,
 evictions, settings, Events, the status) and the progress the conditions are computed from;
-and the time stamps the status uses. No behaviour beyond small derived properties; no I/O.
+and the time stamps the status uses. No behaviour beyond small derived properties and a
+worker view made from another (`WorkerView.answered`: what a worker's answer to the
+operator's call changed, with the lineage the decision's memo patches by); no I/O.
 """
 
 from __future__ import annotations
