@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -99,12 +100,13 @@ class Settings:
     max_gap_s: float = 0.5  # the longest pause between rounds for their CPU (see `_run`)
     # A pause between rounds at least this long begins with the fast pass (`_fast_pass`):
     # the engines that came up during the last round are read and paired then, not at the
-    # end of the next round. On at this length since rounds patch last round's results
-    # (`logic._Memo`): at 64 x 2,000 on a 2-core machine shared with the control plane,
-    # ready -> connected p50 1.2-1.4 -> 0.7-0.8 s, for 13-25% more operator CPU and a
-    # second, smaller wave of calls to the prefills per round (BENCHMARKS.md, issue 32).
-    # Infinite turns it off (a machine whose control plane cannot spare that CPU).
-    fast_pass_min_gap_s: float = 0.05
+    # end of the next round. Off (infinite) by default. At 64 x 2,000 on a 2-core machine
+    # shared with the control plane it takes ready -> connected p50 from 1.2 to 0.7 s for
+    # a sixth more operator CPU, but with one garbage and one hung worker in the fleet
+    # the healthy engines' p99 rose to 1.26-1.43 times the clean runs' (two runs; 0.98 with
+    # it off, the target 1.2): until that is understood, one engine's fault must not cost
+    # the others (BENCHMARKS.md, issue 32). 0.05 turns it on.
+    fast_pass_min_gap_s: float = math.inf
     # The engines that came up after a round's gather join its calls (`_arrivals`): their
     # workers are read just before the round acts, waiting at most this long (0: off), and
     # their halves go in the same call to each prefill as the round's own.
