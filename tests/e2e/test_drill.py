@@ -76,6 +76,13 @@ def test_short_drill_keeps_every_invariant(tmp_path: Path) -> None:
 
 def test_drill_fails_and_lists_requests_when_an_invariant_breaks(tmp_path: Path) -> None:
     out, report = drill(tmp_path, "--fault", "crash-decode")
+    if out.returncode == 0 and report["completed"] == report["requests_total"]:
+        # The decodes crashed (killed without draining as their pods went) held no request
+        # at that moment: the fault struck nothing, so there was no invariant to break (seen
+        # once in CI). Struck again in a run of its own; it must then be caught.
+        again = tmp_path / "again"
+        again.mkdir()
+        out, report = drill(again, "--fault", "crash-decode")
     assert out.returncode == 1, out.stdout[-3000:]
     assert report["lost"] > 0
     assert "an invariant broke" in out.stdout
