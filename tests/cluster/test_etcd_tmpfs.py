@@ -37,8 +37,15 @@ def test_sweep_removes_only_old_unused_folders(
         tmp_path / "holder.log",
         die_with_parent=True,
     )
-    holder.start()
+    record = holder.start()
     try:
+        # The sweep reads command lines from /proc: wait until the holder's is sh's (on a
+        # busy machine the fork can still be running Python's when the sweep looks).
+        cmdline = Path(f"/proc/{record.pid}/cmdline")
+        deadline = time.monotonic() + 30
+        while f"--data-dir={in_use}".encode() not in cmdline.read_bytes():
+            assert time.monotonic() < deadline, "the holder never exec'd its command"
+            time.sleep(0.01)
         removed = local_cluster.sweep_orphaned_etcd_data(min_age_s=60)
     finally:
         stop_processes([holder.record])
