@@ -37,7 +37,7 @@ from kvtopo_operator.api import (
 )
 from kvtopo_operator.events import EventRecorder
 from kvtopo_operator.gate import GateChange, gate_changes, stray_gates
-from kvtopo_operator.gather import WorkerViews
+from kvtopo_operator.gather import WorkerViews, wait_most
 from kvtopo_operator.kube import KubeClient
 from kvtopo_operator.logic import (
     admissions,
@@ -99,14 +99,20 @@ class Settings:
     status_engines_per_interval: int = 500
     max_gap_s: float = 0.5  # the longest pause between rounds for their CPU (see `_run`)
     # A pause between rounds at least this long begins with the fast pass (`_fast_pass`):
-    # the engines that came up during the last round are read and paired then, not at the
-    # end of the next round. Off (infinite) by default. At 64 x 2,000 on a 2-core machine
-    # shared with the control plane it takes ready -> connected p50 from 1.2 to 0.7 s for
-    # a sixth more operator CPU, but with one garbage and one hung worker in the fleet
-    # the healthy engines' p99 rose to 1.26-1.43 times the clean runs' (two runs; 0.98 with
-    # it off, the target 1.2): until that is understood, one engine's fault must not cost
-    # the others (BENCHMARKS.md, issue 32). 0.05 turns it on.
-    fast_pass_min_gap_s: float = math.inf
+    # the engines that came up during the last round, or whose read ended after its wait,
+    # are read and paired then, not at the end of the next round (math.inf: off). At
+    # 64 x 2,000 on a 2-core machine shared with the control plane it takes ready ->
+    # connected p50 from about 1.2 to 0.7 s for a sixth more operator CPU. It was off for a
+    # while: beside a garbage and a hung worker the healthy engines' p99 rose 1.26-1.43
+    # times, because a hung new worker's read held each pass (and round) for its whole wait;
+    # rounds and passes now stop waiting for stragglers (`gather.wait_most`). BENCHMARKS.md,
+    # issue 32.
+    fast_pass_min_gap_s: float = 0.05
+    # Fast passes also while a round waits for its calls (`_passes_while`): an engine that
+    # comes up then is paired before the round ends. Off: at 64 x 2,000 side by side it
+    # paired a quarter of a rollout's engines but moved neither p50 nor p99 beyond the
+    # noise, for more operator CPU (BENCHMARKS.md, eighth session).
+    passes_while_acting: bool = False
     # The engines that came up after a round's gather join its calls (`_arrivals`): their
     # workers are read just before the round acts, waiting at most this long (0: off), and
     # their halves go in the same call to each prefill as the round's own.
@@ -125,6 +131,8 @@ class Settings:
 # A round this large or this long is logged (INFO) with where its time went.
 LOUD_ROUND_HANDSHAKES = 1000
 LOUD_ROUND_S = 1.0
+# The passes while a round acts (`Reconciler._passes_while`) start at most this often.
+PASS_INTERVAL_S = 0.05
 BATCH_LIMIT = 512  # adds plus evictions per worker call (the worker takes up to 1,024)
 
 
@@ -157,10 +165,42 @@ class _Calls:
 
     out: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     outcome: _Outcome = field(default_factory=lambda: _Outcome(False, [], [], [], {}))
+    # A worker's part of a later plan, made by its task as soon as its calls out end (pod
+    # name -> endpoint and part): at most one per worker, the latest round's (a pass's
+    # part joins it). See `_act`.
+    queued: dict[str, tuple[str, _WorkerPart]] = field(default_factory=dict)
 
     def cancel(self) -> None:
         for task in self.out.values():
             task.cancel()
+
+
+def _queue(calls: _Calls, pod: str, endpoint: str, part: _WorkerPart, *, join: bool) -> None:
+    """Queues `part` behind the worker's calls out (`_Calls.queued`). A round's part
+    replaces what was queued (its plan was made from fresher views and holds everything
+    still lacking); a pass's part (`join`) is added to it."""
+    held = calls.queued.get(pod)
+    if join and held is not None and held[0] == endpoint:
+        old = held[1]
+        seen = {(h.peer_engine_id, h.peer_incarnation) for h in old.adds}
+        adds = old.adds + [
+            h for h in part.adds if (h.peer_engine_id, h.peer_incarnation) not in seen
+        ]
+        part = _WorkerPart(adds, old.evicts + part.evicts, part.ttl or old.ttl)
+    calls.queued[pod] = (endpoint, part)
+
+
+def _still_lacking(part: _WorkerPart, view: object) -> _WorkerPart:
+    """`part` less the adds the worker's view now holds (made by the calls it waited for)."""
+    if not isinstance(view, WorkerView):
+        return part
+    held = view.peer_incarnations
+    adds = [
+        h
+        for h in part.adds
+        if not (h.peer_engine_id in view.peers and held.get(h.peer_engine_id) == h.peer_incarnation)
+    ]
+    return _WorkerPart(adds, part.evicts, part.ttl)
 
 
 @dataclass(frozen=True)
@@ -172,6 +212,11 @@ class _Decided:
     me: TopologyView  # the topology as the claim sees it (its spec)
     live: Mapping[str, str]  # engine id -> pod of each usable engine
     pods_of_role: Mapping[str, frozenset[str]]  # role -> the pods of its usable engines
+    # The pods whose workers the round decided on (a view held at its gather): a worker
+    # read since that it did not see (a read that ended after its wait, a new worker's
+    # retry) is an arrival too (`_arrivals`), paired once (`admitted`).
+    seen: frozenset[str] = frozenset()
+    admitted: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -179,6 +224,9 @@ class _Loop:
     task: asyncio.Task[None]
     views: WorkerViews
     poke: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set with `poke` by what may bring an arrival (the pod watch, a read that ended after
+    # its wait), not by the loop's own calls: the passes during a round's act wait on it.
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
     decided: _Decided | None = None  # the last full round's (None: none yet, or refused)
     generation: int = -1
     uid: str = ""  # the object's metadata.uid, as its first round read it
@@ -238,16 +286,21 @@ class Reconciler:
         """Starts the topology's loop if needed; pokes it when its spec changed."""
         loop = self._loops.get(key)
         if loop is None or loop.task.done():
-            poke = asyncio.Event()
+            poke, arrived = asyncio.Event(), asyncio.Event()
+
+            def changed() -> None:
+                poke.set()
+                arrived.set()
+
             task = asyncio.create_task(self._run(key, poke), name=f"kvtopo-{key[0]}/{key[1]}")
             # A stale worker is re-read in the background; a different view pokes the loop.
             views = WorkerViews(
                 self.workers.state,
                 max_age_s=0.9 * self.settings.resync_s,
                 reads_per_s=self.settings.state_reads_per_s,
-                on_change=poke.set,
+                on_change=changed,
             )
-            self._loops[key] = _Loop(task=task, views=views, poke=poke)
+            self._loops[key] = _Loop(task=task, views=views, poke=poke, arrived=arrived)
             poke.set()
             return
         if generation is not None and generation != loop.generation:
@@ -257,6 +310,7 @@ class Reconciler:
         for (ns, _), loop in self._loops.items():
             if ns == namespace:
                 loop.poke.set()
+                loop.arrived.set()
 
     def forget(self, key: TopologyKey) -> None:
         """The topology is gone: its loop stops. The gates of the pods only it selected
@@ -406,7 +460,9 @@ class Reconciler:
                 log.exception("the fast pass of %s/%s failed; the next round decides", *key)
         await asyncio.sleep(max(0.0, end - time.monotonic()))
 
-    async def _fast_pass(self, key: TopologyKey, loop: _Loop, until: float) -> bool:
+    async def _fast_pass(
+        self, key: TopologyKey, loop: _Loop, until: float, *, wait_calls: bool = True
+    ) -> bool:
         """Pairs the engines that came up since the last round, between rounds
         (`_arrivals`), waiting for their reads and calls at most until `until`
         (monotonic). What the calls end with is the next round's (its outcome, its
@@ -427,7 +483,7 @@ class Reconciler:
             self.clock(),
             set(loop.failing),
             calls=loop.calls,
-            wait_s=max(0.0, until - time.monotonic()),
+            wait_s=max(0.0, until - time.monotonic()) if wait_calls else 0.0,
             on_late=loop.poke.set,
             take=False,
         )
@@ -435,6 +491,49 @@ class Reconciler:
         # those that ended during the pass too: it must run.
         loop.poke.set()
         return True
+
+    async def _passes_while(
+        self, key: TopologyKey, loop: _Loop, acting: asyncio.Future[Any]
+    ) -> None:
+        """Fast passes while a round acts (its calls to a rollout's prefills take a share
+        of a second under load): an engine that comes up meanwhile, or whose read ends
+        meanwhile, is read and paired then (`_arrivals`), not after the round. A pass's
+        own calls are not waited for (what they end with is the next round's), and its
+        part for a worker whose calls are out is queued behind them (`_act`). Returns once
+        the round's calls are done and no pass is under way."""
+        loop.arrived.clear()
+        waiting = asyncio.ensure_future(loop.arrived.wait())
+        passing: asyncio.Future[bool] | None = None
+        try:
+            while True:
+                await asyncio.wait({acting, waiting}, return_when=asyncio.FIRST_COMPLETED)
+                if acting.done():
+                    return
+                loop.arrived.clear()
+                waiting = asyncio.ensure_future(loop.arrived.wait())
+                began = time.monotonic()
+                passing = asyncio.ensure_future(
+                    self._fast_pass(key, loop, began + self.settings.round_wait_s, wait_calls=False)
+                )
+                await asyncio.wait({acting, passing}, return_when=asyncio.FIRST_COMPLETED)
+                if not passing.done():
+                    # The round's calls are done: it must not wait for a pass still reading
+                    # (a hung new worker's read). What the pass read is the next pass's
+                    # (read since the round's gather: `_arrivals`).
+                    passing.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await passing
+                    return
+                if (exc := passing.exception()) is not None:  # the next round decides it all
+                    log.error("a pass of %s/%s failed: %r; the next round decides", *key, exc)
+                # A rollout's pod events come many a second: one pass per interval at most.
+                pause = began + PASS_INTERVAL_S - time.monotonic()
+                if pause > 0:
+                    await asyncio.wait({acting}, timeout=pause)
+        finally:
+            waiting.cancel()
+            if passing is not None:
+                passing.cancel()  # done: nothing; else the loop stopped meanwhile
 
     async def _arrivals(
         self, key: TopologyKey, loop: _Loop, until: float
@@ -459,21 +558,40 @@ class Reconciler:
         ):
             return None  # the round reads the topology afresh
         all_pods = tuple(self.pods(namespace, spec.control_port))
-        new = [p for p in all_pods if p.ready and not p.deleting and loop.views.is_new(p)]
-        if not new:
+        new: list[PodView] = []
+        unseen: list[PodView] = []  # read since the round's gather, which did not see them
+        for p in all_pods:
+            if not p.ready or p.deleting:
+                continue
+            if loop.views.is_new(p):
+                new.append(p)
+            elif (
+                p.name not in decided.seen
+                and p.name not in decided.admitted
+                and isinstance(loop.views.view(p.name), WorkerView)
+            ):
+                unseen.append(p)
+        if not new and not unseen:
             return ()
-        names = {p.name for p in new}
+        names = {p.name for p in new} | {p.name for p in unseen}
         wanted: set[str] = set()
-        for role in {p.role for p in new}:
+        for role in {p.role for p in (*new, *unseen)}:
             wanted |= decided.pods_of_role.get("decode" if role == "prefill" else "prefill", set())
         candidates = [p for p in all_pods if p.name in names or p.name in wanted]
         pods, _ = owned_pods(decided.me, tuple(self.topologies(namespace)), candidates)
-        read = await loop.views.read_new(
-            [p for p in pods if p.name in names],
-            concurrency=spec.handshake.max_concurrent,
-            timeout_s=float(spec.handshake.timeout_seconds),
-            wait_s=max(0.0, min(self.settings.round_wait_s, until - time.monotonic())),
+        read: dict[str, WorkerView | WorkerUnreachable] = dict(
+            await loop.views.read_new(
+                [p for p in pods if p.name in names],
+                concurrency=spec.handshake.max_concurrent,
+                timeout_s=float(spec.handshake.timeout_seconds),
+                wait_s=max(0.0, min(self.settings.round_wait_s, until - time.monotonic())),
+            )
         )
+        for p in pods:
+            if p.name in names and p.name not in read:
+                view = loop.views.view(p.name)
+                if isinstance(view, WorkerView) and p.name not in decided.seen:
+                    read[p.name] = view
         if not read:
             return ()
         workers: dict[str, WorkerView | WorkerUnreachable] = dict(read)
@@ -485,6 +603,8 @@ class Reconciler:
         handshakes = await asyncio.to_thread(
             admissions, spec, pods, workers, frozenset(read), decided.live
         )
+        # Paired once (a pass cancelled before this point pairs nothing: the next pairs it).
+        decided.admitted.update(n for n, v in read.items() if isinstance(v, WorkerView))
         self.metrics.arrival_handshakes.inc(len(handshakes))
         return handshakes
 
@@ -587,6 +707,7 @@ class Reconciler:
             me,
             {eid: pod_name for pod_name, eid in plan.progress.live},
             {role: frozenset(names) for role, names in by_role.items()},
+            frozenset(n for n, v in workers.items() if isinstance(v, WorkerView)),
         )
         if self.settings.late_arrivals_s > 0:
             # The engines that came up while this round gathered and decided join its
@@ -594,17 +715,25 @@ class Reconciler:
             late = await self._arrivals(key, loop, time.monotonic() + self.settings.late_arrivals_s)
             if late:
                 plan = dataclasses.replace(plan, handshakes=plan.handshakes + late)
-        out = await self._act(
-            plan,
-            loop.views,
-            sem,
-            timeout,
-            now,
-            set(loop.failing),
-            calls=loop.calls,
-            wait_s=self.settings.round_wait_s,
-            on_late=loop.poke.set,
+        acting = asyncio.ensure_future(
+            self._act(
+                plan,
+                loop.views,
+                sem,
+                timeout,
+                now,
+                set(loop.failing),
+                calls=loop.calls,
+                wait_s=self.settings.round_wait_s,
+                on_late=loop.poke.set,
+            )
         )
+        try:
+            if self.settings.passes_while_acting and self.settings.fast_pass_min_gap_s < math.inf:
+                await self._passes_while(key, loop, acting)
+            out = await acting
+        finally:  # the loop stopped meanwhile: so do the round's calls
+            acting.cancel()
         acted_at = time.monotonic()
         if len(plan.handshakes) >= LOUD_ROUND_HANDSHAKES or acted_at - started > LOUD_ROUND_S:
             log.info(
@@ -833,9 +962,10 @@ class Reconciler:
         Each worker's calls are a task of their own (`calls`, the loop's: at most one per
         worker; a worker whose calls of an earlier round are still out gets nothing new
         now, its part of the plan waits for the next round). The round waits for them up to
-        `wait_s` (None: until each has answered or reached its deadline); those still out go
-        on, and what they end with is the next round's (`calls.outcome`), which `on_late`
-        (the loop's poke) starts. So a hung or slow worker costs its own engine only.
+        `wait_s` (None: until each has answered or reached its deadline), less once the
+        rest are stragglers (`gather.wait_most`); those still out go on, and what they
+        end with is the next round's (`calls.outcome`), which `on_late` (the loop's poke)
+        starts. So a hung or slow worker costs its own engine only.
         `take=False` (the fast pass): what every call ends with is left to the next round,
         which takes it with its own (the answer is then empty)."""
         calls = calls if calls is not None else _Calls()
@@ -854,11 +984,18 @@ class Reconciler:
 
         async def work(pod: str, endpoint: str, part: _WorkerPart) -> None:
             try:
-                await self._worker_calls(
-                    pod, endpoint, part, views, sem, call_timeout, now, failing_before, calls
-                )
+                while True:
+                    await self._worker_calls(
+                        pod, endpoint, part, views, sem, call_timeout, now, failing_before, calls
+                    )
+                    # What a later plan queued meanwhile goes now, not a round later.
+                    queued = calls.queued.pop(pod, None)
+                    if queued is None:
+                        break
+                    endpoint, part = queued[0], _still_lacking(queued[1], views.view(pod))
             finally:
                 calls.out.pop(pod, None)
+                calls.queued.pop(pod, None)
                 if round_over[0]:
                     on_late()
 
@@ -866,13 +1003,13 @@ class Reconciler:
         deferred: list[Handshake] = []
         for (pod, endpoint), part in by_worker.items():
             if pod in calls.out:  # its calls of an earlier round are still out
-                deferred.extend(part.adds)
+                deferred.extend(part.adds)  # the next round's to count; made when they end
+                _queue(calls, pod, endpoint, part, join=not take)
                 continue
             task = asyncio.create_task(work(pod, endpoint, part), name=f"kvtopo-calls-{pod}")
             calls.out[pod] = task
             started.append(task)
-        if started:
-            await asyncio.wait(started, timeout=wait_s)
+        await wait_most(started, wait_s)
         round_over[0] = True
         if not take:
             return _Outcome(False, [], [], [], {}, deferred)

@@ -1,5 +1,5 @@
 """Engines that come up after a round gathered (`Reconciler._arrivals`, `logic.admissions`):
-late arrivals join the round's own calls, and the fast pass (off by default) pairs them in
+late arrivals join the round's own calls, and the fast pass (on by default) pairs them in
 the pause after a round; both by the rules of a round and under its spec, claim and view of
 which engines are usable, acting on nothing they cannot vouch for; what the fast pass's
 calls end with is the next round's. Built through the real constructor with the fakes of
@@ -9,16 +9,21 @@ meanwhile."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncIterator
+from typing import Any, cast
 
 import pytest
 
+from kvtopo_operator.kube import KubeClient
 from kvtopo_operator.logic import admissions
+from kvtopo_operator.metrics import OperatorMetrics
 from kvtopo_operator.model import PodView, WorkerView
-from kvtopo_operator.reconcile import Reconciler
+from kvtopo_operator.reconcile import Reconciler, Settings
+from kvtopo_operator.workers import WorkerClient
 from tests.operator.fakes import FakeKube, RecordingWorkers
 from tests.operator.test_reconcile import KEY, SPEC, build, pod, topology_body, until
 
@@ -224,4 +229,178 @@ async def test_a_decode_up_after_the_round_s_gather_joins_that_round_s_calls() -
             lambda: kube.bodies["llama"]["status"]["summary"]["pairs"] == "2/2",
         )
     finally:
+        await reconciler.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_worker_read_after_the_round_s_wait_is_paired_by_the_fast_pass_once() -> None:
+    """A worker whose read ended after the round's wait (or a new worker's retry that
+    succeeded) was not decided on by that round: the fast pass pairs it as an arrival, once,
+    instead of leaving it to the next full round; an engine the round saw and did not find
+    usable stays the round's."""
+    pods = [pod("p0", "prefill"), pod("d0", "decode")]
+    async with settled_loop(pods) as (_kube, workers, reconciler, ended):
+        loop = reconciler._loops[KEY]
+        d1, twin = pod("d1", "decode"), pod("d2", "decode")
+        workers.views[d1.endpoint] = worker_of(d1)
+        workers.views[twin.endpoint] = worker_of(twin, engine_id="D0")
+        pods += [d1, twin]
+        # The reads end outside any round or pass, as a read the round stopped waiting for.
+        await loop.views.read_new([d1, twin], concurrency=4, timeout_s=1.0)
+        calls = len(workers.calls)
+        await reconciler._fast_pass(KEY, loop, time.monotonic() + 2.0)
+        assert workers.peers_of(d1.endpoint) == {"P0"}
+        assert "D1" in workers.peers_of(pods[0].endpoint)
+        assert reconciler.metrics.arrival_handshakes._value.get() == 2
+        assert loop.round_ended == ended  # no round ran
+        made = [c for c in workers.calls[calls:] if c[0] != "state"]
+        assert twin.endpoint not in {c[1] for c in made}
+        # Paired once: a second pass has nothing to do.
+        calls = len(workers.calls)
+        await reconciler._fast_pass(KEY, loop, time.monotonic() + 2.0)
+        assert [c for c in workers.calls[calls:] if c[0] != "state"] == []
+        assert reconciler.metrics.arrival_handshakes._value.get() == 2
+
+
+@pytest.mark.asyncio
+async def test_a_decode_up_while_a_round_acts_is_paired_before_the_round_ends() -> None:
+    """A round waits for its calls (here up to 30 s: every one of them hangs, so no
+    straggler rule ends the wait early); a decode that comes up meanwhile is read and
+    paired by a pass during the wait: its own half at once, the prefill's half queued
+    behind the prefill's call out and made when it ends, all before the round ends."""
+    release = asyncio.Event()
+
+    class HungCalls(RecordingWorkers):
+        hung: set[str] = set()
+
+        async def change_peers(self, endpoint: str, *args: Any, **kw: Any) -> Any:
+            if endpoint in self.hung:
+                self.calls.append(("change_peers (hung)", endpoint))
+                await release.wait()
+            return await super().change_peers(endpoint, *args, **kw)
+
+    p0, d0, d1, d2 = (
+        pod(n, "prefill" if n[0] == "p" else "decode") for n in ("p0", "d0", "d1", "d2")
+    )
+    pods = [p0, d0]
+    kube = FakeKube({"llama": topology_body()})
+    workers = HungCalls.for_pods([p0, d0, d1, d2])
+    reconciler = Reconciler(
+        kube=cast(KubeClient, kube),
+        workers=cast(WorkerClient, workers),
+        pods=lambda namespace, port: list(pods),
+        metrics=OperatorMetrics(),
+        settings=Settings(
+            resync_s=60.0,
+            retry_s=0.01,
+            round_wait_s=30.0,
+            status_interval_s=0,
+            passes_while_acting=True,
+        ),
+    )
+    try:
+        await settled(reconciler, workers, pods)
+        loop = reconciler._loops[KEY]
+        workers.hung = {p0.endpoint, d1.endpoint}
+        ended = loop.round_ended
+        pods.append(d1)
+        reconciler.poke_namespace("ns")
+        await until(
+            "the round's calls out",
+            lambda: (
+                workers.calls.count(("change_peers (hung)", p0.endpoint)) == 1
+                and ("change_peers (hung)", d1.endpoint) in workers.calls
+            ),
+        )
+        pods.append(d2)
+        reconciler.poke_namespace("ns")
+        await until("d2 holds P0", lambda: workers.peers_of(d2.endpoint) == {"P0"})
+        assert p0.name in loop.calls.queued  # its half of the pair, behind its call out
+        assert loop.round_ended == ended, "the round ended: the pair was not the pass's"
+        release.set()
+        await until(
+            "p0 holds every decode", lambda: workers.peers_of(p0.endpoint) == {"D0", "D1", "D2"}
+        )
+        await until("a round after it", lambda: loop.round_ended > ended)
+        await until(
+            "the status with every pair",
+            lambda: kube.bodies["llama"]["status"]["summary"]["pairs"] == "3/3",
+        )
+    finally:
+        release.set()
+        await reconciler.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_hung_worker_up_while_a_round_acts_holds_the_round_no_longer() -> None:
+    """A worker that comes up while a round acts and never answers its read (SIGSTOPped)
+    holds the pass that reads it, not the round: once the round's calls end, the round
+    ends (the pass's wait for the read, 30 s here, would otherwise hold it), and an engine
+    that answers is paired after."""
+    release, read_release = asyncio.Event(), asyncio.Event()
+
+    class Hung(RecordingWorkers):
+        hung_calls: set[str] = set()
+        hung_reads: set[str] = set()
+
+        async def change_peers(self, endpoint: str, *args: Any, **kw: Any) -> Any:
+            if endpoint in self.hung_calls:
+                self.calls.append(("change_peers (hung)", endpoint))
+                await release.wait()
+            return await super().change_peers(endpoint, *args, **kw)
+
+        async def state(self, endpoint: str, *args: Any, **kw: Any) -> Any:
+            if endpoint in self.hung_reads:
+                self.calls.append(("state (hung)", endpoint))
+                await read_release.wait()
+            return await super().state(endpoint, *args, **kw)
+
+    p0, d0, d1, d2, d3 = (
+        pod(n, "prefill" if n[0] == "p" else "decode") for n in ("p0", "d0", "d1", "d2", "d3")
+    )
+    pods = [p0, d0]
+    kube = FakeKube({"llama": topology_body()})
+    workers = Hung.for_pods([p0, d0, d1, d2, d3])
+    reconciler = Reconciler(
+        kube=cast(KubeClient, kube),
+        workers=cast(WorkerClient, workers),
+        pods=lambda namespace, port: list(pods),
+        metrics=OperatorMetrics(),
+        settings=Settings(
+            resync_s=60.0,
+            retry_s=0.01,
+            round_wait_s=30.0,
+            status_interval_s=0,
+            passes_while_acting=True,
+        ),
+    )
+    try:
+        await settled(reconciler, workers, pods)
+        loop = reconciler._loops[KEY]
+        workers.hung_calls = {p0.endpoint, d1.endpoint}
+        workers.hung_reads = {d2.endpoint}
+        ended = loop.round_ended
+        pods.append(d1)
+        reconciler.poke_namespace("ns")
+        await until(
+            "the round's calls out",
+            lambda: (
+                ("change_peers (hung)", d1.endpoint) in workers.calls
+                and ("change_peers (hung)", p0.endpoint) in workers.calls
+            ),
+        )
+        pods.append(d2)  # its worker hangs: the pass reading it waits, alone
+        reconciler.poke_namespace("ns")
+        await until("the hung read out", lambda: ("state (hung)", d2.endpoint) in workers.calls)
+        assert loop.round_ended == ended
+        release.set()  # the round's calls end; d2's read does not
+        await until("the round's end", lambda: loop.round_ended > ended)
+        pods.append(d3)
+        reconciler.poke_namespace("ns")
+        await until("p0 holds D3", lambda: "D3" in workers.peers_of(p0.endpoint))
+        assert workers.peers_of(d3.endpoint) == {"P0"}
+        assert "D2" not in workers.peers_of(p0.endpoint)
+    finally:
+        release.set()
+        read_release.set()
         await reconciler.stop()

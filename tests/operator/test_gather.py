@@ -305,6 +305,62 @@ def test_a_large_topology_stretches_the_resync_age_to_stay_within_the_read_budge
     asyncio.run(scenario())
 
 
+def test_background_re_reads_wait_while_workers_arrive_but_not_past_twice_their_age() -> None:
+    """While new workers are being read (a rollout's surge), a stale view is re-read only
+    once it is twice the refresh age: the re-reads, most of the operator's reads, yield the
+    event loop to the arrivals, and drift is still seen within twice the age."""
+    workers, clock = Workers(), Clock()
+    views = WorkerViews(workers.read, max_age_s=2.0, clock=clock)
+    old = [pod(n) for n in "abc"]
+    workers.answers = {p.endpoint: view(f"e{p.name}") for p in old}
+
+    async def scenario() -> None:
+        await views.gather(old, concurrency=4, timeout_s=1.0)
+        assert len(workers.reads) == 3
+
+        # 3 s later (stale at 2 s) a new worker comes up: only it is read.
+        clock.now = 103.0
+        d = pod("d")
+        workers.answers[d.endpoint] = view("ed")
+        workers.reads.clear()
+        await views.gather([*old, d], concurrency=4, timeout_s=1.0)
+        await views.refreshed()
+        assert workers.reads == [d.endpoint], "the stale views wait while workers arrive"
+
+        # Still arriving 1 s later (e), the old views now 4 s old: twice the age, re-read.
+        clock.now = 104.0
+        e = pod("e")
+        workers.answers[e.endpoint] = view("ee")
+        workers.reads.clear()
+        await views.gather([*old, d, e], concurrency=4, timeout_s=1.0)
+        await views.refreshed()
+        assert sorted(workers.reads) == sorted([e.endpoint, *(p.endpoint for p in old)])
+
+        # Arrivals over (none within the resync age): every stale view is re-read.
+        clock.now = 110.5
+        workers.reads.clear()
+        await views.gather([*old, d, e], concurrency=4, timeout_s=1.0)
+        await views.refreshed()
+        assert len(workers.reads) == 5, workers.reads
+
+    asyncio.run(scenario())
+
+    # Without arrivals the same stale views are re-read at their age.
+    workers, clock = Workers(), Clock()
+    views = WorkerViews(workers.read, max_age_s=2.0, clock=clock)
+    workers.answers = {p.endpoint: view(f"e{p.name}") for p in old}
+
+    async def quiet() -> None:
+        await views.gather(old, concurrency=4, timeout_s=1.0)
+        clock.now = 103.0
+        workers.reads.clear()
+        await views.gather(old, concurrency=4, timeout_s=1.0)
+        await views.refreshed()
+        assert len(workers.reads) == 3
+
+    asyncio.run(quiet())
+
+
 def test_a_change_found_by_a_re_read_pokes_the_loop_before_the_rest_of_the_batch_ends() -> None:
     """One slow worker in a batch of stale re-reads does not hold back the news of another
     worker's change: the loop is poked as soon as that answer is in."""
@@ -460,6 +516,44 @@ def test_a_round_waits_for_a_hung_worker_only_its_wait_and_its_answer_pokes_late
                 break
             await asyncio.sleep(0)
         assert workers.out == 1
+        workers.release.set()
+        await views.refreshed()
+
+    asyncio.run(scenario())
+
+
+def test_a_hung_new_worker_holds_back_the_others_reads_only_briefly() -> None:
+    """The engines that came up together are read together; one of them hung (its first
+    read never answers) must not hold the round, or the fast pass, for its whole `wait_s`:
+    once the others have answered, the wait goes on only as long again as theirs took (at
+    least `STRAGGLER_MIN_S`), then the round decides on what answered, and the hung read goes
+    on in the background. Healthy reads queued behind the concurrency bound keep the wait
+    going while they keep answering."""
+    workers = Hung()
+    views = WorkerViews(workers.read, max_age_s=60.0)
+    healthy = [pod(f"a{i}") for i in range(40)]
+    h = pod("h")
+    workers.answers = {p.endpoint: view(f"e{p.name}") for p in [*healthy, h]}
+    workers.hung = {h.endpoint}
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        # wait_s far above anything the test allows: before the straggler rule, this
+        # returned only after the full 30 s.
+        got = await asyncio.wait_for(
+            views.read_new([*healthy, h], concurrency=4, timeout_s=60.0, wait_s=30.0), 5.0
+        )
+        assert loop.time() - began < 5.0
+        assert set(got) == {p.name for p in healthy}, sorted(got)
+        assert workers.out == 1  # the hung read goes on
+        more = [pod(f"b{i}") for i in range(8)]
+        workers.answers.update({p.endpoint: view(f"e{p.name}") for p in more})
+        got = await asyncio.wait_for(
+            views.gather([*healthy, *more, h], concurrency=4, timeout_s=60.0, wait_s=30.0),
+            5.0,
+        )
+        assert set(got) == {p.name for p in [*healthy, *more]}
         workers.release.set()
         await views.refreshed()
 

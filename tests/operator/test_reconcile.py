@@ -9,6 +9,7 @@ deadline far below the resync period, so a pass shows the poke, not the timer.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -212,11 +213,13 @@ async def test_loops_stop_with_their_topology_and_are_cancelled_together() -> No
         await reconciler.stop()
 
 
-async def test_a_worker_whose_calls_hang_costs_its_own_engine_only() -> None:
+@pytest.mark.parametrize("round_wait_s", [0.05, 30.0])
+async def test_a_worker_whose_calls_hang_costs_its_own_engine_only(round_wait_s: float) -> None:
     """A worker that accepts a call and never answers (SIGSTOPped after its last read)
-    holds no round past its wait: a decode that comes meanwhile is connected while the hung
-    call is out; the hung worker is not called again while its call is out, and when it
-    answers, what it did is counted and the loop runs on it at once."""
+    holds no round past its wait, nor (a long wait) much past the other calls' answers: a
+    decode that comes meanwhile is connected while the hung call is out; the hung worker is
+    not called again while its call is out, and when it answers, what it did is counted and
+    the loop runs on it at once."""
     release = asyncio.Event()
 
     class HungCalls(RecordingWorkers):
@@ -237,7 +240,9 @@ async def test_a_worker_whose_calls_hang_costs_its_own_engine_only() -> None:
         workers=cast(WorkerClient, workers),
         pods=lambda namespace, port: list(pods),
         metrics=OperatorMetrics(),
-        settings=Settings(resync_s=30.0, retry_s=0.01, round_wait_s=0.05, status_interval_s=0),
+        settings=Settings(
+            resync_s=60.0, retry_s=0.01, round_wait_s=round_wait_s, status_interval_s=0
+        ),
     )
     try:
         reconciler.ensure(KEY)
@@ -297,4 +302,61 @@ async def test_a_forgotten_topology_leaves_no_gauges_and_gone_engines_are_not_re
         assert sample("kvtopo_operator_pairs_connected", labels) is None
         assert sample("kvtopo_operator_pairs_expected", labels) is None
     finally:
+        await reconciler.stop()
+
+
+async def test_a_part_planned_while_a_worker_s_calls_are_out_goes_as_soon_as_they_end() -> None:
+    """A worker whose calls of an earlier round are still out gets nothing new from a
+    later plan at once (one call out per worker); its part is queued and made by the same
+    task as soon as those calls end, not a round later: here no round runs after it (the
+    loop is stopped), and the prefill still takes the decode that came meanwhile, once, and
+    not the adds its first call already made."""
+    release = asyncio.Event()
+
+    class HungCalls(RecordingWorkers):
+        hung: set[str] = set()
+
+        async def change_peers(self, endpoint: str, *args: Any, **kw: Any) -> Any:
+            if endpoint in self.hung:
+                self.calls.append(("change_peers (hung)", endpoint))
+                await release.wait()
+            return await super().change_peers(endpoint, *args, **kw)
+
+    p0, d0, d1, d2 = (
+        pod("p0", "prefill"),
+        pod("d0", "decode"),
+        pod("d1", "decode"),
+        pod("d2", "decode"),
+    )
+    pods = [p0, d0]
+    kube = FakeKube({"llama": topology_body()})
+    workers = HungCalls.for_pods([p0, d0, d1, d2])
+    reconciler = build(lambda: list(pods), kube, workers)
+    try:
+        reconciler.ensure(KEY)
+        await until("p0 holds D0", lambda: workers.peers_of(p0.endpoint) == {"D0"})
+        loop = reconciler._loops[KEY]
+        workers.hung = {p0.endpoint}
+        pods.append(d1)
+        reconciler.poke_namespace("ns")
+        await until("p0's call out", lambda: ("change_peers (hung)", p0.endpoint) in workers.calls)
+        ended = loop.round_ended
+        pods.append(d2)
+        reconciler.poke_namespace("ns")
+        await until("d2 holds P0", lambda: workers.peers_of(d2.endpoint) == {"P0"})
+        await until("the round that planned it ended", lambda: loop.round_ended > ended)
+        loop.task.cancel()  # no round runs from here on
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop.task
+        workers.hung = set()
+        release.set()
+        await until(
+            "p0 holds every decode", lambda: workers.peers_of(p0.endpoint) == {"D0", "D1", "D2"}
+        )
+        await until("p0's calls ended", lambda: p0.name not in loop.calls.out)
+        adds = [c for c in workers.calls if c[0] == "change_peers" and c[1] == p0.endpoint]
+        assert len(adds) == 3, adds  # D0, the released D1 call, then the queued part
+        assert workers.batches[p0.endpoint][0] == ["D2"]  # D1, made meanwhile, left out
+    finally:
+        release.set()
         await reconciler.stop()
