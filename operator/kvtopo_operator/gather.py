@@ -232,6 +232,11 @@ class WorkerViews:
         engine that came up since the last round (`read_new`)."""
         return pod.name not in self._reading and self._known_at(pod) is None
 
+    def arriving(self, pod: PodView) -> bool:
+        """Whether `pod`'s worker was never read at its endpoint, its first read out or
+        not (`read_new` waits for one that is out)."""
+        return self._known_at(pod) is None
+
     async def read_new(
         self,
         pods: Iterable[PodView],
@@ -240,11 +245,14 @@ class WorkerViews:
         timeout_s: float,
         wait_s: float | None = None,
     ) -> Mapping[str, Seen]:
-        """Reads the workers of `pods` that are new (`is_new`) and usable, as `gather`
+        """Reads the workers of `pods` that are new (`arriving`) and usable, as `gather`
         would, but forgets nothing: the fast pass between rounds reads only the engines
-        that came up since the last round. Returns the views of `pods` held now."""
-        usable = [p for p in pods if p.ready and not p.deleting and p.endpoint and self.is_new(p)]
-        await self._read_due(usable, concurrency, timeout_s, wait_s)
+        that came up since the last round. A first read already out (`prefetch`) is waited
+        for with the others, not started again. Returns the views of `pods` held now.
+        `wait_s=0` starts the reads and returns at once: each pokes the loop when it ends."""
+        usable = [p for p in pods if p.ready and not p.deleting and p.endpoint and self.arriving(p)]
+        out = [self._reading[p.name] for p in usable if p.name in self._reading]
+        await self._read_due(usable, concurrency, timeout_s, wait_s, also=out)
         return {p.name: self._entries[p.name].view for p in usable if p.name in self._entries}
 
     async def _read_due(
@@ -253,11 +261,12 @@ class WorkerViews:
         concurrency: int,
         timeout_s: float,
         wait_s: float | None,
+        also: Iterable[asyncio.Future[None]] = (),
     ) -> None:
         """Reads the workers of `usable` that are due (`_due`, unless a read of one is
-        already out) and waits for them up to `wait_s` (not for one unreachable at its last
-        read: `_waited_for`). A read that ends after that wait pokes the loop: what it
-        found is the next round's."""
+        already out) and waits for them, and for the reads `also` (already out), up to
+        `wait_s` (not for one unreachable at its last read: `_waited_for`). A read that
+        ends after that wait pokes the loop: what it found is the next round's."""
         late = [False]
         due = [p for p in usable if p.name not in self._reading and self._due(p)]
         if any(self._known_at(p) is None for p in due):
@@ -282,7 +291,7 @@ class WorkerViews:
             finally:
                 self._reading.pop(pod.name, None)
 
-        waited: list[asyncio.Future[None]] = []
+        waited: list[asyncio.Future[None]] = list(also)
         for p in due:
             task = asyncio.ensure_future(read(p))
             self._reading[p.name] = task

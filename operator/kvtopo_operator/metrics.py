@@ -41,6 +41,13 @@ class OperatorMetrics:
             "Worker /v1/state reads (new, failed or stale workers only).",
             registry=self.registry,
         )
+        self.state_prefetches = Counter(
+            "kvtopo_operator_worker_state_prefetches",
+            "First reads of new workers started as soon as the pod watch reported their pod "
+            "usable, before a round or pass looked (also counted in "
+            "kvtopo_operator_worker_state_reads once they end within a round).",
+            registry=self.registry,
+        )
         self.state_unchanged = Counter(
             "kvtopo_operator_worker_state_unchanged",
             "Worker /v1/state reads the worker answered 304 Not Modified (the view kept).",

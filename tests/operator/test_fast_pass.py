@@ -404,3 +404,65 @@ async def test_a_hung_worker_up_while_a_round_acts_holds_the_round_no_longer() -
         release.set()
         read_release.set()
         await reconciler.stop()
+
+
+class HeldKube(FakeKube):
+    """A kube whose topology reads wait while `held` is set and not released: a round (and
+    a pass) under way stops at its first step."""
+
+    held: asyncio.Event | None = None
+
+    async def get_topology(self, namespace: str, name: str) -> dict[str, Any] | None:
+        if self.held is not None:
+            await self.held.wait()
+        return await super().get_topology(namespace, name)
+
+
+@pytest.mark.asyncio
+async def test_a_new_worker_is_read_when_its_pod_is_usable_not_when_the_round_gets_to_it() -> None:
+    pods = [pod("p0", "prefill"), pod("d0", "decode")]
+    kube = HeldKube({"llama": topology_body()})
+    workers = RecordingWorkers.for_pods(pods)
+    reconciler = build(lambda: pods, kube, workers)
+    try:
+        ended = await settled(reconciler, workers, pods)
+        loop = reconciler._loops[KEY]
+        kube.held = asyncio.Event()  # every round and pass from now on waits at its start
+        d1 = pod("d1", "decode")
+        workers.views[d1.endpoint] = worker_of(d1)
+        pods.append(d1)
+        reconciler.poke_namespace("ns")  # the pod watch: the namespace's pods changed
+        await until("the new worker's first read", lambda: d1.endpoint in workers.reads)
+        assert loop.round_ended == ended  # read while no round could have
+        assert reconciler.metrics.state_prefetches._value.get() == 1
+        kube.held.set()
+        await until("d1 paired", lambda: workers.peers_of(d1.endpoint) == {"P0"})
+        await until("p0 holds d1", lambda: "D1" in workers.peers_of(pods[0].endpoint))
+        assert workers.reads.count(d1.endpoint) == 1  # the rounds took the prefetched view
+    finally:
+        await reconciler.stop()
+
+
+@pytest.mark.asyncio
+async def test_no_prefetch_before_a_round_decided_nor_of_a_pod_another_topology_owns() -> None:
+    pods = [pod("p0", "prefill"), pod("d0", "decode")]
+    kube = HeldKube({"llama": topology_body()})
+    kube.held = asyncio.Event()  # the first round cannot decide
+    workers = RecordingWorkers.for_pods(pods)
+    reconciler = build(lambda: pods, kube, workers)
+    try:
+        reconciler.ensure(KEY)
+        loop = reconciler._loops[KEY]
+        assert await reconciler._prefetch_once(KEY, loop) == 0  # no round decided yet
+        assert workers.reads == []
+        kube.held.set()
+        await settled(reconciler, workers, pods)
+        stranger = dataclasses.replace(
+            pod("d2", "decode"), labels={"app": "other", "kvtopo.dev/role": "decode"}
+        )
+        workers.views[stranger.endpoint] = worker_of(stranger)
+        pods.append(stranger)
+        assert await reconciler._prefetch_once(KEY, loop) == 0  # not this topology's pod
+        assert stranger.endpoint not in workers.reads
+    finally:
+        await reconciler.stop()

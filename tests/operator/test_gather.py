@@ -558,3 +558,46 @@ def test_a_hung_new_worker_holds_back_the_others_reads_only_briefly() -> None:
         await views.refreshed()
 
     asyncio.run(scenario())
+
+
+def test_a_prefetched_first_read_is_waited_for_not_started_again() -> None:
+    """`read_new` with no wait starts a new worker's first read and returns at once (the
+    read pokes when it ends); a later `read_new` of that pod waits for the read already
+    out rather than start another, and a round leaves it out until it ends."""
+    answered = asyncio.Event()
+    pokes: list[int] = []
+
+    class Slow(Workers):
+        async def read(
+            self,
+            endpoint: str,
+            timeout_s: float,
+            known: WorkerView | None = None,
+            pod_uid: str = "",
+        ) -> WorkerView | WorkerUnreachable:
+            self.reads.append(endpoint)
+            await answered.wait()
+            return self.answers[endpoint]
+
+    workers = Slow()
+    views = WorkerViews(workers.read, max_age_s=2.0, on_change=lambda: pokes.append(1))
+    a = pod("a")
+    workers.answers = {a.endpoint: view("ea")}
+
+    async def run() -> None:
+        assert await views.read_new([a], concurrency=4, timeout_s=1.0, wait_s=0.0) == {}
+        await asyncio.sleep(0.01)  # the read's task starts
+        assert workers.reads == [a.endpoint] and not views.is_new(a) and views.arriving(a)
+        assert await views.gather([a], concurrency=4, timeout_s=1.0, wait_s=0.1) == {}
+        waiting = asyncio.ensure_future(
+            views.read_new([a], concurrency=4, timeout_s=1.0, wait_s=5.0)
+        )
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # it waits for the read that is out
+        answered.set()
+        assert await asyncio.wait_for(waiting, 5.0) == {"a": view("ea")}
+        assert workers.reads == [a.endpoint]  # one read in all
+        assert pokes == [1]  # the prefetched read ended after its (no) wait: it poked
+        assert not views.arriving(a)
+
+    asyncio.run(run())
