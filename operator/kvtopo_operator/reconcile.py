@@ -122,7 +122,11 @@ class Settings:
     # round or pass looks: at 64 x 2,000 such a worker otherwise waited for the round under
     # way to end (1-2.6 s in a rollout on two busy cores) before its first read began.
     # The rounds and passes wait for a first read already out rather than start another.
-    prefetch_interval_s: float = 0.05
+    # Off by default: side by side at 64 x 2,000 (A B B A, BENCHMARKS.md, tenth session) it
+    # halved the first read's p50 (0.39 -> 0.18 s) but not its p99 (1.13 / 1.54 against
+    # 1.63 / 0.88 s), ready -> connected p99 2.46 / 2.43 against 2.93 / 1.72 s, for 12% more
+    # operator CPU; at 32 x 1,000 no gain. The pairing, not the read, is what the tail waits on.
+    prefetch_interval_s: float = math.inf
     # How long a round waits for a worker's read or calls: one still out then goes on in
     # the background, bounded by its own deadline (the handshake timeout), and pokes the
     # loop when it ends. A hung worker costs its own engine, not every decision.

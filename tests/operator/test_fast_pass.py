@@ -424,6 +424,7 @@ async def test_a_new_worker_is_read_when_its_pod_is_usable_not_when_the_round_ge
     kube = HeldKube({"llama": topology_body()})
     workers = RecordingWorkers.for_pods(pods)
     reconciler = build(lambda: pods, kube, workers)
+    reconciler.settings.prefetch_interval_s = 0.05  # off by default (`Settings`)
     try:
         ended = await settled(reconciler, workers, pods)
         loop = reconciler._loops[KEY]
@@ -450,6 +451,7 @@ async def test_no_prefetch_before_a_round_decided_nor_of_a_pod_another_topology_
     kube.held = asyncio.Event()  # the first round cannot decide
     workers = RecordingWorkers.for_pods(pods)
     reconciler = build(lambda: pods, kube, workers)
+    reconciler.settings.prefetch_interval_s = 0.05  # off by default (`Settings`)
     try:
         reconciler.ensure(KEY)
         loop = reconciler._loops[KEY]
