@@ -626,12 +626,16 @@ class Reconciler:
         ):
             return None  # the round reads the topology afresh
         all_pods = tuple(self.pods(namespace, spec.control_port))
+        # With the prefetch on, a first read already out is waited for (`read_new`); off, as
+        # measured: a read out (the round's, still going) is the next pass's once it ends.
+        prefetching = self.settings.prefetch_interval_s < math.inf
+        arriving = loop.views.arriving if prefetching else loop.views.is_new
         new: list[PodView] = []
         unseen: list[PodView] = []  # read since the round's gather, which did not see them
         for p in all_pods:
             if not p.ready or p.deleting:
                 continue
-            if loop.views.arriving(p):  # its first read out (`_prefetch`) or not started
+            if arriving(p):
                 new.append(p)
             elif (
                 p.name not in decided.seen
