@@ -9,6 +9,7 @@ the `Reconciler` itself is built through its real constructor with them.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Iterable
 from typing import Any
@@ -137,3 +138,22 @@ class RecordingWorkers:
 
     async def close(self) -> None:
         pass
+
+
+class HungCalls(RecordingWorkers):
+    """`RecordingWorkers` whose peer changes to the endpoints in `hung` are recorded as
+    ``change_peers (hung)`` and answer only once `release` is set (a worker that accepted
+    a call and froze)."""
+
+    def __init__(
+        self, views: dict[str, WorkerView | WorkerUnreachable], settings_ok: bool = True
+    ) -> None:
+        super().__init__(views, settings_ok)
+        self.hung: set[str] = set()
+        self.release = asyncio.Event()
+
+    async def change_peers(self, endpoint: str, *args: Any, **kw: Any) -> Any:
+        if endpoint in self.hung:
+            self.calls.append(("change_peers (hung)", endpoint))
+            await self.release.wait()
+        return await super().change_peers(endpoint, *args, **kw)

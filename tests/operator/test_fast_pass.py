@@ -24,7 +24,7 @@ from kvtopo_operator.metrics import OperatorMetrics
 from kvtopo_operator.model import PodView, WorkerView
 from kvtopo_operator.reconcile import Reconciler, Settings
 from kvtopo_operator.workers import WorkerClient
-from tests.operator.fakes import FakeKube, RecordingWorkers
+from tests.operator.fakes import FakeKube, HungCalls, RecordingWorkers
 from tests.operator.test_reconcile import KEY, SPEC, build, pod, topology_body, until
 
 
@@ -52,6 +52,26 @@ async def settled(reconciler: Reconciler, workers: RecordingWorkers, pods: list[
     seen = loop.round_ended
     await until("a round after them", lambda: loop.round_ended > seen)
     return loop.round_ended
+
+
+def passing_while_acting(
+    pods: list[PodView], kube: FakeKube, workers: RecordingWorkers
+) -> Reconciler:
+    """A reconciler over `pods` whose rounds wait up to 30 s for their calls (no straggler
+    rule ends a wait whose every call hangs) and run passes meanwhile."""
+    return Reconciler(
+        kube=cast(KubeClient, kube),
+        workers=cast(WorkerClient, workers),
+        pods=lambda namespace, port: list(pods),
+        metrics=OperatorMetrics(),
+        settings=Settings(
+            resync_s=60.0,
+            retry_s=0.01,
+            round_wait_s=30.0,
+            status_interval_s=0,
+            passes_while_acting=True,
+        ),
+    )
 
 
 @contextlib.asynccontextmanager
@@ -268,36 +288,13 @@ async def test_a_decode_up_while_a_round_acts_is_paired_before_the_round_ends() 
     straggler rule ends the wait early); a decode that comes up meanwhile is read and
     paired by a pass during the wait: its own half at once, the prefill's half queued
     behind the prefill's call out and made when it ends, all before the round ends."""
-    release = asyncio.Event()
-
-    class HungCalls(RecordingWorkers):
-        hung: set[str] = set()
-
-        async def change_peers(self, endpoint: str, *args: Any, **kw: Any) -> Any:
-            if endpoint in self.hung:
-                self.calls.append(("change_peers (hung)", endpoint))
-                await release.wait()
-            return await super().change_peers(endpoint, *args, **kw)
-
     p0, d0, d1, d2 = (
         pod(n, "prefill" if n[0] == "p" else "decode") for n in ("p0", "d0", "d1", "d2")
     )
     pods = [p0, d0]
     kube = FakeKube({"llama": topology_body()})
     workers = HungCalls.for_pods([p0, d0, d1, d2])
-    reconciler = Reconciler(
-        kube=cast(KubeClient, kube),
-        workers=cast(WorkerClient, workers),
-        pods=lambda namespace, port: list(pods),
-        metrics=OperatorMetrics(),
-        settings=Settings(
-            resync_s=60.0,
-            retry_s=0.01,
-            round_wait_s=30.0,
-            status_interval_s=0,
-            passes_while_acting=True,
-        ),
-    )
+    reconciler = passing_while_acting(pods, kube, workers)
     try:
         await settled(reconciler, workers, pods)
         loop = reconciler._loops[KEY]
@@ -317,7 +314,7 @@ async def test_a_decode_up_while_a_round_acts_is_paired_before_the_round_ends() 
         await until("d2 holds P0", lambda: workers.peers_of(d2.endpoint) == {"P0"})
         assert p0.name in loop.calls.queued  # its half of the pair, behind its call out
         assert loop.round_ended == ended, "the round ended: the pair was not the pass's"
-        release.set()
+        workers.release.set()
         await until(
             "p0 holds every decode", lambda: workers.peers_of(p0.endpoint) == {"D0", "D1", "D2"}
         )
@@ -327,7 +324,7 @@ async def test_a_decode_up_while_a_round_acts_is_paired_before_the_round_ends() 
             lambda: kube.bodies["llama"]["status"]["summary"]["pairs"] == "3/3",
         )
     finally:
-        release.set()
+        workers.release.set()
         await reconciler.stop()
 
 
@@ -361,19 +358,7 @@ async def test_a_hung_worker_up_while_a_round_acts_holds_the_round_no_longer() -
     pods = [p0, d0]
     kube = FakeKube({"llama": topology_body()})
     workers = Hung.for_pods([p0, d0, d1, d2, d3])
-    reconciler = Reconciler(
-        kube=cast(KubeClient, kube),
-        workers=cast(WorkerClient, workers),
-        pods=lambda namespace, port: list(pods),
-        metrics=OperatorMetrics(),
-        settings=Settings(
-            resync_s=60.0,
-            retry_s=0.01,
-            round_wait_s=30.0,
-            status_interval_s=0,
-            passes_while_acting=True,
-        ),
-    )
+    reconciler = passing_while_acting(pods, kube, workers)
     try:
         await settled(reconciler, workers, pods)
         loop = reconciler._loops[KEY]

@@ -23,7 +23,7 @@ from kvtopo_operator.metrics import OperatorMetrics
 from kvtopo_operator.model import PodView
 from kvtopo_operator.reconcile import Reconciler, Settings
 from kvtopo_operator.workers import WorkerClient
-from tests.operator.fakes import FakeKube, RecordingWorkers
+from tests.operator.fakes import FakeKube, HungCalls, RecordingWorkers
 
 pytestmark = pytest.mark.asyncio
 KEY = ("ns", "llama")
@@ -220,17 +220,6 @@ async def test_a_worker_whose_calls_hang_costs_its_own_engine_only(round_wait_s:
     decode that comes meanwhile is connected while the hung call is out; the hung worker is
     not called again while its call is out, and when it answers, what it did is counted and
     the loop runs on it at once."""
-    release = asyncio.Event()
-
-    class HungCalls(RecordingWorkers):
-        hung: set[str] = set()
-
-        async def change_peers(self, endpoint: str, *args: Any, **kw: Any) -> Any:
-            if endpoint in self.hung:
-                self.calls.append(("change_peers (hung)", endpoint))
-                await release.wait()
-            return await super().change_peers(endpoint, *args, **kw)
-
     pods = [pod("p0", "prefill"), pod("d0", "decode")]
     kube = FakeKube({"llama": topology_body()})
     workers = HungCalls.for_pods([*pods, pod("d1", "decode")])
@@ -256,7 +245,7 @@ async def test_a_worker_whose_calls_hang_costs_its_own_engine_only(round_wait_s:
         await until("p0 holds D1", lambda: workers.peers_of(pods[0].endpoint) == {"D0", "D1"})
         assert workers.calls.count(("change_peers (hung)", pods[1].endpoint)) == 1
         assert workers.peers_of(pods[1].endpoint) == frozenset()
-        release.set()
+        workers.release.set()
         await until("d0 holds P0", lambda: workers.peers_of(pods[1].endpoint) == {"P0"})
         await until(
             "every pair connected in the status",
@@ -266,7 +255,7 @@ async def test_a_worker_whose_calls_hang_costs_its_own_engine_only(round_wait_s:
         )
         assert workers.calls.count(("change_peers (hung)", pods[1].endpoint)) == 1
     finally:
-        release.set()
+        workers.release.set()
         await reconciler.stop()
 
 
@@ -311,17 +300,6 @@ async def test_a_part_planned_while_a_worker_s_calls_are_out_goes_as_soon_as_the
     task as soon as those calls end, not a round later: here no round runs after it (the
     loop is stopped), and the prefill still takes the decode that came meanwhile, once, and
     not the adds its first call already made."""
-    release = asyncio.Event()
-
-    class HungCalls(RecordingWorkers):
-        hung: set[str] = set()
-
-        async def change_peers(self, endpoint: str, *args: Any, **kw: Any) -> Any:
-            if endpoint in self.hung:
-                self.calls.append(("change_peers (hung)", endpoint))
-                await release.wait()
-            return await super().change_peers(endpoint, *args, **kw)
-
     p0, d0, d1, d2 = (
         pod("p0", "prefill"),
         pod("d0", "decode"),
@@ -349,7 +327,7 @@ async def test_a_part_planned_while_a_worker_s_calls_are_out_goes_as_soon_as_the
         with contextlib.suppress(asyncio.CancelledError):
             await loop.task
         workers.hung = set()
-        release.set()
+        workers.release.set()
         await until(
             "p0 holds every decode", lambda: workers.peers_of(p0.endpoint) == {"D0", "D1", "D2"}
         )
@@ -358,5 +336,5 @@ async def test_a_part_planned_while_a_worker_s_calls_are_out_goes_as_soon_as_the
         assert len(adds) == 3, adds  # D0, the released D1 call, then the queued part
         assert workers.batches[p0.endpoint][0] == ["D2"]  # D1, made meanwhile, left out
     finally:
-        release.set()
+        workers.release.set()
         await reconciler.stop()
