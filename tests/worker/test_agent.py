@@ -745,9 +745,11 @@ def test_a_batch_handshake_deadline_bounds_its_handshakes_not_the_worker_default
         assert body["results"][0]["result"] == "added", body  # type: ignore[index]
         assert d.registry.engine_ids() == ["pre-slow"]
         call("DELETE", f"{d.url}/v1/peers/pre-slow")
-        # A shorter one: the peer that answers in 1.5 s fails at 0.3 s, not at the
-        # worker's 30 s (nor when the peer answers).
+        # A shorter one: a peer that answers in 10 s fails at 0.3 s, not at the worker's
+        # 30 s (nor when the peer answers). The margin is wide: a loaded CI machine once
+        # took 1.8 s here with a peer that answered in 1.5 s.
         d.server.handshake_timeout_s = 30
+        slow_peer.delay_s = 10
         t0 = time.monotonic()
         status, body = call(
             "PATCH", f"{d.url}/v1/peers", {"add": [add], "handshake_timeout_s": 0.3}
@@ -755,7 +757,7 @@ def test_a_batch_handshake_deadline_bounds_its_handshakes_not_the_worker_default
         elapsed = time.monotonic() - t0
         assert status == 200 and body["results"][0]["status"] == 502, body  # type: ignore[index]
         assert "TimeoutError" in body["results"][0]["message"], body  # type: ignore[index]
-        assert elapsed < 1.2, elapsed
+        assert elapsed < 5, elapsed
         assert d.registry.engine_ids() == []
         state = call("GET", f"{d.url}/v1/state")[1]
         assert state["handshake_timeout_s"] == 30
