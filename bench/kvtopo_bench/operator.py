@@ -692,6 +692,8 @@ class SizeRun:
                 "raw",
                 "-o",
                 str(Path(profile) / f"operator-{self.ns}.folded"),
+                # e.g. "--gil": only the samples of the thread holding the interpreter lock
+                *os.environ.get("KVTOPO_BENCH_PROFILE_ARGS", "").split(),
                 "--",
             ]
             if profile

@@ -2,9 +2,10 @@
 
 Owns the HTTP calls the operator makes to engine pods: read `/v1/state`, and add and evict
 peers, all of one worker's in one call (`PATCH /v1/peers`), and set its idle TTL (`PUT
-/v1/settings`), each signed with the operator's key, with a timeout and a shared connection
-pool. Only endpoints that are ip:port are dialled (`kvtopo_worker.endpoints`), no redirect is
-followed, and answers are read up to a bound. Decodes answers with the worker's wire
+/v1/settings`), each signed with the operator's key, with a timeout, over the operator's own
+keep-alive connections (`kvtopo_operator.wire`). Only endpoints that are ip:port are dialled
+(`kvtopo_worker.endpoints`), no redirect is followed, and answers are read up to a bound.
+Decodes answers with the worker's wire
 protocol (`kvtopo_worker.protocol`, which imports neither torch nor nixl).
 
 Credentials (`kvtopo_worker.signing`): a worker answers an unsigned call 401 with its
@@ -25,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-import aiohttp
 import msgspec
 
 from kvtopo_operator.model import (
@@ -34,9 +34,9 @@ from kvtopo_operator.model import (
     WorkerUnreachable,
     WorkerView,
 )
+from kvtopo_operator.wire import WireError, WirePool
 from kvtopo_worker.credentials import TokenError
 from kvtopo_worker.endpoints import EndpointError, parse_endpoint
-from kvtopo_worker.http import read_bounded
 from kvtopo_worker.protocol import (
     MAX_ID_LEN,
     PEER_BATCH_CONCURRENCY,
@@ -274,7 +274,12 @@ class WorkerClient:
             keys = PrivateKeys(path=key_file)
         self.caller = CallerKey("operator", keys)
         self._challenges: OrderedDict[str, Challenge] = OrderedDict()
-        self._session: aiohttp.ClientSession | None = None
+        # An idle connection is kept a minute: a large topology's workers are re-read
+        # every 10-20 s (`Settings.state_reads_per_s`), and at aiohttp's default 15 s each
+        # re-read opened a new connection (8% of the operator's samples at 2,000 workers
+        # went to connecting). A worker's server keeps one far longer (aiohttp's default,
+        # 3630 s), so the operator is the side that closes an idle connection.
+        self._pool = WirePool(limit=256, keepalive_s=KEEPALIVE_S)
 
     def challenge(self, endpoint: str) -> Challenge | None:
         """The last challenge the worker at `endpoint` answered with (None: none yet)."""
@@ -304,13 +309,10 @@ class WorkerClient:
         with a new one, asked again (once) signed for the new one. Raises
         IdentityMismatch when the challenge names a pod uid other than `pod_uid`. `etag`
         is sent as If-None-Match."""
-        session = await self._http()
         target = parse_endpoint(endpoint)
-        url = target.url(path)
         headers = {"Content-Type": "application/json"} if body is not None else {}
         if etag:
             headers["If-None-Match"] = etag
-        timeout = aiohttp.ClientTimeout(total=timeout_s)
         for attempt in range(2):
             held = self._challenges.get(endpoint)
             if held is not None and held.pod_uid != pod_uid:
@@ -330,23 +332,22 @@ class WorkerClient:
                 sent["Authorization"] = self.caller.authorization(
                     held, method, path, str(target), body or b""
                 )
-            resp = await session.request(
-                method, url, headers=sent, data=body, timeout=timeout, allow_redirects=False
+            answer = await self._pool.request(
+                target, method, path, sent, body, timeout_s, MAX_STATE_BYTES
             )
-            async with resp:
-                if resp.status == 401 and attempt == 0:
-                    fresh = parse_challenge(resp.headers.get("WWW-Authenticate", ""))
-                    if fresh is not None and fresh != held:
-                        self._remember(endpoint, fresh)
-                        continue
-                tag = resp.headers.get("ETag", "")[:MAX_ETAG]
-                if resp.status == 304:
-                    return resp.status, b"", tag
-                if resp.status != 200:
-                    return resp.status, (await read_bounded(resp.content, 300))[:300], tag
-                if held is not None:
-                    self._challenges.move_to_end(endpoint)
-                return resp.status, await read_bounded(resp.content, MAX_STATE_BYTES), tag
+            if answer.status == 401 and attempt == 0:
+                fresh = parse_challenge(answer.fields.get("www-authenticate", ""))
+                if fresh is not None and fresh != held:
+                    self._remember(endpoint, fresh)
+                    continue
+            tag = answer.fields.get("etag", "")[:MAX_ETAG]
+            if answer.status == 304:
+                return answer.status, b"", tag
+            if answer.status != 200:
+                return answer.status, answer.body[:300], tag
+            if held is not None:
+                self._challenges.move_to_end(endpoint)
+            return answer.status, answer.body, tag
         raise AssertionError("unreachable")  # pragma: no cover
 
     def ticket(
@@ -391,23 +392,8 @@ class WorkerClient:
         except (SignatureError, TokenError):
             return ""
 
-    async def _http(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            # An idle connection is kept a minute: a large topology's workers are re-read
-            # every 10-20 s (`Settings.state_reads_per_s`), and at aiohttp's default 15 s
-            # each re-read opened a new connection (8% of the operator's samples at 2,000
-            # workers went to connecting). A worker's server keeps one far longer (aiohttp's
-            # default, 3630 s), so the operator is the side that closes an idle connection.
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(
-                    limit=256, force_close=False, keepalive_timeout=KEEPALIVE_S
-                )
-            )
-        return self._session
-
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        self._pool.close()
 
     async def state(
         self,
@@ -442,7 +428,7 @@ class WorkerClient:
             return WorkerUnreachable(str(exc)[:400], identity_mismatch=True)
         except (TokenError, SignatureError) as exc:
             return WorkerUnreachable(str(exc)[:300])
-        except (aiohttp.ClientError, TimeoutError, OSError, msgspec.DecodeError) as exc:
+        except (WireError, TimeoutError, OSError, msgspec.DecodeError) as exc:
             return WorkerUnreachable(f"{type(exc).__name__}: {exc}"[:300])
         refused = _refusal(st)
         if refused is not None:
@@ -509,7 +495,7 @@ class WorkerClient:
             return dict.fromkeys(keys, CallResult(False, 0, f"endpoint refused: {exc}"))
         except (TokenError, SignatureError, IdentityMismatch) as exc:
             return dict.fromkeys(keys, CallResult(False, 0, str(exc)[:300]))
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        except (WireError, TimeoutError, OSError) as exc:
             failed = CallResult(False, 0, f"{type(exc).__name__}: {exc}"[:300])
             return dict.fromkeys(keys, failed)
         if status != 200:
@@ -547,7 +533,7 @@ class WorkerClient:
             return CallResult(False, 0, f"endpoint refused: {exc}")
         except (TokenError, SignatureError, IdentityMismatch) as exc:
             return CallResult(False, 0, str(exc)[:300])
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        except (WireError, TimeoutError, OSError) as exc:
             return CallResult(False, 0, f"{type(exc).__name__}: {exc}"[:300])
         if status != 200:
             return CallResult(False, status, _error_message(data))
