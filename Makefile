@@ -113,6 +113,7 @@ bench: $(UV) toolchain
 	$(VENV)/bin/kvtopo bench operator --json bench/results/operator.json
 	$(VENV)/bin/kvtopo bench vllm --json bench/results/vllm.json
 	$(VENV)/bin/kvtopo bench isolation --json bench/results/isolation.json
+	$(VENV)/bin/kvtopo bench wire --json bench/results/wire.json
 	$(MAKE) --no-print-directory bench-vllm-server
 	@echo
 	-$(VENV)/bin/kvtopo bench summary --results bench/results

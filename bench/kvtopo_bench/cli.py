@@ -1,6 +1,7 @@
 """The `kvtopo bench` verb: its arguments and the handler of each benchmark.
 
-Owns the `bench` subparser (push, registry, operator, vllm, summary: flags, help texts, handlers).
+Owns the `bench` subparser (push, registry, operator, vllm, wire, isolation, summary: flags,
+help texts, handlers).
 The `kvtopo` command does not import this package: it finds :func:`add_bench_parser` through
 the `kvtopo.verbs` entry point in pyproject.toml and calls it with its subparsers. Each
 benchmark module is imported only when its verb runs, so `kvtopo --help` needs neither torch
@@ -94,8 +95,9 @@ def _bench_report(module: str) -> Callable[[argparse.Namespace], int]:
 def add_bench_parser(
     verbs: argparse._SubParsersAction[argparse.ArgumentParser],
 ) -> argparse.ArgumentParser:
-    """Add ``bench {push,registry,operator,vllm,summary}`` to ``verbs``, each with its handler as
-    ``func``; returns the ``bench`` parser. The `kvtopo.verbs` entry point names this."""
+    """Add ``bench {push,registry,operator,vllm,wire,isolation,summary}`` to ``verbs``, each
+    with its handler as ``func``; returns the ``bench`` parser. The `kvtopo.verbs` entry point
+    names this."""
     bench = verbs.add_parser("bench", help="run a benchmark (results as JSON)")
     bench_kinds = bench.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
     benchmarks = (
@@ -143,6 +145,16 @@ def add_bench_parser(
             "seconds, and a prefill replaced under the same address. Reports each engine's "
             "NIXL progress-thread setting, every run, the medians and named ratios.",
             "fewer requests, 20 s for the replaced prefill",
+        ),
+        (
+            "wire",
+            _bench_report("wirecalls"),
+            "what one operator call to a worker costs: aiohttp's client beside the operator's",
+            "PATCH calls to 200 loopback endpoints, 64 out at once, made by aiohttp's client "
+            "(as the operator used it before) and by kvtopo_operator.wire, alternating A B B "
+            "A: client and server CPU per call, wall time per call, connections; the ratios "
+            "wire / aiohttp.",
+            "one A B B A of 2,000 calls per run",
         ),
         (
             "isolation",

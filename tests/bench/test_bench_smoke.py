@@ -276,3 +276,24 @@ def test_the_isolation_benchmark_measures_a_pair_beside_each_attack() -> None:
         assert case["failed"] == 0, (kind, case)
         assert case["hostile_messages"] > 0, (kind, case)
         assert abs(case["delay_p99_ms"] - (case["hostile_p99_ms"] - case["quiet_p99_ms"])) < 0.05
+
+
+def test_the_wire_benchmark_alternates_the_clients_and_every_call_is_answered(
+    tmp_path: Path,
+) -> None:
+    from kvtopo_bench import wirecalls
+
+    out = tmp_path / "wire.json"
+    report = wirecalls.run(out, quick=True, log=lambda _: None, calls=300)
+    assert [r["client"] for r in report["runs"]] == ["aiohttp", "wire", "wire", "aiohttp"]
+    for r in report["runs"]:
+        # Each run's server counted exactly its calls (run() raises otherwise); keep-alive
+        # reuses connections: far fewer of them than calls.
+        assert 1 <= r["server_connections"] < 300
+        assert r["client_cpu_us"] > 0 and r["wall_us"] > 0
+    assert set(report["ratios"]) == {
+        "client_cpu_us_wire_vs_aiohttp",
+        "server_cpu_us_wire_vs_aiohttp",
+        "wall_us_wire_vs_aiohttp",
+    }
+    assert json.loads(out.read_text())["runs"] == report["runs"]
