@@ -12,12 +12,13 @@ connection is closed.
 
 Why not aiohttp's client, which the operator used before: a rollout of 2,000 workers is tens
 of thousands of small calls, and aiohttp's per-request machinery (URL objects, multidicts,
-timers, tracing hooks, cookie handling, a response object and stream per call) was a
-quarter of the event loop's samples in a py-spy profile of the 64 x 2,000 bench
-(BENCHMARKS.md). The operator's calls need none of it. A connection the worker closed while
-it sat idle (the worker restarted, or a proxy dropped it) fails on its next use before any
-answer arrives: that request is sent once more on a new connection (the worker's calls are
-idempotent: a peer added twice is `present`, an eviction of a peer not held is `absent`).
+timers, tracing hooks, cookie handling, a response object and stream per call) cost about
+twice the client CPU of this module per call, and its requests cost the workers more to
+parse (`kvtopo bench wire`, BENCHMARKS.md). The operator's calls need none of it. A
+connection the worker closed while it sat idle (the worker restarted, or a proxy dropped it)
+fails on its next use before any answer arrives: that request is sent once more on a new
+connection (the worker's calls are idempotent: a peer added twice is `present`, an eviction
+of a peer not held is `absent`).
 """
 
 from __future__ import annotations
