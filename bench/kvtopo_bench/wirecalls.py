@@ -49,14 +49,15 @@ def _host(i: int) -> str:
 
 async def _serve(n: int) -> None:
     """The fake workers: every endpoint on one runner; `/stats` says what they cost."""
-    transports: set[int] = set()
+    # The transports themselves, held: an id of a closed one could be reused by the next.
+    transports: set[object] = set()
     calls = 0
 
     async def patch(request: web.Request) -> web.Response:
         nonlocal calls
         await request.read()
         calls += 1
-        transports.add(id(request.transport))
+        transports.add(request.transport)
         return web.Response(body=ANSWER, content_type="application/json")
 
     async def stats(request: web.Request) -> web.Response:
@@ -125,8 +126,10 @@ async def _one_run(kind: str, port: int, calls: int, seed: int) -> dict[str, Any
                 if a.status != 200 or a.body != ANSWER:
                     raise RuntimeError(f"unexpected answer {a.status}")
 
-            await asyncio.gather(*(one(i) for i in targets))
-            pool.close()
+            try:
+                await asyncio.gather(*(one(i) for i in targets))
+            finally:
+                pool.close()
         t1, w1 = os.times(), time.monotonic()
         after = await _stats(probe, port)
     if after["calls"] - before["calls"] != calls:
