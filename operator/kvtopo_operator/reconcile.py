@@ -117,6 +117,12 @@ class Settings:
     # workers are read just before the round acts, waiting at most this long (0: off), and
     # their halves go in the same call to each prefill as the round's own.
     late_arrivals_s: float = 0.1
+    # The engines a round's gather read for the first time get their halves while the
+    # round decides (`_admit_gathered`, by `logic.admissions` under the last round's
+    # decision), not after it: in a rollout's surge a 2,000-engine round decides for a
+    # share of a second, and the surge's decodes are those waiting. The round's own plan
+    # then finds their halves made (or queued behind the calls out: `_act`).
+    admit_while_deciding: bool = True
     # A worker whose pod became usable is read as soon as the pod watch says so, at most
     # this often per topology (`Reconciler._prefetch`; math.inf: off), not when the next
     # round or pass looks: at 64 x 2,000 such a worker otherwise waited for the round under
@@ -201,15 +207,23 @@ def _queue(calls: _Calls, pod: str, endpoint: str, part: _WorkerPart, *, join: b
 
 
 def _still_lacking(part: _WorkerPart, view: object) -> _WorkerPart:
-    """`part` less the adds the worker's view now holds (made by the calls it waited for)."""
-    if not isinstance(view, WorkerView):
+    """`part` less the adds the worker's view now holds as they are (made by calls that
+    ended since the plan's views were read); a peer held but unhealthy or being evicted
+    is still added (`logic.holds`)."""
+    if not isinstance(view, WorkerView) or not part.adds:
         return part
     held = view.peer_incarnations
+    evicting, unhealthy = view.evicting, view.unhealthy_peers
     adds = [
         h
         for h in part.adds
-        if not (h.peer_engine_id in view.peers and held.get(h.peer_engine_id) == h.peer_incarnation)
+        if h.peer_engine_id not in view.peers
+        or held.get(h.peer_engine_id) != h.peer_incarnation
+        or h.peer_engine_id in evicting
+        or h.peer_engine_id in unhealthy
     ]
+    if len(adds) == len(part.adds):
+        return part
     return _WorkerPart(adds, part.evicts, part.ttl)
 
 
@@ -680,6 +694,66 @@ class Reconciler:
         self.metrics.arrival_handshakes.inc(len(handshakes))
         return handshakes
 
+    async def _admit_gathered(
+        self,
+        key: TopologyKey,
+        loop: _Loop,
+        generation: int,
+        pods: tuple[PodView, ...],
+        workers: Mapping[str, WorkerView | WorkerUnreachable],
+        sem: asyncio.Semaphore,
+        call_timeout: float,
+        now: datetime,
+    ) -> None:
+        """Pairs the engines this round's gather read that the last round's decision did
+        not see (new workers, mostly: a rollout's surge) while this round decides
+        (`Settings.admit_while_deciding`): `logic.admissions` under the last round's spec
+        and view of which engines are usable, as the fast pass does, and their calls
+        started without waiting for them (what they end with is this round's if they end
+        before it acts, else the next one's). Nothing when the last decision was under
+        another generation (the round decides it all)."""
+        decided = loop.decided
+        if decided is None or decided.me.spec is None or decided.generation != generation:
+            return
+        spec = decided.me.spec
+        new = frozenset(
+            name
+            for name, view in workers.items()
+            if isinstance(view, WorkerView)
+            and name not in decided.seen
+            and name not in decided.admitted
+        )
+        if not new:
+            return
+        wanted: set[str] = set()
+        for role in {p.role for p in pods if p.name in new}:
+            wanted |= decided.pods_of_role.get("decode" if role == "prefill" else "prefill", set())
+        candidates = [p for p in pods if p.name in new or p.name in wanted]
+        try:
+            handshakes = await asyncio.to_thread(
+                admissions, spec, candidates, workers, new, decided.live
+            )
+            decided.admitted.update(new)
+            if not handshakes:
+                return
+            self.metrics.arrival_handshakes.inc(len(handshakes))
+            await self._act(
+                Plan(handshakes, (), KVTopologyStatus(), (), 0, 0),
+                loop.views,
+                sem,
+                call_timeout,
+                now,
+                set(loop.failing),
+                calls=loop.calls,
+                wait_s=0.0,
+                on_late=loop.poke.set,
+                take=False,
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the round decides them as it always did
+            log.exception("pairing the gathered arrivals of %s/%s failed; the round decides", *key)
+
     async def reconcile(self, key: TopologyKey, loop: _Loop) -> tuple[bool, float | None]:
         """One round; returns whether it changed something (so it runs again soon) and when
         the next eviction falls due."""
@@ -753,22 +827,35 @@ class Reconciler:
         self.metrics.state_unchanged.inc(loop.views.unchanged - unchanged)
         gathered = time.monotonic()
         now = self.clock()
+        admitting = (
+            asyncio.ensure_future(
+                self._admit_gathered(key, loop, generation, pods, workers, sem, timeout, now)
+            )
+            if self.settings.admit_while_deciding
+            else None
+        )
         # The decision runs off the event loop (a large topology's round takes a share of a
         # second of pure Python): the Lease renewals, the pod watch and the other loops go
         # on meanwhile. Only this loop touches its memory, and it waits for the plan.
-        plan = await asyncio.to_thread(
-            evaluate,
-            Observed(
-                generation=generation,
-                spec=spec,
-                pods=pods,
-                workers=workers,
-                previous=previous,
-                claimed=claimed,
-                memory=loop.memory,
-            ),
-            now,
-        )
+        try:
+            plan = await asyncio.to_thread(
+                evaluate,
+                Observed(
+                    generation=generation,
+                    spec=spec,
+                    pods=pods,
+                    workers=workers,
+                    previous=previous,
+                    claimed=claimed,
+                    memory=loop.memory,
+                ),
+                now,
+            )
+            if admitting is not None:  # its calls go on; only their start is waited for
+                await admitting
+        finally:  # the round failed or the loop stopped meanwhile: so does the pairing
+            if admitting is not None:
+                admitting.cancel()
         decided = time.monotonic()
         roles = plan.progress.live_roles or {}
         by_role: dict[str, set[str]] = {}
@@ -1051,6 +1138,10 @@ class Reconciler:
             by_worker.setdefault((e.pod, e.endpoint), _WorkerPart()).evicts.append(e)
         for change in plan.idle_ttls:
             by_worker.setdefault((change.pod, change.endpoint), _WorkerPart()).ttl = change
+        for (pod, endpoint), part in by_worker.items():
+            # Less what calls made since the plan's views were read (the gather's
+            # arrivals, paired while the round decided: `_admit_gathered`).
+            by_worker[(pod, endpoint)] = _still_lacking(part, views.view(pod))
         failing_before = failing_before or set()
         round_over = [False]
 

@@ -58,7 +58,8 @@ def passing_while_acting(
     pods: list[PodView], kube: FakeKube, workers: RecordingWorkers
 ) -> Reconciler:
     """A reconciler over `pods` whose rounds wait up to 30 s for their calls (no straggler
-    rule ends a wait whose every call hangs) and run passes meanwhile."""
+    rule ends a wait whose every call hangs) and run passes meanwhile (with the gather's
+    arrivals left to the round's own calls)."""
     return Reconciler(
         kube=cast(KubeClient, kube),
         workers=cast(WorkerClient, workers),
@@ -70,6 +71,9 @@ def passing_while_acting(
             round_wait_s=30.0,
             status_interval_s=0,
             passes_while_acting=True,
+            # The round's gather would pair its new engines itself, by calls the round
+            # does not wait for: these tests need a round that waits on its own calls.
+            admit_while_deciding=False,
         ),
     )
 
@@ -451,5 +455,67 @@ async def test_no_prefetch_before_a_round_decided_nor_of_a_pod_another_topology_
         pods.append(stranger)
         assert await reconciler._prefetch_once(KEY, loop) == 0  # not this topology's pod
         assert stranger.endpoint not in workers.reads
+    finally:
+        await reconciler.stop()
+
+
+@pytest.mark.asyncio
+async def test_an_engine_first_read_at_a_round_s_gather_is_paired_while_the_round_decides(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A decode the round's gather reads for the first time gets both halves of its pairs
+    while the round's decision runs (`Settings.admit_while_deciding`), not after it: in a
+    rollout's surge the decision of a 2,000-engine round takes a share of a second. The
+    decision here waits (up to 3 s) until it sees both halves made; the round's own plan
+    then has nothing left to make for them, and the status counts the pairs."""
+    import kvtopo_operator.reconcile as reconcile_module
+
+    pods = [pod("p0", "prefill"), pod("p1", "prefill"), pod("d0", "decode")]
+    kube = FakeKube({"llama": topology_body()})
+    workers = RecordingWorkers.for_pods(pods)
+    # Only rounds: no fast pass and no late arrivals, so the gather is what reads it.
+    reconciler = Reconciler(
+        kube=cast(KubeClient, kube),
+        workers=cast(WorkerClient, workers),
+        pods=lambda namespace, port: list(pods),
+        metrics=OperatorMetrics(),
+        settings=Settings(
+            resync_s=60.0, retry_s=0.01, fast_pass_min_gap_s=float("inf"), late_arrivals_s=0
+        ),
+    )
+    d1 = pod("d1", "decode")
+    workers.views[d1.endpoint] = worker_of(d1)
+    real_evaluate = reconcile_module.evaluate
+    seen_while_deciding: list[bool] = []
+
+    def paired() -> bool:
+        return workers.peers_of(d1.endpoint) == {"P0", "P1"} and all(
+            "D1" in workers.peers_of(p.endpoint) for p in pods[:2]
+        )
+
+    def slow_evaluate(obs: Any, now: Any) -> Any:
+        if d1.name in obs.workers and not seen_while_deciding:  # the round that gathered it
+            deadline = time.monotonic() + 3.0
+            while not paired() and time.monotonic() < deadline:
+                time.sleep(0.005)
+            seen_while_deciding.append(paired())
+        return real_evaluate(obs, now)
+
+    monkeypatch.setattr(reconcile_module, "evaluate", slow_evaluate)
+    try:
+        ended = await settled(reconciler, workers, pods)
+        loop = reconciler._loops[KEY]
+        pods.append(d1)
+        loop.poke.set()
+        await until("the round that gathered d1", lambda: bool(seen_while_deciding), 6.0)
+        assert seen_while_deciding == [True], "the halves waited for the decision"
+        assert reconciler.metrics.arrival_handshakes._value.get() == 4
+        await until("a round after it", lambda: loop.round_ended > ended)
+        await until(
+            "the status with every pair",
+            lambda: kube.bodies["llama"]["status"]["summary"]["pairs"] == "4/4",
+        )
+        # Each half once: the decode got one call with both adds, each prefill one add.
+        assert workers.calls.count(("change_peers", d1.endpoint)) == 1
     finally:
         await reconciler.stop()
