@@ -519,3 +519,32 @@ async def test_an_engine_first_read_at_a_round_s_gather_is_paired_while_the_roun
         assert workers.calls.count(("change_peers", d1.endpoint)) == 1
     finally:
         await reconciler.stop()
+
+
+def test_a_round_s_act_drops_only_the_halves_held_as_they_are_now() -> None:
+    """What a round's act leaves out of a worker's part (`_still_lacking`): a half the
+    worker's view holds now at the same incarnation (made since the plan's views were
+    read); a half held at another incarnation, held but unhealthy, or held while being
+    evicted is still made, as the decision asked."""
+    from kvtopo_operator.model import Handshake
+    from kvtopo_operator.reconcile import _still_lacking, _WorkerPart
+
+    def half(peer: str, incarnation: str = "i1") -> Handshake:
+        return Handshake("p0", "127.0.0.1:9000", peer, "127.0.0.1:1", "decode", "", incarnation)
+
+    view = WorkerView(
+        "P0",
+        "prefill",
+        "h",
+        frozenset({"D0", "D1", "D2", "D3"}),
+        evicting=frozenset({"D3"}),
+        peer_incarnations={"D0": "i1", "D1": "i0", "D2": "i1", "D3": "i1"},
+        unhealthy_peers={"D2": "transfers failing"},
+    )
+    part = _WorkerPart([half("D0"), half("D1"), half("D2"), half("D3"), half("D4")])
+    kept = _still_lacking(part, view)
+    assert [h.peer_engine_id for h in kept.adds] == ["D1", "D2", "D3", "D4"]
+    # Nothing held: the part as it was; no view (unreachable, not read): as it was.
+    fresh = WorkerView("P0", "prefill", "h", frozenset())
+    assert _still_lacking(part, fresh) is part
+    assert _still_lacking(part, None) is part
