@@ -230,7 +230,8 @@ def _still_lacking(part: _WorkerPart, view: object) -> _WorkerPart:
 @dataclass(frozen=True)
 class _Decided:
     """What the last full round went by: the engines that came up since are paired under it
-    (`_arrivals`: late arrivals joining that round's calls, and the fast pass)."""
+    (`_arrivals`: late arrivals joining that round's calls, and the fast pass; and
+    `_admit_gathered`: those the next round's gather reads first, while it decides)."""
 
     generation: int
     me: TopologyView  # the topology as the claim sees it (its spec)

@@ -521,6 +521,78 @@ async def test_an_engine_first_read_at_a_round_s_gather_is_paired_while_the_roun
         await reconciler.stop()
 
 
+@pytest.mark.asyncio
+async def test_the_gather_s_arrivals_are_paired_only_where_the_round_could_vouch_for_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Attacking the pairing while the round decides: beside a good new decode, a worker of
+    another pod, a second engine with a live engine's id and a pod being deleted all reach
+    the gather; only the good one is paired before the decision ends, and the round then
+    says why the others are not (their status lines), pairing none of them."""
+    import kvtopo_operator.reconcile as reconcile_module
+
+    pods = [pod("p0", "prefill"), pod("d0", "decode")]
+    kube = FakeKube({"llama": topology_body()})
+    workers = RecordingWorkers.for_pods(pods)
+    reconciler = Reconciler(
+        kube=cast(KubeClient, kube),
+        workers=cast(WorkerClient, workers),
+        pods=lambda namespace, port: list(pods),
+        metrics=OperatorMetrics(),
+        settings=Settings(
+            resync_s=60.0, retry_s=0.01, fast_pass_min_gap_s=float("inf"), late_arrivals_s=0
+        ),
+    )
+    good, stranger, twin = pod("d1", "decode"), pod("d2", "decode"), pod("d3", "decode")
+    workers.views[good.endpoint] = worker_of(good)
+    workers.views[stranger.endpoint] = worker_of(stranger, pod_uid="uid-elsewhere")
+    workers.views[twin.endpoint] = worker_of(twin, engine_id="D0")
+    going = dataclasses.replace(pod("d4", "decode"), deleting=True)
+    workers.views[going.endpoint] = worker_of(going)
+    real_evaluate = reconcile_module.evaluate
+    during: list[list[tuple[str, str]]] = []
+
+    def slow_evaluate(obs: Any, now: Any) -> Any:
+        if good.name in obs.workers and not during:
+            deadline = time.monotonic() + 3.0
+            while "D1" not in workers.peers_of(pods[0].endpoint) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            during.append([c for c in workers.calls if c[0] == "change_peers"])
+        return real_evaluate(obs, now)
+
+    monkeypatch.setattr(reconcile_module, "evaluate", slow_evaluate)
+    try:
+        ended = await settled(reconciler, workers, pods)
+        loop = reconciler._loops[KEY]
+        before = len([c for c in workers.calls if c[0] == "change_peers"])
+        pods += [good, stranger, twin, going]
+        loop.poke.set()
+        await until("the round that gathered them", lambda: bool(during), 6.0)
+        made = during[0][before:]
+        assert sorted(e for _, e in made) == sorted([good.endpoint, pods[0].endpoint])
+        assert workers.peers_of(good.endpoint) == {"P0"}
+        assert workers.peers_of(pods[0].endpoint) == {"D0", "D1"}
+        await until("a round after it", lambda: loop.round_ended > ended)
+
+        def line(name: str) -> dict[str, Any]:
+            engines = kube.bodies["llama"]["status"].get("engines") or []
+            return next((e for e in engines if e.get("pod") == name), {})
+
+        await until(
+            "the status lines of the refused ones",
+            lambda: (
+                line(stranger.name).get("state") == "Failed"
+                and line(twin.name).get("state") == "Failed"
+            ),
+        )
+        assert workers.peers_of(pods[0].endpoint) == {"D0", "D1"}
+        assert stranger.endpoint not in {e for k, e in workers.calls if k == "change_peers"}
+        assert twin.endpoint not in {e for k, e in workers.calls if k == "change_peers"}
+        assert going.endpoint not in {e for k, e in workers.calls if k == "change_peers"}
+    finally:
+        await reconciler.stop()
+
+
 def test_a_round_s_act_drops_only_the_halves_held_as_they_are_now() -> None:
     """What a round's act leaves out of a worker's part (`_still_lacking`): a half the
     worker's view holds now at the same incarnation (made since the plan's views were
