@@ -113,6 +113,10 @@ class Settings:
     # paired a quarter of a rollout's engines but moved neither p50 nor p99 beyond the
     # noise, for more operator CPU (BENCHMARKS.md, eighth session).
     passes_while_acting: bool = False
+    # Passes for the rest of the pause between rounds too (after the fast pass, as while
+    # acting): an engine that comes up during the pause is read and paired then, not at
+    # the next round's gather.
+    passes_between_rounds: bool = True
     # The engines that came up after a round's gather join its calls (`_arrivals`): their
     # workers are read just before the round acts, waiting at most this long (0: off), and
     # their halves go in the same call to each prefill as the round's own.
@@ -488,12 +492,21 @@ class Reconciler:
         loop = self._loops.get(key)
         end = time.monotonic() + gap
         if loop is not None and gap >= self.settings.fast_pass_min_gap_s:
+            passes = self.settings.passes_between_rounds
+            if passes:
+                loop.arrived.clear()  # what arrives from here on is the passes'
             try:
-                await self._fast_pass(key, loop, end)
+                await self._fast_pass(key, loop, end, wait_calls=not passes)
             except asyncio.CancelledError:
                 raise
             except Exception:  # the next round decides it all again
                 log.exception("the fast pass of %s/%s failed; the next round decides", *key)
+            if passes:
+                pause = asyncio.ensure_future(asyncio.sleep(max(0.0, end - time.monotonic())))
+                try:
+                    await self._passes_while(key, loop, pause, clear=False)
+                finally:
+                    pause.cancel()
         await asyncio.sleep(max(0.0, end - time.monotonic()))
 
     async def _fast_pass(
@@ -529,15 +542,18 @@ class Reconciler:
         return True
 
     async def _passes_while(
-        self, key: TopologyKey, loop: _Loop, acting: asyncio.Future[Any]
+        self, key: TopologyKey, loop: _Loop, acting: asyncio.Future[Any], *, clear: bool = True
     ) -> None:
         """Fast passes while a round acts (its calls to a rollout's prefills take a share
         of a second under load): an engine that comes up meanwhile, or whose read ends
         meanwhile, is read and paired then (`_arrivals`), not after the round. A pass's
         own calls are not waited for (what they end with is the next round's), and its
         part for a worker whose calls are out is queued behind them (`_act`). Returns once
-        the round's calls are done and no pass is under way."""
-        loop.arrived.clear()
+        the round's calls are done and no pass is under way. Also for the rest of the pause
+        between rounds (`acting`: that pause; `clear=False`: what arrived since the fast
+        pass began is the passes')."""
+        if clear:
+            loop.arrived.clear()
         waiting = asyncio.ensure_future(loop.arrived.wait())
         passing: asyncio.Future[bool] | None = None
         try:

@@ -620,3 +620,50 @@ def test_a_round_s_act_drops_only_the_halves_held_as_they_are_now() -> None:
     fresh = WorkerView("P0", "prefill", "h", frozenset())
     assert _still_lacking(part, fresh) is part
     assert _still_lacking(part, None) is part
+
+
+@pytest.mark.asyncio
+async def test_a_decode_up_during_the_pause_between_rounds_is_paired_in_that_pause() -> None:
+    """The pause between rounds begins with the fast pass; an engine that comes up after
+    the fast pass looked is read and paired by a pass in the rest of the pause
+    (`Settings.passes_between_rounds`), not at the next round's gather."""
+    pods = [pod("p0", "prefill"), pod("d0", "decode")]
+    d1 = pod("d1", "decode")
+    kube = FakeKube({"llama": topology_body()})
+    workers = RecordingWorkers.for_pods([*pods, d1])
+    listings: list[int] = []
+
+    def listing() -> list[PodView]:
+        listings.append(len(pods))
+        return list(pods)
+
+    reconciler = build(listing, kube, workers)
+    pausing: asyncio.Future[None] | None = None
+    try:
+        ended = await settled(reconciler, workers, pods)
+        loop = reconciler._loops[KEY]
+        # No round can run from here: what pairs the new decode is the pause alone.
+        loop.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop.task
+        listed = len(listings)
+        pausing = asyncio.ensure_future(reconciler._between_rounds(KEY, 5.0))
+        await until("the fast pass's look at the pods", lambda: len(listings) > listed)
+        pods.append(d1)  # after the fast pass looked: only a later pass can see it
+        reconciler.poke_namespace("ns")  # the pod watch's news
+        await until(
+            "the new pair, both ways, within the pause",
+            lambda: (
+                workers.peers_of(d1.endpoint) == {"P0"}
+                and "D1" in workers.peers_of(pods[0].endpoint)
+            ),
+        )
+        assert not pausing.done()
+        assert loop.round_ended == ended
+        assert reconciler.metrics.arrival_handshakes._value.get() == 2
+    finally:
+        if pausing is not None:
+            pausing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pausing
+        await reconciler.stop()
