@@ -115,8 +115,10 @@ class Settings:
     passes_while_acting: bool = False
     # Passes for the rest of the pause between rounds too (after the fast pass, as while
     # acting): an engine that comes up during the pause is read and paired then, not at
-    # the next round's gather.
-    passes_between_rounds: bool = True
+    # the next round's gather. Off: at 64 x 2,000 side by side (A B B A) it took ready ->
+    # connected p50 from 0.44 to 0.32 s but not the p99 (1.76 / 1.56 against 2.05 /
+    # 1.68 s), for 13% more operator CPU (BENCHMARKS.md, twelfth session).
+    passes_between_rounds: bool = False
     # The engines that came up after a round's gather join its calls (`_arrivals`): their
     # workers are read just before the round acts, waiting at most this long (0: off), and
     # their halves go in the same call to each prefill as the round's own.

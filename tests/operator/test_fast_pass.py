@@ -626,7 +626,7 @@ def test_a_round_s_act_drops_only_the_halves_held_as_they_are_now() -> None:
 async def test_a_decode_up_during_the_pause_between_rounds_is_paired_in_that_pause() -> None:
     """The pause between rounds begins with the fast pass; an engine that comes up after
     the fast pass looked is read and paired by a pass in the rest of the pause
-    (`Settings.passes_between_rounds`), not at the next round's gather."""
+    (`Settings.passes_between_rounds`, off by default), not at the next round's gather."""
     pods = [pod("p0", "prefill"), pod("d0", "decode")]
     d1 = pod("d1", "decode")
     kube = FakeKube({"llama": topology_body()})
@@ -637,7 +637,13 @@ async def test_a_decode_up_during_the_pause_between_rounds_is_paired_in_that_pau
         listings.append(len(pods))
         return list(pods)
 
-    reconciler = build(listing, kube, workers)
+    reconciler = Reconciler(
+        kube=cast(KubeClient, kube),
+        workers=cast(WorkerClient, workers),
+        pods=lambda namespace, port: listing(),
+        metrics=OperatorMetrics(),
+        settings=Settings(resync_s=30.0, retry_s=0.01, passes_between_rounds=True),
+    )
     pausing: asyncio.Future[None] | None = None
     try:
         ended = await settled(reconciler, workers, pods)
