@@ -404,6 +404,7 @@ class SizeRun:
         self.events = 0
         self.starting: set[str] = set()
         self.operator: subprocess.Popen[bytes] | None = None
+        self.pods_at_start = 0
 
     async def agent(self) -> None:
         """Gives each Ready pod a fake worker and notices pods going (the kubelet's part)."""
@@ -660,6 +661,10 @@ class SizeRun:
             public = Credentials.beside(token_file).operator_public
             self.fleet.operator_keys = PublicKeys(path=public)
         await self.fleet.start()
+        # Pods already on the cluster (earlier runs' not yet gone): they load its control
+        # plane, so the report says how many there were (0 when each run removes its own).
+        earlier = await asyncio.to_thread(self.core.list_pod_for_all_namespaces)
+        self.pods_at_start = len(earlier.items)
         bare_s = await self.bare_rollout()
         self.log(f"  the control plane alone rolls the {self.decode} decodes out in {bare_s:.1f} s")
         await asyncio.to_thread(self.api.create_namespace, self.ns)
@@ -848,6 +853,7 @@ class SizeRun:
                 # The window the CPU and read figures cover: the operator's start to the end
                 # of the rollout (initial fleet, replacements, rollout).
                 "window_s": round(time.monotonic() - window0, 1),
+                "cluster_pods_at_start": self.pods_at_start,
             }
         finally:
             self.fleet.stop_hostile()
@@ -958,7 +964,10 @@ def run(
         for p, d in sizes:
             log(f"kvtopo bench operator: {p} prefill x {d} decode pods on {nodes} kwok nodes")
             if baseline_tree is None:
-                res = asyncio.run(SizeRun(cluster, p, d, log).run(token, workdir))
+                # Removed afterwards as in a side by side: the 16 x 64 and 32 x 1,000 runs'
+                # 1,096 idle pods loaded the 64 x 2,000 run's cluster until 2026-12-06
+                # (its p99 2.65-3.45 s in such runs, 1.56-2.11 s run alone, same tree).
+                res = _run_and_remove(SizeRun(cluster, p, d, log), token, workdir)
                 log("  " + json.dumps(res))
                 results.append(res)
                 continue
