@@ -33,7 +33,8 @@ class OperatorMetrics:
             "kvtopo_operator_arrival_handshakes",
             "Handshake halves planned for engines that came up after a round's gather: "
             "joined to that round's calls (or made by the fast pass between rounds, when "
-            "on); their results are counted in kvtopo_operator_handshakes.",
+            "on), and for those a round's gather read first, paired while it decides; "
+            "their results are counted in kvtopo_operator_handshakes.",
             registry=self.registry,
         )
         self.state_reads = Counter(
