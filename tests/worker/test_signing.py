@@ -495,3 +495,43 @@ def test_a_rewritten_key_file_is_read_again_and_a_bad_one_fails_every_use(
     assert caller.keys.current()[0][0] == key_id(NEW.public_key())
     header = signed(caller, guard)
     assert guard.accepts("operator", header, "PUT", "/v1/settings", [A], BODY) == "current"
+
+
+def test_the_key_ids_are_computed_when_a_key_file_is_loaded_not_on_every_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine checks every signed call against its trusted keys, the operator signs
+    every call with its own: a key's id (a DER encoding and a SHA-256) is computed when the
+    file is (re)loaded, and every key loaded later gets its own id."""
+    import kvtopo_worker.signing as signing
+
+    computed: list[str] = []
+
+    def counting(public: ec.EllipticCurvePublicKey) -> str:
+        kid = key_id(public)
+        computed.append(kid)
+        return kid
+
+    monkeypatch.setattr(signing, "key_id", counting)
+    pub, priv = tmp_path / "operator.pub", tmp_path / "operator.key"
+    pub.write_text(public_pem(OLD))
+    priv.write_text(private_pem(OLD))
+    trusted, mine = PublicKeys(path=pub), PrivateKeys(path=priv)
+    for _ in range(50):
+        assert [kid for kid, _ in trusted.current()] == [key_id(OLD.public_key())]
+        assert [kid for kid, _ in mine.current()] == [key_id(OLD.public_key())]
+    assert len(computed) == 2, "one id per key loaded, not one per call"
+    # Rotations, one after another: each load's keys get their own ids (a key object freed
+    # by the reload may leave its address to the next one).
+    for _ in range(5):
+        fresh = new_private_key()
+        _rewrite(pub, public_pem(fresh) + public_pem(OLD))
+        _rewrite(priv, private_pem(fresh))
+        want = key_id(fresh.public_key())
+        assert [kid for kid, _ in trusted.current()] == [want, key_id(OLD.public_key())]
+        assert [kid for kid, _ in mine.current()] == [want]
+    fixed = PublicKeys(keys=[NEW.public_key()])
+    before = len(computed)
+    for _ in range(10):
+        assert fixed.current()[0][0] == key_id(NEW.public_key())
+    assert len(computed) == before

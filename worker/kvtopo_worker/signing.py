@@ -47,7 +47,7 @@ import hmac
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, Literal, TypeVar
@@ -238,6 +238,16 @@ class _Watched(Generic[K]):
         return self._keys
 
 
+def _identified(keys: Iterable[K], kid: Callable[[K], str]) -> list[tuple[str, K]]:
+    """[(kid, key)] of keys as loaded: a key's id is a DER encoding and a SHA-256, too
+    dear to compute on every call an engine checks or the operator signs."""
+    return [(kid(k), k) for k in keys]
+
+
+def _private_id(key: ec.EllipticCurvePrivateKey) -> str:
+    return key_id(key.public_key())
+
+
 class PublicKeys:
     """The public keys an engine trusts for one caller role: from a file (re-read when it
     changes) or fixed. `[(kid, key)]`, current first."""
@@ -251,15 +261,20 @@ class PublicKeys:
         if (path is None) == (keys is None):
             raise ValueError("give exactly one of a key file path or keys")
         self.path = Path(path) if path is not None else None
-        self._file = _Watched(self.path, load_public_keys) if self.path is not None else None
-        self._fixed = list(keys or [])
+        self._file = (
+            _Watched(self.path, lambda p: _identified(load_public_keys(p), key_id))
+            if self.path is not None
+            else None
+        )
+        self._fixed = _identified(keys or [], key_id)
         if self._file is None and not self._fixed:
             raise KeyFileError("no public key given")
 
     def current(self) -> list[tuple[str, ec.EllipticCurvePublicKey]]:
-        """[(kid, key)], current first; KeyFileError while the file is bad."""
-        keys = self._file.keys() if self._file is not None else self._fixed
-        return [(key_id(k), k) for k in keys]
+        """[(kid, key)], current first; KeyFileError while the file is bad. The ids are
+        computed when the keys are loaded (an engine checks every signed call against
+        them), not on every call."""
+        return list(self._file.keys() if self._file is not None else self._fixed)
 
 
 class PrivateKeys:
@@ -275,23 +290,18 @@ class PrivateKeys:
         if (path is None) == (keys is None):
             raise ValueError("give exactly one of a key file path or keys")
         self.path = Path(path) if path is not None else None
-        self._file = _Watched(self.path, load_private_keys) if self.path is not None else None
-        self._fixed = list(keys or [])
+        self._file = (
+            _Watched(self.path, lambda p: _identified(load_private_keys(p), _private_id))
+            if self.path is not None
+            else None
+        )
+        self._fixed = _identified(keys or [], _private_id)
         if self._file is None and not self._fixed:
             raise KeyFileError("no private key given")
-        self._ids: dict[int, str] = {}
 
     def current(self) -> list[tuple[str, ec.EllipticCurvePrivateKey]]:
-        keys = self._file.keys() if self._file is not None else self._fixed
-        out = []
-        for k in keys:
-            kid = self._ids.get(id(k))
-            if kid is None:
-                if len(self._ids) > 16:
-                    self._ids.clear()
-                kid = self._ids[id(k)] = key_id(k.public_key())
-            out.append((kid, k))
-        return out
+        """[(kid, key)], current first (the ids computed when the keys were loaded)."""
+        return list(self._file.keys() if self._file is not None else self._fixed)
 
 
 def call_key(shared: bytes, role: str, kid: str, engine_public: bytes, pod_uid: str) -> bytes:
