@@ -475,10 +475,15 @@ def _held_as_is(holder: WorkerView, among: _Among) -> frozenset[str]:
     if holder.unhealthy_peers:
         candidates = candidates.difference(holder.unhealthy_peers)
     known = holder.peer_incarnations
-    # Held at another incarnation (or at none): what of `among` the holder's record lacks.
-    stale = among.items.difference(known.items())
+    # Held at another incarnation (or at none): what of `among` the holder's record lacks,
+    # from the smaller side (a prefill holds two thousand peers; a new decode's arrival
+    # asks about one of them).
+    if len(among.items) < len(known):
+        stale = [eid for eid, inc in among.items if known.get(eid) != inc]
+    else:
+        stale = [eid for eid, _ in among.items.difference(known.items())]
     if stale:
-        candidates = candidates.difference(eid for eid, _ in stale)
+        candidates = candidates.difference(stale)
     if among.no_incarnation:
         candidates = candidates.difference(
             eid for eid in among.no_incarnation & candidates if known.get(eid, "")
@@ -487,7 +492,11 @@ def _held_as_is(holder: WorkerView, among: _Among) -> frozenset[str]:
 
 
 def pair_engines(
-    spec: KVTopologySpec, live: Mapping[str, Usable], cache: RoundCache | None = None
+    spec: KVTopologySpec,
+    live: Mapping[str, Usable],
+    cache: RoundCache | None = None,
+    *,
+    extra: bool = True,
 ) -> Pairing:
     """Policy: every usable prefill with every usable decode whose `pairing.matchLabels`
     agree is a pair, unless their compatibility hashes differ; each half that its holder
@@ -496,7 +505,9 @@ def pair_engines(
     Costs in proportion to the engines and the missing halves, not to the pairs: engines
     pair within a group of equal pairing-label values and compatibility hash, and what each
     engine holds of its group is found by set operations, which `cache` (last round's)
-    spares for every worker whose view and group are unchanged."""
+    spares for every worker whose view and group are unchanged. `extra=False`: no
+    `Pairing.extra_held` (empty), which costs each holder's whole view (`admissions` needs
+    only the handshakes)."""
     memo = _Memo(cache)
     keys = spec.pairing.match_labels
     groups: dict[tuple[str, ...], tuple[list[Usable], list[Usable]]] = {}
@@ -593,9 +604,11 @@ def pair_engines(
                 missing.update(zip(repeat(pid), row))
                 misses[pid] += len(row)
                 misses.update(row)
-    extra_held = {
-        eid: memo.extra_held(e.worker, partner_among.get(eid, _NOBODY)) for eid, e in live.items()
-    }
+    extra_held = (
+        {eid: memo.extra_held(e.worker, partner_among.get(eid, _NOBODY)) for eid, e in live.items()}
+        if extra
+        else {}
+    )
     memo.done()
     return Pairing(
         partner_ids=partner_ids,
@@ -1117,7 +1130,7 @@ def admissions(
     engines.update(fresh)
     return tuple(
         h
-        for h in pair_engines(spec, engines).handshakes
+        for h in pair_engines(spec, engines, extra=False).handshakes
         if h.engine_id in fresh or h.peer_engine_id in fresh
     )
 
