@@ -115,23 +115,22 @@ class WorkerView:
         (engine id -> its incarnation; added, renewed or present, healthy), and each of
         `evicted` (engine id -> the result) is evicted or absent, or "deferred" (held
         until its transfers finish)."""
-        peers, evicting = set(self.peers), set(self.evicting)
-        incarnations = dict(self.peer_incarnations)
+        # One copy of each record (a prefill's holds two thousand peers), made by the set
+        # and dict operations in C; the evicting set is tiny and copied only when touched.
         unhealthy = self.unhealthy_peers
         if any(eid in unhealthy for eid in added):
             unhealthy = {k: w for k, w in unhealthy.items() if k not in added}
-        peers.update(added)
-        incarnations.update(added)
-        for eid, result in evicted.items():
-            if result == "deferred":
-                evicting.add(eid)
-            else:
-                peers.discard(eid)
-                evicting.discard(eid)
+        incarnations = {**self.peer_incarnations, **added}
+        deferred = [eid for eid, result in evicted.items() if result == "deferred"]
+        gone = [eid for eid, result in evicted.items() if result != "deferred"]
+        peers = self.peers.union(added).difference(gone) if gone else self.peers.union(added)
+        evicting = self.evicting
+        if deferred or (gone and not evicting.isdisjoint(gone)):
+            evicting = evicting.union(deferred).difference(gone)
         return self.derive(
             added.keys() | evicted.keys(),
-            peers=frozenset(peers),
-            evicting=frozenset(evicting),
+            peers=peers,
+            evicting=evicting,
             peer_incarnations=incarnations,
             unhealthy_peers=unhealthy,
         )

@@ -516,8 +516,10 @@ class WorkerClient:
             else:
                 res = CallResult(False, item.status, f"{item.error}: {item.message}", item.result)
             out[(item.op, item.engine_id)] = res
-        for key in keys:  # an item the worker did not answer has failed
-            out.setdefault(key, CallResult(False, 502, "the worker's answer left it out"))
+        if any(key not in out for key in keys):
+            left_out = CallResult(False, 502, "the worker's answer left it out")
+            for key in keys:  # an item the worker did not answer has failed
+                out.setdefault(key, left_out)
         return out
 
     async def set_idle_ttl(
