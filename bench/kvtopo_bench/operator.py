@@ -356,6 +356,32 @@ def _wait_parts(workers: list[FakeWorker]) -> dict[str, dict[str, float]]:
     }
 
 
+def _write_trace(path: Path, t0: float, workers: Iterable[FakeWorker]) -> None:
+    """Each engine's times (seconds from the rollout's start, monotonic; None: never) and
+    the wall clock at that start, to line them up with the operator's log."""
+
+    def rel(t: float | None) -> float | None:
+        return None if t is None else round(t - t0, 3)
+
+    rows = [
+        {
+            "pod": w.pod,
+            "role": w.role,
+            "serving": rel(w.serving_at),
+            "first_read": rel(w.first_read_at),
+            "first_adds": rel(w.first_adds_at),
+            "connected": rel(w.connected_at),
+            "gone": rel(w.gone_at),
+            "evicted": rel(w.evicted_at),
+        }
+        for w in workers
+        if not w.hostile
+    ]
+    wall = time.time() - (time.monotonic() - t0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"rollout_started_wall": wall, "engines": rows}) + "\n")
+
+
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -807,6 +833,9 @@ class SizeRun:
             parts = _wait_parts(
                 [w for w in self.healthy() if w.serving_at >= t_roll and w.connected_at]
             )
+            trace = os.environ.get("KVTOPO_BENCH_TRACE")  # a folder: each engine's times
+            if trace:
+                _write_trace(Path(trace) / f"{self.ns}.json", t_roll, self.by_uid.values())
             pod_events = max(1, len(self.by_uid) * 3)  # add, bind, ready (+delete) per pod
             ready = initial + replaced + later
             return {
