@@ -210,42 +210,64 @@ class Engines:
     unusable: Mapping[str, tuple[PodView, str, Reason]]
 
 
+_Verdict = Usable | tuple[PodView, str, Reason] | None  # usable, why not, or not up yet
+
+
+def _judge(pod: PodView, worker: WorkerView | WorkerUnreachable | None) -> _Verdict:
+    """One pod's engine, for `usable_engines` (before the duplicate engine ids)."""
+    if pod.endpoint_error and pod.ready and not pod.deleting:
+        return (pod, pod.endpoint_error, Reason.ENDPOINT_REFUSED)
+    if not pod.ready or pod.deleting or not pod.endpoint or worker is None:
+        return None  # not up, going, or not read yet
+    if isinstance(worker, WorkerUnreachable):
+        if worker.identity_mismatch:
+            return (pod, worker.message, Reason.IDENTITY_MISMATCH)
+        return (pod, f"worker unreachable: {worker.message}", Reason.WORKER_UNREACHABLE)
+    if worker.pod_uid != pod.uid:
+        why = (
+            f"the worker at {pod.endpoint} is not this pod's: it reports pod uid "
+            f"{worker.pod_uid or '(none)'}, the pod's is {pod.uid}; start the worker "
+            "with its pod identity (--pod-uid, from the downward API)"
+        )
+        return (pod, why, Reason.IDENTITY_MISMATCH)
+    if worker.role not in (pod.role, "both"):  # a kv_both engine takes its pod's part
+        why = f"worker unreachable: worker reports role {worker.role}, pod says {pod.role}"
+        return (pod, why, Reason.WORKER_UNREACHABLE)
+    return Usable(pod, worker)
+
+
 def usable_engines(
-    pods: Iterable[PodView], workers: Mapping[str, WorkerView | WorkerUnreachable]
+    pods: Iterable[PodView],
+    workers: Mapping[str, WorkerView | WorkerUnreachable],
+    cache: RoundCache | None = None,
 ) -> Engines:
     """Policy: which engines can be acted on. A pod that is not up, is being deleted or has
     no endpoint yet has none; a refused endpoint, an unreachable worker, a worker of another
     pod (its uid) or of another role makes the engine unusable, with the reason. An engine
     id that the workers of several pods report is an identity nobody can pair: every one of
-    those engines is unusable (DuplicateEngineId) until one of them goes."""
+    those engines is unusable (DuplicateEngineId) until one of them goes.
+
+    `cache` (last round's): a pod whose view and worker view are the objects judged last
+    round (both immutable) is judged as it was, without a new `Usable`."""
     live: dict[str, Usable] = {}
     unusable: dict[str, tuple[PodView, str, Reason]] = {}
     claims: dict[str, list[Usable]] = {}
+    before = cache.usable if cache is not None else {}
+    judged: dict[str, tuple[PodView, object, _Verdict]] = {}
     for pod in pods:
         worker = workers.get(pod.name)
-        if pod.endpoint_error and pod.ready and not pod.deleting:
-            unusable[pod.name] = (pod, pod.endpoint_error, Reason.ENDPOINT_REFUSED)
-            continue
-        if not pod.ready or pod.deleting or not pod.endpoint or worker is None:
-            continue  # not up, going, or not read yet
-        if isinstance(worker, WorkerUnreachable):
-            if worker.identity_mismatch:
-                unusable[pod.name] = (pod, worker.message, Reason.IDENTITY_MISMATCH)
-            else:
-                why = f"worker unreachable: {worker.message}"
-                unusable[pod.name] = (pod, why, Reason.WORKER_UNREACHABLE)
-        elif worker.pod_uid != pod.uid:
-            why = (
-                f"the worker at {pod.endpoint} is not this pod's: it reports pod uid "
-                f"{worker.pod_uid or '(none)'}, the pod's is {pod.uid}; start the worker "
-                "with its pod identity (--pod-uid, from the downward API)"
-            )
-            unusable[pod.name] = (pod, why, Reason.IDENTITY_MISMATCH)
-        elif worker.role not in (pod.role, "both"):  # a kv_both engine takes its pod's part
-            why = f"worker unreachable: worker reports role {worker.role}, pod says {pod.role}"
-            unusable[pod.name] = (pod, why, Reason.WORKER_UNREACHABLE)
+        hit = before.get(pod.name)
+        if hit is not None and hit[0] is pod and hit[1] is worker:
+            verdict = hit[2]
         else:
-            claims.setdefault(worker.engine_id, []).append(Usable(pod, worker))
+            verdict = _judge(pod, worker)
+        judged[pod.name] = (pod, worker, verdict)
+        if isinstance(verdict, Usable):
+            claims.setdefault(verdict.worker.engine_id, []).append(verdict)
+        elif verdict is not None:
+            unusable[pod.name] = verdict
+    if cache is not None:
+        cache.usable = judged
     for eid, usable in claims.items():
         if len(usable) == 1:
             live[eid] = usable[0]
@@ -424,8 +446,24 @@ class _Memo:
         self.results[key] = (view, among, value)
         return value
 
+    def _same(self, kind: str, view: WorkerView, among: _Among) -> frozenset[str] | None:
+        """Last round's result for these very objects, kept for the next round (None: not
+        computed for them). Most holders of a large topology, round after round: their
+        lookup makes nothing new."""
+        if self.cache is None:
+            return None
+        key = (kind, view.engine_id)
+        hit = self.cache.results.get(key)
+        if hit is None or hit[0] is not view or hit[1] is not among:
+            return None
+        self.results[key] = hit
+        return hit[2]
+
     def lacking(self, holder: WorkerView, among: _Among) -> frozenset[str]:
         """The engines of `among` that `holder` does not hold as they are now."""
+        same = self._same("lacking", holder, among)
+        if same is not None:
+            return same
 
         def patch(was: frozenset[str], changed: frozenset[str]) -> frozenset[str]:
             recheck = changed & among.ids
@@ -439,6 +477,9 @@ class _Memo:
 
     def extra_held(self, holder: WorkerView, partners: _Among) -> frozenset[str]:
         """The engines `holder` holds that are none of `partners` (`_extra_held`)."""
+        same = self._same("extra", holder, partners)
+        if same is not None:
+            return same
 
         def patch(was: frozenset[str], changed: frozenset[str]) -> frozenset[str]:
             now = [
@@ -747,8 +788,18 @@ def evictions_due(
     holders_of: dict[str, list[Usable]] = {}
     if gone:
         gone_ids = frozenset(gone)
-        for e in live.values():
-            for peer in e.worker.peers & gone_ids:
+        for eid, e in live.items():
+            # A gone engine is nobody's partner: a holder holds it among what it holds
+            # beyond its partners (the pairing's, nearly always nothing) or among what it
+            # is evicting; a decode of a rollout is not asked about each gone decode.
+            held = pairing.extra_held.get(eid)
+            if held is None:
+                held = e.worker.peers
+            if e.worker.evicting:
+                held = held.union(e.worker.evicting.intersection(e.worker.peers))
+            if not held:
+                continue
+            for peer in held & gone_ids:
                 holders_of.setdefault(peer, []).append(e)
     for eid, g in gone.items():
         holders = holders_of.get(eid, [])
@@ -787,7 +838,7 @@ def tally_failures(live: Mapping[str, Usable], previous: KVTopologyStatus, memor
     new: dict[str, int] = {}
     for eid, e in live.items():
         if eid in memory.baselines:  # read before, also while it blipped NotReady
-            prev_seen = dict(memory.baselines[eid])
+            prev_seen = memory.baselines[eid]  # only read here
         elif eid in prev_engines:
             prev_seen = prev_engines[eid].failures_seen
         elif memory.counts is None and previous.engines_omitted:
@@ -947,16 +998,20 @@ def engine_statuses(
                 message=message,
             )
         )
-    # Keep recently evicted engines a while, then let them go.
+    # Keep recently evicted engines a while, then let them go (a rollout leaves thousands:
+    # last round's line itself where there is nothing to clear).
+    kept_after = now - EVICTED_RETENTION
     for old in obs.previous.engines:
         if (
             old.state == EngineState.EVICTED
             and old.pod not in obs.claimed
             and old.engine_id not in gone
             and old.engine_id not in engines.live
-            and now - parse_time(old.since) < EVICTED_RETENTION
+            and parse_time(old.since) > kept_after
         ):
-            statuses.append(old.model_copy(update={"failures_seen": {}}))
+            statuses.append(
+                old.model_copy(update={"failures_seen": {}}) if old.failures_seen else old
+            )
     statuses.sort(key=lambda x: (x.state == EngineState.EVICTED, x.role, x.pod, x.engine_id))
     return statuses, events
 
@@ -1037,7 +1092,7 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
     spec = obs.spec
     pods = tuple(p for p in pods_of(spec, obs.pods) if p.name not in obs.claimed)
     grace = timedelta(seconds=spec.eviction.grace_seconds)
-    engines = usable_engines(pods, obs.workers)
+    engines = usable_engines(pods, obs.workers, obs.memory.cache)
     pairing = pair_engines(spec, engines.live, obs.memory.cache)
     gone = gone_engines(obs, engines, now, pairing.extra_held)
     evicting = evictions_due(engines.live, gone, pairing, obs.memory, grace, now)
@@ -1140,10 +1195,10 @@ def _remember(memory: Memory, gone: Mapping[str, Gone], tally: Tally, now: datet
     after an engine was last read, so a NotReady blip does not count its counters twice)."""
     baselines = dict(memory.baselines)
     seen_at = dict(memory.seen_at)
-    for eid, seen in tally.seen_now.items():
-        baselines[eid] = dict(seen)
-        seen_at[eid] = now
-    for eid in [e for e, t in seen_at.items() if now - t > EVICTED_RETENTION]:
+    baselines.update(tally.seen_now)  # each a dict of its own, never changed after
+    seen_at.update(dict.fromkeys(tally.seen_now, now))
+    forget_before = now - EVICTED_RETENTION
+    for eid in [e for e, t in seen_at.items() if t < forget_before]:
         baselines.pop(eid, None)
         seen_at.pop(eid, None)
     return Memory(

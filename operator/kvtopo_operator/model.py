@@ -12,6 +12,7 @@ operator's call changed, with the lineage the decision's memo patches by); no I/
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -164,6 +165,8 @@ class RoundCache:
         self.groups: dict[object, object] = {}  # group key -> its engine set (logic._Among)
         # (kind, holder engine id) -> (its view, its partners' set, the result)
         self.results: dict[tuple[str, str], tuple[object, object, frozenset[str]]] = {}
+        # pod name -> (its pod view, its worker view, how `logic.usable_engines` judged them)
+        self.usable: dict[str, tuple[Any, object, Any]] = {}
 
 
 @dataclass(frozen=True)
@@ -325,12 +328,18 @@ def rfc3339(t: datetime) -> str:
     return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+@functools.lru_cache(maxsize=64)
 def precise(t: datetime) -> str:
     """RFC 3339 with milliseconds: engine `since` stamps drive the eviction grace, and a
-    stamp truncated to the second would evict up to a second early."""
+    stamp truncated to the second would evict up to a second early. (A round stamps every
+    line that changed with its one `now`: remembered.)"""
     return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{t.microsecond // 1000:03d}Z"
 
 
+@functools.lru_cache(maxsize=8192)
 def parse_time(s: str) -> datetime:
+    """A stamp this operator wrote (RFC 3339, with or without milliseconds); ValueError
+    for anything else. Remembered: a rollout's round reads the same two thousand `since`
+    stamps of its evicted engines' lines, round after round, and `strptime` is slow."""
     fmt = "%Y-%m-%dT%H:%M:%S.%fZ" if "." in s else "%Y-%m-%dT%H:%M:%SZ"
     return datetime.strptime(s, fmt).replace(tzinfo=UTC)

@@ -14,7 +14,7 @@ from typing import Any, cast
 import pytest
 
 from kvtopo_operator import logic
-from kvtopo_operator.api import MAX_ENGINES_IN_STATUS, EngineState, KVTopologyStatus, dump
+from kvtopo_operator.api import MAX_ENGINES_IN_STATUS, EngineState, KVTopologyStatus, Reason, dump
 from kvtopo_operator.kube import KubeClient
 from kvtopo_operator.logic import evaluate
 from kvtopo_operator.metrics import OperatorMetrics
@@ -22,6 +22,7 @@ from kvtopo_operator.model import (
     Memory,
     Observed,
     RoundCache,
+    WorkerUnreachable,
     WorkerView,
 )
 from kvtopo_operator.reconcile import Reconciler, Settings
@@ -423,3 +424,96 @@ def test_an_unchanged_engine_line_is_last_rounds_line_and_a_changed_one_is_new()
     assert again["p0"] is not lines["p0"]
     assert (again["p0"].peers, lines["p0"].peers) == (3, 2)
     assert again["p0"].since == lines["p0"].since  # still Connected since the first round
+
+
+def test_usable_engines_judges_a_pod_again_only_when_its_pod_or_worker_view_changed() -> None:
+    """`usable_engines` with last round's memo takes a pod's judgement as it was while its
+    pod view and worker view are the same objects, judges it again when either changed
+    (not ready, unreachable, another pod's worker, another role), and still finds two pods
+    whose workers report one engine id, each judged last round. Every round is compared
+    with the same round judged without the memo."""
+    ps, ds = ["p0", "p1"], ["d0", "d1", "d2"]
+    pods = {n: pod(n, "prefill" if n in ps else "decode") for n in ps + ds}
+    views: dict[str, WorkerView | WorkerUnreachable] = dict(_full_mesh(ps, ds))
+    cache = RoundCache()
+
+    def judged() -> logic.Engines:
+        fresh = logic.usable_engines(list(pods.values()), views)
+        remembered = logic.usable_engines(list(pods.values()), views, cache)
+        assert remembered == fresh
+        return remembered
+
+    first = judged()
+    assert sorted(first.live) == ["D0", "D1", "D2", "P0", "P1"]
+    again = judged()
+    assert all(again.live[eid] is first.live[eid] for eid in first.live), "not judged anew"
+    pods["d0"] = dataclasses.replace(pods["d0"], ready=False)
+    views["d1"] = WorkerUnreachable("connection refused")
+    views["p1"] = dataclasses.replace(cast(WorkerView, views["p1"]), pod_uid="another-pod")
+    views["d2"] = dataclasses.replace(cast(WorkerView, views["d2"]), role="prefill")
+    changed = judged()
+    assert sorted(changed.live) == ["P0"]
+    assert changed.live["P0"] is first.live["P0"]
+    assert {name: why for name, (_, _, why) in changed.unusable.items()} == {
+        "d1": Reason.WORKER_UNREACHABLE,
+        "d2": Reason.WORKER_UNREACHABLE,
+        "p1": Reason.IDENTITY_MISMATCH,
+    }
+    # Back as they were, then a new pod whose worker reports P0's engine id: both go.
+    pods["d0"] = dataclasses.replace(pods["d0"], ready=True)
+    views.update(_full_mesh(ps, ds))
+    judged()
+    pods["p9"] = pod("p9", "prefill")
+    views["p9"] = dataclasses.replace(cast(WorkerView, views["p0"]))
+    twins = judged()
+    assert "P0" not in twins.live
+    assert twins.unusable["p0"][2] == twins.unusable["p9"][2] == Reason.DUPLICATE_ENGINE_ID
+    del pods["p9"], views["p9"]
+    assert "P0" in judged().live
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_gone_engine_s_holders_are_every_usable_engine_that_holds_it(seed: int) -> None:
+    """`evictions_due` finds a gone engine's holders among what each holds beyond its
+    partners or is evicting: they are exactly the usable engines whose peers include it,
+    those evicting it (a deferred eviction) counted too and sent no second eviction."""
+    rng = random.Random(seed)
+    ps, ds = [f"p{i}" for i in range(4)], [f"d{i}" for i in range(8)]
+    views = _full_mesh(ps, ds)
+    gone_ids = {f"D{i}" for i in range(8, 12)} | {f"P{i}" for i in range(4, 6)}
+    for name, v in list(views.items()):
+        others = sorted(i for i in gone_ids if (i[0] == "D") == (v.role == "prefill"))
+        held = {i: f"i-{i}" for i in others if rng.random() < 0.6}
+        if rng.random() < 0.2:  # a stray: a gone engine of its own role
+            stray = rng.choice(sorted(gone_ids))
+            held[stray] = f"i-{stray}"
+        evicting = frozenset(i for i in held if rng.random() < 0.3)
+        views[name] = dataclasses.replace(
+            v,
+            peers=v.peers | frozenset(held),
+            peer_incarnations={**v.peer_incarnations, **held},
+            evicting=evicting,
+        )
+    pods = [pod(n, "prefill" if n in ps else "decode") for n in ps + ds]
+    engines = logic.usable_engines(pods, dict(views))
+    gone = {
+        eid: logic.Gone(eid.lower(), "decode" if eid[0] == "D" else "prefill", "", T0 - GRACE_LONG)
+        for eid in gone_ids
+    }
+    for pairing in (
+        logic.pair_engines(SPEC, engines.live),
+        logic.pair_engines(SPEC, engines.live, extra=False),
+    ):
+        got = logic.evictions_due(engines.live, gone, pairing, Memory(), timedelta(seconds=1), T0)
+        assert got.still_held == {
+            g: sum(1 for e in engines.live.values() if g in e.worker.peers) for g in gone
+        }
+        assert sorted((e.pod, e.engine_id) for e in got.evictions) == sorted(
+            (e.pod.name, g)
+            for g in gone
+            for e in engines.live.values()
+            if g in e.worker.peers and g not in e.worker.evicting
+        )
+
+
+GRACE_LONG = timedelta(seconds=60)
