@@ -23,6 +23,12 @@ change vs the operator's tail, and beside it the same rollout with only the cont
 running, measured first in the same run), the operator's peak RSS and CPU seconds per 1,000
 pod events, and this process's own CPU over
 the same window (`bench_cpu_s`: the machine is shared with the control plane).
+
+For looking into a run: `KVTOPO_BENCH_PROFILE=DIR` runs the operator under py-spy (with
+`KVTOPO_BENCH_PROFILE_ARGS`, e.g. `--gil`), and `KVTOPO_BENCH_TRACE=DIR` writes each
+engine's times in each size's run (serving, first read, first adds, connected, gone,
+evicted; seconds from the rollout's start, with the wall clock then, to line them up with
+the operator's log of its loud rounds).
 """
 
 from __future__ import annotations
