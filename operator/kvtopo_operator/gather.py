@@ -107,8 +107,12 @@ async def wait_most(tasks: Iterable[asyncio.Future[Any]], wait_s: float | None) 
             if timeout <= 0:
                 return
             woken.clear()
+            # `asyncio.timeout`, not `wait_for`: on Python 3.11 `wait_for` can swallow a
+            # cancellation that arrives as the awaited event is set, and the round or the
+            # loop that was stopped would then go on.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(woken.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await woken.wait()
     finally:
         for t in pending:
             t.remove_done_callback(ended)

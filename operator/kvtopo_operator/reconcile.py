@@ -471,8 +471,11 @@ class Reconciler:
             # cluster at least half of the time. A round that mostly waited on its calls
             # (a small fleet's handshakes) cost little CPU and is followed at once.
             await self._between_rounds(key, gap)
+            # `asyncio.timeout`, not `wait_for`: on Python 3.11 `wait_for` can swallow a
+            # cancellation that arrives as the poke comes, and a stopped loop would go on.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(poke.wait(), timeout=max(0.0, delay - gap))
+                async with asyncio.timeout(max(0.0, delay - gap)):
+                    await poke.wait()
             poke.clear()
             loop = self._loops.get(key)
             if loop is None:
