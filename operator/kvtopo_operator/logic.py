@@ -431,15 +431,14 @@ class _Memo:
         compute: Callable[[], frozenset[str]],
         patch: Callable[[frozenset[str], frozenset[str]], frozenset[str]],
     ) -> frozenset[str]:
-        """The holder's result for these objects: last round's when it computed it for
-        them, `patch(last round's, the engines changed)` when they changed from those by
-        known engines, else `compute()`; kept for the next round."""
+        """The holder's result for these objects when last round's was for others (its
+        callers take one for these very objects first, `_same`): `patch(last round's, the
+        engines changed)` when they changed from those by known engines, else `compute()`;
+        kept for the next round."""
         key = (kind, view.engine_id)
         hit = self.cache.results.get(key) if self.cache is not None else None
         if hit is None:
             value = compute()
-        elif hit[0] is view and hit[1] is among:
-            value = hit[2]
         else:
             changed = self._changed(view, among, hit[0], hit[1])
             value = compute() if changed is None else patch(hit[2], changed)
