@@ -5,8 +5,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
-from kvtopo_operator.gather import WorkerViews
+from kvtopo_operator.gather import WorkerViews, wait_most
 from kvtopo_operator.model import (
     PodView,
     WorkerUnreachable,
@@ -601,3 +602,34 @@ def test_a_prefetched_first_read_is_waited_for_not_started_again() -> None:
         assert not views.arriving(a)
 
     asyncio.run(run())
+
+
+def test_a_wait_cancelled_as_a_task_ends_ends_cancelled_at_every_step_of_the_loop() -> None:
+    """A round stopped while it waits for its calls must stop, whichever of the event loop's
+    steps the cancellation lands on relative to the call that ends. (On Python 3.11,
+    `asyncio.wait_for` returned normally when the cancellation came in the step after its
+    awaited future completed, and the stopped round went on.) Every offset from the call's end
+    is tried; each cancellation that was accepted must end the wait cancelled."""
+
+    async def cancel_after(steps: int) -> tuple[bool, bool]:
+        call: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        other: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiting = asyncio.ensure_future(wait_most([call, other], 30.0))
+        for _ in range(3):  # the wait reaches its await
+            await asyncio.sleep(0)
+        assert not waiting.done()
+        call.set_result(None)
+        for _ in range(steps):
+            await asyncio.sleep(0)
+        accepted = waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        other.cancel()
+        return accepted, waiting.cancelled()
+
+    outcomes = [asyncio.run(cancel_after(steps)) for steps in range(8)]
+    swallowed = [
+        steps for steps, (accepted, cancelled) in enumerate(outcomes) if accepted and not cancelled
+    ]
+    assert swallowed == [], f"a cancellation {swallowed} steps after the call ended was lost"
+    assert all(accepted for accepted, _ in outcomes), "the wait ended before it was stopped"

@@ -338,3 +338,49 @@ async def test_a_part_planned_while_a_worker_s_calls_are_out_goes_as_soon_as_the
     finally:
         workers.release.set()
         await reconciler.stop()
+
+
+async def test_a_loop_replaced_as_its_poke_arrives_stops_at_every_step_of_the_event_loop() -> None:
+    """A topology deleted and created again (`replaced`) while its loop is being poked: the old
+    loop must stop, whichever of the event loop's steps the stop lands on relative to the poke,
+    or two loops would run rounds for the one topology. (On Python 3.11, `asyncio.wait_for`
+    returned normally when the cancellation came in the step after the poke, and the old loop
+    went on with the new loop's state.) Every offset from the poke is tried."""
+    pods = [pod("p0", "prefill"), pod("d0", "decode")]
+    name = f"kvtopo-{KEY[0]}/{KEY[1]}"
+
+    def loops_running() -> list[asyncio.Task[Any]]:
+        return [t for t in asyncio.all_tasks() if t.get_name() == name and not t.done()]
+
+    async def goes_on(steps: int) -> bool:
+        kube = FakeKube({"llama": topology_body()})
+        reconciler = Reconciler(
+            kube=cast(KubeClient, kube),
+            workers=cast(WorkerClient, RecordingWorkers.for_pods(pods)),
+            pods=lambda namespace, port: pods,
+            metrics=OperatorMetrics(),
+            # No pause between rounds: a round that ended waits for its poke at once.
+            settings=Settings(resync_s=30.0, retry_s=30.0, max_gap_s=0.0),
+        )
+        try:
+            reconciler.ensure(KEY)
+            await until("the first round ended", lambda: bool(reconciler.since_success()))
+            (old,) = loops_running()
+            reconciler.poke_namespace(KEY[0])
+            for _ in range(steps):
+                await asyncio.sleep(0)
+            reconciler.replaced(KEY)
+            await asyncio.wait({old}, timeout=3.0)  # a stopped loop ends at its next await
+            if not old.cancelled():
+                return True
+            assert len(loops_running()) == 1  # the new one
+            return False
+        finally:
+            await reconciler.stop()
+            left = loops_running()
+            for task in left:
+                task.cancel()
+            await asyncio.gather(*left, return_exceptions=True)
+
+    lost = [steps for steps in range(10) if await goes_on(steps)]
+    assert lost == [], f"the old loop went on when stopped {lost} steps after its poke"
