@@ -134,6 +134,9 @@ class FakeFleet:
         self.refused = 0  # calls answered 401 (unsigned, or signed for another challenge)
         self.patches = 0  # PATCH /v1/peers calls taken
         self.patch_items = 0  # ... and the adds and evictions in them
+        # ... of which changed nothing: an add of a peer held at the same incarnation, an
+        # eviction of a peer not held (a half made again)
+        self.patch_items_redundant = 0
         self.state_reads = 0
         self.not_modified = 0  # state reads answered 304
         self.never = asyncio.Event()  # what a hung worker's calls wait for (set at cleanup)
@@ -290,6 +293,8 @@ class FakeFleet:
             if w.guard is not None and not item.ticket:
                 self.adds_without_ticket += 1
             result = "present" if item.engine_id in w.peers else "added"
+            if result == "present" and w.peer_incarnations.get(item.engine_id) == item.incarnation:
+                self.patch_items_redundant += 1
             w.peers.add(item.engine_id)
             w.peer_incarnations[item.engine_id] = item.incarnation
             results.append(
@@ -303,6 +308,7 @@ class FakeFleet:
             )
         for eid in changes.evict:
             result = "evicted" if eid in w.peers else "absent"
+            self.patch_items_redundant += result == "absent"
             w.peers.discard(eid)
             results.append(PeerOutcome(engine_id=eid, op="evict", status=200, result=result))
         if results:
@@ -853,6 +859,7 @@ class SizeRun:
                 "fleet_refused": self.fleet.refused,
                 "fleet_patches": self.fleet.patches,
                 "fleet_patch_items": self.fleet.patch_items,
+                "fleet_patch_items_redundant": self.fleet.patch_items_redundant,
                 "pods": self.prefill + self.decode,
                 "ready_to_connected_p50_s": round(_pct(ready, 0.5), 3),
                 "ready_to_connected_p99_s": round(_pct(ready, 0.99), 3),
@@ -931,6 +938,7 @@ SIDE_BY_SIDE_KEYS = (
     "fleet_refused",
     "fleet_patches",
     "fleet_patch_items",
+    "fleet_patch_items_redundant",
 )
 
 
