@@ -308,7 +308,8 @@ class FakeFleet:
             )
         for eid in changes.evict:
             result = "evicted" if eid in w.peers else "absent"
-            self.patch_items_redundant += result == "absent"
+            if result == "absent":
+                self.patch_items_redundant += 1
             w.peers.discard(eid)
             results.append(PeerOutcome(engine_id=eid, op="evict", status=200, result=result))
         if results:

@@ -70,6 +70,16 @@ STRAGGLER_MIN_S = 0.2
 ARRIVALS_STRETCH = 2.0
 
 
+async def wait_set(event: asyncio.Event, timeout_s: float) -> None:
+    """Waits until `event` is set or `timeout_s` has passed, whichever comes first. A
+    cancellation always ends the wait cancelled: `asyncio.timeout`, not `wait_for`, which
+    on Python 3.11 returns normally when the cancellation lands as the event is set, and a
+    round or loop that was stopped would then go on."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+
+
 async def wait_most(tasks: Iterable[asyncio.Future[Any]], wait_s: float | None) -> None:
     """Waits for `tasks` until all have ended, `wait_s` has passed (None: no bound), or the
     rest are stragglers: since the last one ended, as long again as the wait took up to it
@@ -107,12 +117,7 @@ async def wait_most(tasks: Iterable[asyncio.Future[Any]], wait_s: float | None) 
             if timeout <= 0:
                 return
             woken.clear()
-            # `asyncio.timeout`, not `wait_for`: on Python 3.11 `wait_for` can swallow a
-            # cancellation that arrives as the awaited event is set, and the round or the
-            # loop that was stopped would then go on.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(timeout):
-                    await woken.wait()
+            await wait_set(woken, timeout)
     finally:
         for t in pending:
             t.remove_done_callback(ended)

@@ -37,7 +37,7 @@ from kvtopo_operator.api import (
 )
 from kvtopo_operator.events import EventRecorder
 from kvtopo_operator.gate import GateChange, gate_changes, stray_gates
-from kvtopo_operator.gather import WorkerViews, wait_most
+from kvtopo_operator.gather import WorkerViews, wait_most, wait_set
 from kvtopo_operator.kube import KubeClient
 from kvtopo_operator.logic import (
     admissions,
@@ -471,11 +471,7 @@ class Reconciler:
             # cluster at least half of the time. A round that mostly waited on its calls
             # (a small fleet's handshakes) cost little CPU and is followed at once.
             await self._between_rounds(key, gap)
-            # `asyncio.timeout`, not `wait_for`: on Python 3.11 `wait_for` can swallow a
-            # cancellation that arrives as the poke comes, and a stopped loop would go on.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(0.0, delay - gap)):
-                    await poke.wait()
+            await wait_set(poke, max(0.0, delay - gap))  # a stopped loop stops here
             poke.clear()
             loop = self._loops.get(key)
             if loop is None:

@@ -68,6 +68,7 @@ def build(
     kube: FakeKube,
     workers: RecordingWorkers,
     resync_s: float = 30.0,
+    **settings: Any,
 ) -> Reconciler:
     return Reconciler(
         kube=cast(KubeClient, kube),
@@ -75,7 +76,7 @@ def build(
         pods=lambda namespace, port: pods(),
         metrics=OperatorMetrics(),
         # Only pokes (and the plan's own wake-ups) drive rounds within these tests' deadlines.
-        settings=Settings(resync_s=resync_s, retry_s=0.01),
+        settings=Settings(**{"resync_s": resync_s, "retry_s": 0.01, **settings}),
     )
 
 
@@ -340,12 +341,16 @@ async def test_a_part_planned_while_a_worker_s_calls_are_out_goes_as_soon_as_the
         await reconciler.stop()
 
 
-async def test_a_loop_replaced_as_its_poke_arrives_stops_at_every_step_of_the_event_loop() -> None:
-    """A topology deleted and created again (`replaced`) while its loop is being poked: the old
-    loop must stop, whichever of the event loop's steps the stop lands on relative to the poke,
-    or two loops would run rounds for the one topology. (On Python 3.11, `asyncio.wait_for`
-    returned normally when the cancellation came in the step after the poke, and the old loop
-    went on with the new loop's state.) Every offset from the poke is tried."""
+@pytest.mark.parametrize("stop", ["replaced", "leadership lost and won again"])
+async def test_a_loop_stopped_as_its_poke_arrives_stops_at_every_step_of_the_event_loop(
+    stop: str,
+) -> None:
+    """A loop stopped while it is being poked, by its topology deleted and created again
+    (`replaced`) or by leadership lost and won again (`cancel_all`, then `ensure` as a new
+    leader does): the old loop must stop, whichever of the event loop's steps the stop lands
+    on relative to the poke, or two loops would run rounds for the one topology. (On Python
+    3.11, `asyncio.wait_for` returned normally when the cancellation came in the step after
+    the poke, and the old loop went on with the new loop's state.) Every offset is tried."""
     pods = [pod("p0", "prefill"), pod("d0", "decode")]
     name = f"kvtopo-{KEY[0]}/{KEY[1]}"
 
@@ -353,14 +358,13 @@ async def test_a_loop_replaced_as_its_poke_arrives_stops_at_every_step_of_the_ev
         return [t for t in asyncio.all_tasks() if t.get_name() == name and not t.done()]
 
     async def goes_on(steps: int) -> bool:
-        kube = FakeKube({"llama": topology_body()})
-        reconciler = Reconciler(
-            kube=cast(KubeClient, kube),
-            workers=cast(WorkerClient, RecordingWorkers.for_pods(pods)),
-            pods=lambda namespace, port: pods,
-            metrics=OperatorMetrics(),
-            # No pause between rounds: a round that ended waits for its poke at once.
-            settings=Settings(resync_s=30.0, retry_s=30.0, max_gap_s=0.0),
+        # No pause between rounds and no quick retry: a round that ended waits for its poke.
+        reconciler = build(
+            lambda: pods,
+            FakeKube({"llama": topology_body()}),
+            RecordingWorkers.for_pods(pods),
+            retry_s=30.0,
+            max_gap_s=0.0,
         )
         try:
             reconciler.ensure(KEY)
@@ -369,7 +373,11 @@ async def test_a_loop_replaced_as_its_poke_arrives_stops_at_every_step_of_the_ev
             reconciler.poke_namespace(KEY[0])
             for _ in range(steps):
                 await asyncio.sleep(0)
-            reconciler.replaced(KEY)
+            if stop == "replaced":
+                reconciler.replaced(KEY)
+            else:
+                reconciler.cancel_all()
+                reconciler.ensure(KEY)
             await asyncio.wait({old}, timeout=3.0)  # a stopped loop ends at its next await
             if not old.cancelled():
                 return True
