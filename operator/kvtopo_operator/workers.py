@@ -258,6 +258,12 @@ class IdentityMismatch(Exception):
     """The endpoint's challenge names another pod: nothing was signed for it."""
 
 
+# How often the operator's key file is looked at for a rotation (`PrivateKeys.recheck_s`):
+# kubelet takes up to a minute to update a mounted Secret, and an engine already past the
+# rotation (listing only the new key) makes the operator look at once.
+KEY_RECHECK_S = 1.0
+
+
 class WorkerClient:
     """Async client for many workers; one pool, bounded by the caller's semaphore."""
 
@@ -267,11 +273,13 @@ class WorkerClient:
         """`keys` (when set) wins over `key_file` (the operator's private key, PEM: the
         current key, then during a rotation the previous one). A key file that holds no key
         raises KeyFileError (a TokenError) here, and fails each call while it holds none
-        (it is re-read when the mounted Secret changes, not on every call)."""
+        (it is re-read when the mounted Secret changes, not on every call: its stat is
+        taken at most every `KEY_RECHECK_S`, and at once for an engine that lists none of
+        the keys held)."""
         if keys is None:
             if key_file is None:
                 raise ValueError("the operator needs its private key (--worker-key-file)")
-            keys = PrivateKeys(path=key_file)
+            keys = PrivateKeys(path=key_file, recheck_s=KEY_RECHECK_S)
         self.caller = CallerKey("operator", keys)
         self._challenges: OrderedDict[str, Challenge] = OrderedDict()
         # An idle connection is kept a minute: a large topology's workers are re-read

@@ -20,7 +20,7 @@ from kvtopo_operator.model import (
     WorkerUnreachable,
     WorkerView,
 )
-from kvtopo_operator.workers import CallResult, PeerAdd, WorkerClient
+from kvtopo_operator.workers import KEY_RECHECK_S, CallResult, PeerAdd, WorkerClient
 from kvtopo_worker.credentials import TokenError
 from kvtopo_worker.signing import (
     CallGuard,
@@ -176,9 +176,13 @@ def test_an_empty_key_file_fails_the_calls_naming_it(tmp_path: Path) -> None:
     async def patch(request: web.Request) -> web.Response:
         return web.json_response({"results": []})
 
+    clock = [0.0]
+
     async def body() -> None:
         key_file.write_text(private_pem(OPERATOR))
-        client = WorkerClient(key_file)
+        # The client's own key file reading (`KEY_RECHECK_S`), on a clock the test moves.
+        keys = PrivateKeys(path=key_file, recheck_s=KEY_RECHECK_S, clock=lambda: clock[0])
+        client = WorkerClient(key_file, keys)
         app = guarded(new_guard(), signed)
         app.router.add_patch("/v1/peers", patch)
         app.router.add_get("/v1/state", patch)
@@ -189,6 +193,7 @@ def test_an_empty_key_file_fails_the_calls_naming_it(tmp_path: Path) -> None:
             key_file.write_text("  ")  # rotated to nothing: the file is read again
             later = key_file.stat().st_mtime_ns + 5_000_000_000
             os.utime(key_file, ns=(later, later))
+            clock[0] += KEY_RECHECK_S
             got = await client.change_peers(endpoint, [], ["p0"], 1.0)
             state = await client.state(endpoint, 1.0)
         finally:

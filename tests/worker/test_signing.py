@@ -339,6 +339,59 @@ def test_a_challenge_round_trips_and_a_malformed_or_oversized_one_is_refused() -
         assert parse_challenge(bad) is None, bad
 
 
+def test_a_caller_looks_at_its_key_file_once_per_recheck_and_at_once_for_an_engine_past_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The operator signs tens of thousands of calls a minute: its key file's stat is taken
+    at most once per `recheck_s`, not per call. A rotation still never breaks a pair: an
+    engine that lists none of the keys held (it already trusts only the new one) makes the
+    caller look at once; a file gone bad fails each use once looked at, until good."""
+    k = tmp_path / "operator.key"
+    k.write_text(private_pem(OLD))
+    stats: list[Path] = []
+    real_stat = Path.stat
+
+    def counting(self: Path, **kwargs: bool) -> os.stat_result:
+        if self == k:
+            stats.append(self)
+        return real_stat(self, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", counting)
+    clock = [100.0]
+    caller = CallerKey("operator", PrivateKeys(path=k, recheck_s=1.0, clock=lambda: clock[0]))
+    both = engine(NEW, OLD)  # mid-rotation: trusts the new key, and the old one still
+    for _ in range(50):
+        header = signed(caller, both)
+        assert both.accepts("operator", header, *CALL[:2], [A], BODY) == "previous"
+    assert len(stats) == 1, "one look at the file when loaded, none per call"
+    _rewrite(k, private_pem(NEW) + private_pem(OLD))  # the rotation begins here
+    # Within the recheck the old key signs, which an engine mid-rotation takes.
+    assert both.accepts("operator", signed(caller, both), *CALL[:2], [A], BODY) == "previous"
+    clock[0] += 1.0
+    assert both.accepts("operator", signed(caller, both), *CALL[:2], [A], BODY) == "current"
+    # An engine past the rotation lists NEW only; the caller, holding [NEW, OLD] and then
+    # rotated to a file it has not looked at yet, signs with the key the engine lists.
+    _rewrite(k, private_pem(OTHER))
+    past = engine(OTHER)
+    looks = len(stats)
+    assert past.accepts("operator", signed(caller, past), *CALL[:2], [A], BODY) == "current"
+    assert len(stats) == looks + 1, "looked at once, not after the recheck"
+    assert [kid for kid, _ in caller.keys.current()] == [key_id(OTHER.public_key())]
+    # Tickets for such an engine are minted with the key it lists, too.
+    _rewrite(k, private_pem(NEW))
+    target = challenge_of(engine(NEW))
+    (ticket,) = caller.tickets([target], "engine-b", "inc-b")
+    assert ticket.startswith(key_id(NEW.public_key()) + ":")
+    # A file gone bad: noticed at the next look, then every use fails until it is good.
+    _rewrite(k, "  ")
+    clock[0] += 1.0
+    for _ in range(2):
+        with pytest.raises(KeyFileError, match=str(k)):
+            caller.keys.current()
+    _rewrite(k, private_pem(NEW))
+    assert [kid for kid, _ in caller.keys.current()] == [key_id(NEW.public_key())]
+
+
 # --- key files ---------------------------------------------------------------------------
 
 
