@@ -162,8 +162,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+# The interpreter hands the GIL to a waiting thread after this long (CPython's default:
+# 5 ms). The event loop makes the worker calls, and each of its socket calls gives the GIL
+# up; while a round's decision (a thread) or the pod watch's parsing (another) computes,
+# the loop then waited up to the whole interval to get it back, at every send and receive:
+# a round's calls crawled while the next one decided, and the decision's wall time was
+# three to five times its CPU time. BENCHMARKS.md, fifteenth session.
+GIL_SWITCH_INTERVAL_S = 0.0002
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
