@@ -221,24 +221,27 @@ def _queue(calls: _Calls, pod: str, endpoint: str, part: _WorkerPart, *, join: b
 
 
 def _still_lacking(part: _WorkerPart, view: object) -> _WorkerPart:
-    """`part` less the adds the worker's view now holds as they are (made by calls that
-    ended since the plan's views were read); a peer held but unhealthy or being evicted
-    is still added (`logic.holds`)."""
-    if not isinstance(view, WorkerView) or not part.adds:
+    """`part` less what calls that ended since the plan's views were read have done: the
+    adds the worker's view now holds as they are (a peer held but unhealthy or being
+    evicted is still added, `logic.holds`), and the evictions of peers it no longer holds
+    (evicted again, the worker would answer "absent": a round's part queued behind the
+    calls evicting the same gone engines from every prefill sent them all again)."""
+    if not isinstance(view, WorkerView) or not (part.adds or part.evicts):
         return part
     held = view.peer_incarnations
-    evicting, unhealthy = view.evicting, view.unhealthy_peers
+    peers, evicting, unhealthy = view.peers, view.evicting, view.unhealthy_peers
     adds = [
         h
         for h in part.adds
-        if h.peer_engine_id not in view.peers
+        if h.peer_engine_id not in peers
         or held.get(h.peer_engine_id) != h.peer_incarnation
         or h.peer_engine_id in evicting
         or h.peer_engine_id in unhealthy
     ]
-    if len(adds) == len(part.adds):
+    evicts = [e for e in part.evicts if e.engine_id in peers]
+    if len(adds) == len(part.adds) and len(evicts) == len(part.evicts):
         return part
-    return _WorkerPart(adds, part.evicts, part.ttl)
+    return _WorkerPart(adds, evicts, part.ttl)
 
 
 @dataclass(frozen=True)

@@ -637,9 +637,10 @@ async def test_the_gather_s_arrivals_are_paired_only_where_the_round_could_vouch
 def test_a_round_s_act_drops_only_the_halves_held_as_they_are_now() -> None:
     """What a round's act leaves out of a worker's part (`_still_lacking`): a half the
     worker's view holds now at the same incarnation (made since the plan's views were
-    read); a half held at another incarnation, held but unhealthy, or held while being
-    evicted is still made, as the decision asked."""
-    from kvtopo_operator.model import Handshake
+    read), and an eviction of a peer it no longer holds; a half held at another
+    incarnation, held but unhealthy, or held while being evicted is still made, as the
+    decision asked."""
+    from kvtopo_operator.model import Eviction, Handshake
     from kvtopo_operator.reconcile import _still_lacking, _WorkerPart
 
     def half(peer: str, incarnation: str = "i1") -> Handshake:
@@ -661,6 +662,12 @@ def test_a_round_s_act_drops_only_the_halves_held_as_they_are_now() -> None:
     fresh = WorkerView("P0", "prefill", "h", frozenset())
     assert _still_lacking(part, fresh) is part
     assert _still_lacking(part, None) is part
+    # Evictions: of a peer no longer held (evicted by a call since), dropped; of one held,
+    # being evicted (deferred) or not, kept.
+    gone = [Eviction("p0", "127.0.0.1:9000", eid) for eid in ("D3", "D0", "D9")]
+    kept = _still_lacking(_WorkerPart([], gone), view)
+    assert [e.engine_id for e in kept.evicts] == ["D3", "D0"]
+    assert _still_lacking(_WorkerPart([], gone), None).evicts == gone
 
 
 @pytest.mark.asyncio

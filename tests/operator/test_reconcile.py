@@ -341,6 +341,63 @@ async def test_a_part_planned_while_a_worker_s_calls_are_out_goes_as_soon_as_the
         await reconciler.stop()
 
 
+async def test_a_queued_part_does_not_evict_again_what_the_calls_out_evicted() -> None:
+    """A gone decode's eviction from a prefill is out (slow) when the next round plans it
+    again (the prefill's view still holds it) and queues it behind that call. Once the
+    call has evicted it, the queued part must not send the eviction again: in a 64 x 2,000
+    rollout such parts re-sent whole waves of evictions to every prefill, each answered
+    "absent"."""
+
+    class Recording(HungCalls):
+        evicted: dict[str, list[str]]
+
+        async def change_peers(self, endpoint: str, *args: Any, **kw: Any) -> Any:
+            self.evicted.setdefault(endpoint, []).extend(args[1])
+            return await super().change_peers(endpoint, *args, **kw)
+
+    p0, d0, d1, d2 = (
+        pod("p0", "prefill"),
+        pod("d0", "decode"),
+        pod("d1", "decode"),
+        pod("d2", "decode"),
+    )
+    pods = [p0, d0, d1]
+    body = topology_body()
+    body["spec"]["eviction"] = {"graceSeconds": 0}  # a gone engine is evicted at once
+    kube = FakeKube({"llama": body})
+    workers = cast(Recording, Recording.for_pods([p0, d0, d1, d2]))
+    workers.evicted = {}
+    reconciler = build(lambda: list(pods), kube, workers)
+    try:
+        reconciler.ensure(KEY)
+        await until("p0 holds D0 and D1", lambda: workers.peers_of(p0.endpoint) == {"D0", "D1"})
+        loop = reconciler._loops[KEY]
+        workers.hung = {p0.endpoint}
+        pods.remove(d1)  # gone: evicted from p0 after the grace, by a call that hangs
+        reconciler.poke_namespace("ns")
+        await until(
+            "p0's eviction out",
+            lambda: ("change_peers (hung)", p0.endpoint) in workers.calls,
+        )
+        ended = loop.round_ended
+        pods.append(d2)  # the next round plans D1's eviction again (p0's view holds it)
+        reconciler.poke_namespace("ns")
+        await until("d2 holds P0", lambda: workers.peers_of(d2.endpoint) == {"P0"})
+        await until("the round that planned it ended", lambda: loop.round_ended > ended)
+        assert p0.name in loop.calls.queued  # D1's eviction again, and D2's half
+        loop.task.cancel()  # no round runs from here on
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop.task
+        workers.hung = set()
+        workers.release.set()
+        await until("p0 holds D0 and D2", lambda: workers.peers_of(p0.endpoint) == {"D0", "D2"})
+        await until("p0's calls ended", lambda: p0.name not in loop.calls.out)
+        assert workers.evicted[p0.endpoint] == ["D1"], workers.calls  # once, by the call out
+    finally:
+        workers.release.set()
+        await reconciler.stop()
+
+
 @pytest.mark.parametrize("stop", ["replaced", "leadership lost and won again"])
 async def test_a_loop_stopped_as_its_poke_arrives_stops_at_every_step_of_the_event_loop(
     stop: str,
