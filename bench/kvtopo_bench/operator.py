@@ -137,6 +137,7 @@ class FakeFleet:
         # ... of which changed nothing: an add of a peer held at the same incarnation, an
         # eviction of a peer not held (a half made again)
         self.patch_items_redundant = 0
+        self.patch_evictions_redundant = 0  # ... of which evictions
         self.state_reads = 0
         self.not_modified = 0  # state reads answered 304
         self.never = asyncio.Event()  # what a hung worker's calls wait for (set at cleanup)
@@ -310,6 +311,7 @@ class FakeFleet:
             result = "evicted" if eid in w.peers else "absent"
             if result == "absent":
                 self.patch_items_redundant += 1
+                self.patch_evictions_redundant += 1
             w.peers.discard(eid)
             results.append(PeerOutcome(engine_id=eid, op="evict", status=200, result=result))
         if results:
@@ -861,6 +863,7 @@ class SizeRun:
                 "fleet_patches": self.fleet.patches,
                 "fleet_patch_items": self.fleet.patch_items,
                 "fleet_patch_items_redundant": self.fleet.patch_items_redundant,
+                "fleet_patch_evictions_redundant": self.fleet.patch_evictions_redundant,
                 "pods": self.prefill + self.decode,
                 "ready_to_connected_p50_s": round(_pct(ready, 0.5), 3),
                 "ready_to_connected_p99_s": round(_pct(ready, 0.99), 3),
@@ -940,6 +943,7 @@ SIDE_BY_SIDE_KEYS = (
     "fleet_patches",
     "fleet_patch_items",
     "fleet_patch_items_redundant",
+    "fleet_patch_evictions_redundant",
 )
 
 
