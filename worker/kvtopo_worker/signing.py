@@ -640,16 +640,17 @@ class CallerKey:
     def _key(self, challenge: Challenge) -> tuple[str, bytes]:
         """(kid, call key) for the engine of `challenge`: the first of our keys it lists,
         else our current one. KeyFileError while our key file is bad."""
-        kid, (key, _) = self._entry(challenge, self._mine(challenge))
+        kid, (key, _) = self._entry(challenge, self._mine(challenge, self.keys.current()))
         return kid, key
 
-    def _mine(self, challenge: Challenge) -> list[tuple[str, ec.EllipticCurvePrivateKey]]:
-        """Our keys; looked at afresh when the engine lists none of them (our key file
-        may have been rotated since it was last looked at: `PrivateKeys.recheck_s`)."""
-        mine = self.keys.current()
-        if not any(kid in challenge.kids for kid, _ in mine):
-            mine = self.keys.current(fresh=True)
-        return mine
+    def _mine(
+        self, challenge: Challenge, held: list[tuple[str, ec.EllipticCurvePrivateKey]]
+    ) -> list[tuple[str, ec.EllipticCurvePrivateKey]]:
+        """Our keys (`held`, as last looked at), or looked at afresh when the engine lists
+        none of them (our key file may have been rotated since: `PrivateKeys.recheck_s`)."""
+        if any(kid in challenge.kids for kid, _ in held):
+            return held
+        return self.keys.current(fresh=True)
 
     def _entry(
         self, challenge: Challenge, mine: list[tuple[str, ec.EllipticCurvePrivateKey]]
@@ -720,8 +721,7 @@ class CallerKey:
         text = _ticket_text(fetcher_engine, fetcher_incarnation)
         out = []
         for target in targets:
-            if not any(kid in target.kids for kid, _ in mine):
-                mine = self._mine(target)
+            mine = self._mine(target, mine)
             kid, (_, pads) = self._entry(target, mine)
             out.append(f"{kid}:{pads.mac(text).hex()}")
         return out
