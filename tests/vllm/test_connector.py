@@ -409,8 +409,10 @@ def test_an_abort_while_waiting_for_remote_kv_holds_the_blocks_until_no_write_ca
     """A client aborts a decode request whose KV a frozen prefill still owes it: vLLM
     finishes the request at once, keeps its blocks until the connector reports that no
     WRITE can land (the cancel unanswered, the give-up time passed), then frees them; the
-    request ends once, aborted."""
-    prefill, decode = engines.pair("abort", registration_timeout=2, transfer_timeout=2)
+    request ends once, aborted. The registration's give-up time (registration plus transfer
+    timeout) is wide: on a loaded machine the abort may land seconds after the
+    registration, and a give-up time already past frees the blocks at once, rightly."""
+    prefill, decode = engines.pair("abort", registration_timeout=5, transfer_timeout=5)
     decode.connect(prefill)
     prefill.connect(decode)
     prefill.add("r1", 40, 1, {"do_remote_decode": True})
