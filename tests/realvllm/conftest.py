@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -78,11 +79,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     workdir = Path(tempfile.mkdtemp(prefix="kvtopo-realvllm-"))
     model, group = _servers(workdir)
-    _early.update(workdir=workdir, model=model, group=group)
+    _early.update(workdir=workdir, model=model, group=group, own_workdir=workdir)
     for s in group:
         s.start()
     print(
-        f"\n[realvllm] 3 vLLM servers loading in the background (logs in {workdir})",
+        f"\n[realvllm] 3 vLLM servers loading in the background (logs in {workdir}, "
+        "kept if a test fails)",
         file=sys.stderr,
         flush=True,
     )
@@ -92,6 +94,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     group = _early.pop("group", None)
     if group:
         rs.stop_all(group)
+    # The servers' folder (their logs, the model) is kept when something failed, for its
+    # logs; after a passing run it goes.
+    own = _early.pop("own_workdir", None)
+    if own is not None and exitstatus == 0:
+        shutil.rmtree(own, ignore_errors=True)
 
 
 @pytest.fixture(scope="package")
