@@ -18,19 +18,18 @@ pytest_plugins = ["kvtopo.cluster.pytest_fixtures"]
 # run. The processes the tests start (vLLM engines, the real vLLM servers) inherit this
 # session's own folder instead, removed when the session ends. A path set by the caller
 # is kept as it is.
-_IPC_DIR: list[str] = []
+_IPC_DIR = pytest.StashKey[str]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
     if "VLLM_RPC_BASE_PATH" not in os.environ:
-        path = tempfile.mkdtemp(prefix="kvtopo-vllm-ipc-")
-        _IPC_DIR.append(path)
+        path = config.stash[_IPC_DIR] = tempfile.mkdtemp(prefix="kvtopo-vllm-ipc-")
         os.environ["VLLM_RPC_BASE_PATH"] = path
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    while _IPC_DIR:
-        path = _IPC_DIR.pop()
+    path = config.stash.get(_IPC_DIR, None)
+    if path is not None:
         if os.environ.get("VLLM_RPC_BASE_PATH") == path:
             del os.environ["VLLM_RPC_BASE_PATH"]
         shutil.rmtree(path, ignore_errors=True)
