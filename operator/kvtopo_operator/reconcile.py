@@ -289,8 +289,8 @@ class _Loop:
     # server only by a loop's first round), what the server was last known to hold, and the
     # one still to write (see `Reconciler._write_status`).
     status: KVTopologyStatus | None = None
-    written: dict[str, Any] | None = None
-    unwritten: dict[str, Any] | None = None
+    written: dict[str, Any] | None = None  # in its wire form (`api.dump`)
+    unwritten: KVTopologyStatus | None = None
     version: str = ""  # the resourceVersion the next status write is conditional on
     writer: asyncio.Task[None] | None = None
     write_failures: int = 0  # status writes failed in a row
@@ -405,19 +405,25 @@ class Reconciler:
         self.ensure(key)
 
     def _strays(
-        self, me: TopologyView, others: Iterable[TopologyView], pods: Iterable[PodView]
+        self,
+        me: TopologyView,
+        others: Iterable[TopologyView],
+        pods: Iterable[PodView],
+        mine: Iterable[str],
     ) -> tuple[GateChange, ...]:
         """The namespace's oldest topology's loop turns False the gates no topology selects
-        any more (`gate.stray_gates`); the other loops leave them to it."""
+        any more (`gate.stray_gates`); the other loops leave them to it. `mine`: the pods
+        `me` selects (the round's claim found them: owned or claimed by another)."""
         tops = {t.name: t for t in others if t.spec is not None}
         if me.spec is not None:
             tops[me.name] = me
         if not tops or min(tops.values(), key=claim_order).name != me.name:
             return ()
         pods = tuple(pods)
-        selected = {
-            p.name for t in tops.values() if t.spec is not None for p in pods_of(t.spec, pods)
-        }
+        selected = set(mine)
+        for t in tops.values():
+            if t is not me and t.spec is not None:
+                selected.update(p.name for p in pods_of(t.spec, pods))
         return stray_gates(pods, selected, tops)
 
     def cancel_all(self) -> None:
@@ -969,24 +975,28 @@ class Reconciler:
             )
         acted, act_events = out.acted, [*out.events, *settle_events]
         loop.status = status
-        new = dump(status)
-        if new != loop.written or loop.unwritten is not None:
-            self._write_status(key, loop, new)
+        # Handed to the writer as it is: it is dumped (2,048 engine lines) only when the
+        # writer is about to write it, not every round (`_write_status`).
+        self._write_status(key, loop, status)
         for event in (*plan.events, *act_events):
             self.events.record(body, event)
         # The readiness gate of the pods that list it, from the outcome of acting.
         changes = gate_changes(pods, settled, spec.readiness_gate.min_connected_partners)
-        changes += self._strays(me, others, all_pods)
+        changes += self._strays(me, others, all_pods, [*(p.name for p in pods), *claimed])
         if changes:
             await self._set_gates(namespace, all_pods, changes, sem, now)
         self._observe(key, loop, plan, pods, time.monotonic() - started)
         return acted, plan.wake_in_s
 
-    def _write_status(self, key: TopologyKey, loop: _Loop, status: dict[str, Any]) -> None:
+    def _write_status(self, key: TopologyKey, loop: _Loop, status: KVTopologyStatus) -> None:
         """Hands the round's status to the loop's writer, off the round's path: one write
         in flight at a time, at most one per `status_interval_s`, and a status decided
         meanwhile replaces any still waiting (only the newest is written); the interval grows
-        with the number of engine lines (`status_pause`). The status
+        with the number of engine lines (`status_pause`). The writer puts it in its wire
+        form when it is about to write it, and writes nothing when that is what the server
+        was last known to hold: a round that finds the writer pacing costs nothing here
+        (a rollout's rounds decide a status each, a 2,000-engine topology's is written
+        once per 4 s). The status
         subresource has one writer, the leading replica's loop: each write (a merge patch
         of the whole status) is conditional on the resourceVersion of the loop's own last
         write (at first, of the body its first round read), so a write a replaced leader
@@ -1004,7 +1014,8 @@ class Reconciler:
     async def _writer(self, key: TopologyKey, loop: _Loop) -> None:
         namespace, name = key
         while loop.unwritten is not None:
-            status, loop.unwritten = loop.unwritten, None
+            decided, loop.unwritten = loop.unwritten, None
+            status = dump(decided)
             if status == loop.written:
                 continue
             try:
@@ -1025,7 +1036,7 @@ class Reconciler:
                 self.metrics.status_write_failures.inc()
                 await self._tell_refusal(key, loop, exc)
                 if loop.unwritten is None:
-                    loop.unwritten = status
+                    loop.unwritten = decided
                 await asyncio.sleep(pause)  # backing off: a refusal may last
                 continue
             loop.write_failures = 0
@@ -1041,7 +1052,7 @@ class Reconciler:
                     return
                 latest = str(body["metadata"].get("resourceVersion") or "")
                 if loop.unwritten is None:
-                    loop.unwritten = status
+                    loop.unwritten = decided
                 if latest == loop.version:  # the watch has not caught up yet
                     await asyncio.sleep(self.settings.retry_s)
                 loop.version = latest
@@ -1123,8 +1134,7 @@ class Reconciler:
         )
         status, events = invalid_spec(previous, generation, problems, self.clock())
         loop.status = status
-        if dump(status) != loop.written:
-            self._write_status(key, loop, dump(status))
+        self._write_status(key, loop, status)
         for event in events:
             self.events.record(body, event)
         log.error("%s/%s: %s", *key, problems)
