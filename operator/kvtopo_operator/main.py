@@ -175,7 +175,7 @@ GIL_SWITCH_INTERVAL_S = 0.0002
 # large topology makes and drops tens of thousands of containers (handshakes, views, their
 # sets), so at the default the collector ran thousands of times a rollout and fully every
 # two seconds or so, each full pass walking every worker view and memo: at 64 x 2,000 its
-# passes took 19.6 s of a run's 42 s of operator CPU, up to 0.47 s at a time with the
+# passes took 19.6 s of wall time in a run of 42 s of operator CPU, up to 0.47 s at a time with the
 # event loop stopped. Nearly all of that is garbage reference counting frees at once;
 # the collector is for cycles (a task's exception and its traceback), which these
 # thresholds still bound: a young collection every 50,000 containers more than were
