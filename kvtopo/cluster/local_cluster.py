@@ -28,6 +28,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -693,6 +694,20 @@ class LocalCluster:
             time.monotonic() + timeout_s,
             lambda: api.is_healthy("/readyz"),
         )
+        return round(time.monotonic() - t0, 2)
+
+    def pause_component(self, name: str, seconds: float) -> float:
+        """Freezes component `name` (SIGSTOP) for `seconds`, then lets it go on (SIGCONT):
+        a stalled kube-apiserver, as a chaos drill's fault. Its connections stay open and
+        unanswered meanwhile. Returns the seconds it was stopped."""
+        process = next(p for p in self._processes if p.name == name)
+        pid = process.record.pid
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(seconds)  # the fault itself is a length of time
+        finally:
+            os.kill(pid, signal.SIGCONT)
         return round(time.monotonic() - t0, 2)
 
     def _launch(self, name: str, argv: list[str]) -> None:

@@ -86,15 +86,35 @@ def gate_changes(
     pods: Iterable[PodView], progress: Progress, minimum: int
 ) -> tuple[GateChange, ...]:
     """The gate conditions to write: one per gated pod whose condition is not the wanted
-    one, given the pairs after acting (`progress`) and the spec's minConnectedPartners."""
+    one, given the pairs after acting (`progress`) and the spec's minConnectedPartners.
+
+    Fail-static: a gate that is True turns False only on something known against the
+    engine (its pod going or not up, its worker's own answer, a refusal of it), never for
+    what the round cannot tell (`progress.cannot_tell`: a worker not read yet or
+    unreachable from the operator). Its own gate stays True, and so does a partner's
+    whose missing partners could be it (`progress.maybe_partners`)."""
     engine_of: dict[str, str] = dict(progress.live)
     partners = progress.pair_counts or {}  # engine id -> (connected, expected)
+    unknown, maybe = progress.cannot_tell, progress.maybe_partners
     changes = []
     for pod in pods:
         if not pod.gated:
             continue
+        if pod.gate == "True" and pod.name in unknown and pod.ready and not pod.deleting:
+            continue  # nothing known against it: kept
         engine = engine_of.get(pod.name)
-        change = wanted(pod, engine, partners.get(engine or "", (0, 0)), minimum)
+        counts = partners.get(engine or "", (0, 0))
+        change = wanted(pod, engine, counts, minimum)
+        if (
+            change.status == "False"
+            and pod.gate == "True"
+            and engine is not None
+            and engine in maybe
+        ):
+            extra = maybe[engine]
+            benefit = wanted(pod, engine, (counts[0] + extra, counts[1] + extra), minimum)
+            if benefit.status == "True":
+                continue  # its missing partners may be engines the round cannot judge
         if change.status != pod.gate:
             changes.append(change)
     return tuple(sorted(changes))

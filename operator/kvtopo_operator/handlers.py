@@ -42,6 +42,7 @@ from kvtopo_operator.api import (
     KVTopologySpec,
     read_tolerant,
 )
+from kvtopo_operator.fence import Fence
 from kvtopo_operator.kube import REQUEST_TIMEOUT_S, ClusterApi, KubeClient, LeaseClient
 from kvtopo_operator.leader import LeaderElector
 from kvtopo_operator.model import (
@@ -50,6 +51,7 @@ from kvtopo_operator.model import (
 )
 from kvtopo_operator.podwatch import EnginePod, NotListedYet, PodApi, PodStore, PodWatch
 from kvtopo_operator.reconcile import Reconciler, Settings
+from kvtopo_operator.stopping import StopCause
 from kvtopo_operator.workers import WorkerClient
 from kvtopo_worker.endpoints import pod_endpoint
 
@@ -276,6 +278,11 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     settings.scanning.disabled = True
     settings.persistence.diffbase_storage = _NoDiffBase()
     _state["allow_endpoint_host"] = bool(memo.get("allow_endpoint_host"))
+    # Every write passes this fence (`fence`): under leader election it is shut until this
+    # replica holds the Lease, and follows the lease's freshness from then on.
+    fence = _state["fence"] = Fence()
+    if memo.get("election") is not None:
+        fence.follow(lambda: float("-inf"))
     _state["reconciler"] = Reconciler(
         kube=KubeClient(memo.get("kubeconfig")),
         workers=WorkerClient(memo.get("key_file")),
@@ -283,6 +290,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
         topologies=_topology_source,
         bodies=lambda key: _state.get("bodies", {}).get(key),
         metrics=memo["metrics"],
+        fence=fence,
         settings=Settings(
             resync_s=memo.get("resync_s", 2.0),
             state_reads_per_s=memo.get("state_reads_per_s", Settings.state_reads_per_s),
@@ -329,6 +337,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
         name=f"{namespace}/{name}",
     )
     _state["elector"] = elector
+    fence.follow(elector.lease_left)
     elector.start()
 
 
@@ -353,8 +362,10 @@ def _stop_leading() -> None:
     _set_leading(False)
     reconciler: Reconciler | None = _state.get("reconciler")
     if reconciler is not None:
-        log.info("not leading: cancelling %d loops", reconciler.running)
-        reconciler.cancel_all()
+        log.info(
+            "not leading: cancelling %d loops (nothing they control changes)", reconciler.running
+        )
+        reconciler.cancel_all(StopCause.LEASE_LOST)
 
 
 @kopf.on.probe(id="loops")
@@ -385,6 +396,12 @@ async def loops_probe(**_: Any) -> dict[str, Any]:
 
 @kopf.on.cleanup()
 async def stop(**_: Any) -> None:
+    """The process stops (SIGTERM): the fence closes before anything else, so nothing this
+    replica controls changes from here on (`stopping`); then the watches, the election
+    (releasing a Lease held, so a standby takes over at once) and the loops stop."""
+    fence: Fence | None = _state.get("fence")
+    if fence is not None:
+        fence.stop()
     watch: PodWatch | None = _state.pop("pod_watch", None)
     if watch is not None:
         watch.stop()

@@ -138,6 +138,16 @@ class LeaderElector:
     def is_leader(self) -> bool:
         return self._leading
 
+    def lease_left(self) -> float:
+        """Seconds until the lease this replica holds goes stale: its last successful
+        renewal *started* `renew_deadline_s` ago then (on this machine's monotonic clock).
+        -inf when it does not lead. A replica whose process was paused past that finds
+        this at or below 0 the moment it runs again, before its election notices; the
+        operator's writes are fenced on it (`fence.Fence`)."""
+        if not self._leading:
+            return float("-inf")
+        return self._left()
+
     @property
     def observed(self) -> LeaseRecord | None:
         """The Lease's record as this candidate last read or wrote it."""

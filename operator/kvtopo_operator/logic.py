@@ -208,6 +208,9 @@ class Engines:
     live: Mapping[str, Usable]  # engine id -> usable engine
     # pod name -> (pod, why, reason): engines the operator cannot (or must not) act on
     unusable: Mapping[str, tuple[PodView, str, Reason]]
+    # pod name -> pod: up, with an endpoint, but its worker not read yet (this round has
+    # no view of it: a new leader's first rounds, a read still out)
+    unread: Mapping[str, PodView] = field(default_factory=dict)
 
 
 _Verdict = Usable | tuple[PodView, str, Reason] | None  # usable, why not, or not up yet
@@ -254,6 +257,7 @@ def usable_engines(
     claims: dict[str, list[Usable]] = {}
     before = cache.usable if cache is not None else {}
     judged: dict[str, tuple[PodView, object, _Verdict]] = {}
+    unread: dict[str, PodView] = {}
     for pod in pods:
         worker = workers.get(pod.name)
         hit = before.get(pod.name)
@@ -266,6 +270,8 @@ def usable_engines(
             claims.setdefault(verdict.worker.engine_id, []).append(verdict)
         elif verdict is not None:
             unusable[pod.name] = verdict
+        elif worker is None and pod.ready and not pod.deleting and pod.endpoint:
+            unread[pod.name] = pod
     if cache is not None:
         cache.usable = judged
     for eid, usable in claims.items():
@@ -279,7 +285,33 @@ def usable_engines(
         )
         for u in usable:
             unusable[u.pod.name] = (u.pod, why[:480], Reason.DUPLICATE_ENGINE_ID)
-    return Engines(live, unusable)
+    return Engines(live, unusable, unread)
+
+
+def cannot_tell(
+    engines: Engines, previous: KVTopologyStatus
+) -> tuple[dict[str, str], dict[str, int]]:
+    """Policy (fail-static): the pods whose engine this round cannot judge, and for each
+    usable engine how many of its held peers are theirs. Such a pod is up but its worker
+    is unread (a new leader's or a restarted operator's first rounds) or unreachable from
+    the operator (which may be the operator's own network, not the engine's): nothing is
+    known against its engine, so its gate is not turned False, nor are its partners'
+    for want of it (`gate.gate_changes`). A peer is recognised by the engine id its pod
+    had in the last status. Returns (pod -> why, engine id -> such peers held)."""
+    unknown = {name: "its worker is not read yet" for name in engines.unread}
+    for name, (_, why, reason) in engines.unusable.items():
+        if reason == Reason.WORKER_UNREACHABLE:
+            unknown[name] = why
+    if not unknown:
+        return {}, {}
+    last_ids = frozenset(e.engine_id for e in previous.engines if e.pod in unknown and e.engine_id)
+    maybe: dict[str, int] = {}
+    if last_ids:
+        for eid, e in engines.live.items():
+            n = len(e.worker.peers & last_ids)
+            if n:
+                maybe[eid] = n
+    return unknown, maybe
 
 
 def holds(holder: WorkerView, peer: WorkerView) -> bool:
@@ -694,7 +726,8 @@ def gone_engines(
     by default all it holds): a gone engine is never a partner."""
     grace = timedelta(seconds=obs.spec.eviction.grace_seconds)
     prev_engines = {e.engine_id: e for e in obs.previous.engines if e.engine_id}
-    live, cannot_tell = engines.live, set(engines.unusable)
+    # An unusable engine's pod, or one whose worker is not read yet: nobody can tell.
+    live, cannot_tell = engines.live, set(engines.unusable).union(engines.unread)
     # Pods their node's lifecycle marked not Ready (node NotReady or unreachable): their
     # engines are gone since that flip, not since the operator first saw it.
     lost = {
@@ -1099,6 +1132,7 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
     statuses, events = engine_statuses(obs, engines, pairing, gone, evicting, tally, now)
     lines, omitted = bounded_lines(statuses)
     events += topology_events(obs, pairing, tally)
+    unknown, maybe = cannot_tell(engines, obs.previous)
     partnered = pairing.partner_ids
     unpaired = tuple(
         sorted(
@@ -1123,6 +1157,8 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
         ),
         live=tuple(sorted((e.pod.name, eid) for eid, e in engines.live.items())),
         live_roles={eid: e.pod.role for eid, e in engines.live.items()},
+        cannot_tell=unknown,
+        maybe_partners=maybe,
     )
     status = KVTopologyStatus(
         observed_generation=obs.generation,

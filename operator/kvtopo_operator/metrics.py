@@ -132,6 +132,23 @@ class OperatorMetrics:
             "missed.",
             registry=self.registry,
         )
+        self.writes = Counter(
+            "kvtopo_operator_writes",
+            "Writes this replica made, by kind: status (a KVTopology's), gate (a pod's "
+            "kv-connected condition), event, peers (a worker's peer changes), settings (a "
+            "worker's idle TTL). Every one passes the fence (`kvtopo_operator.fence`).",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.writes_fenced = Counter(
+            "kvtopo_operator_writes_fenced",
+            "Writes refused by the fence because this replica did not lead with a fresh "
+            "lease (stopping, demoted, partitioned) when it was about to make them, by kind "
+            "(as kvtopo_operator_writes) and why (stopping, not_leading, lease_stale, "
+            "clock_doubted).",
+            ["kind", "why"],
+            registry=self.registry,
+        )
         self.pod_watch_malformed = Counter(
             "kvtopo_operator_pod_watch_malformed",
             "Pods or watch lines from the API server that the engine-pod watch could not "

@@ -252,6 +252,14 @@ class Progress:
     # engine id -> role of each usable engine (the summary counts from these and
     # `pair_counts`, never from the status's engine lines, which are bounded)
     live_roles: Mapping[str, str] | None = None
+    # Pods whose engine the round cannot judge: up (ContainersReady, not being deleted)
+    # but their worker not read yet or unreachable (pod name -> why). A gate that is True
+    # stays True for them: nothing is known against it (fail-static; `gate.gate_changes`).
+    cannot_tell: Mapping[str, str] = field(default_factory=dict)
+    # engine id -> how many of the engines it holds as peers are of such pods (by the
+    # engine id their pod last had): partners it may still be connected to. A True gate is
+    # not turned False for want of partners those could be.
+    maybe_partners: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def pairs_connected(self) -> int:

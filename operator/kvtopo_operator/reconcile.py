@@ -36,6 +36,7 @@ from kvtopo_operator.api import (
     read_tolerant,
 )
 from kvtopo_operator.events import EventRecorder
+from kvtopo_operator.fence import Fence, Fenced, FencedWrites
 from kvtopo_operator.gate import GateChange, gate_changes, stray_gates
 from kvtopo_operator.gather import WorkerViews, wait_most, wait_set
 from kvtopo_operator.kube import KubeClient
@@ -65,6 +66,7 @@ from kvtopo_operator.model import (
     WorkerView,
     rfc3339,
 )
+from kvtopo_operator.stopping import StopCause, StopWrites, on_loop_stop
 from kvtopo_operator.workers import CallResult, PeerAdd, WorkerClient
 
 log = logging.getLogger(__name__)
@@ -311,6 +313,7 @@ class Reconciler:
         metrics: OperatorMetrics,
         settings: Settings | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        fence: Fence | None = None,
     ) -> None:
         self.kube = kube
         self.workers = workers
@@ -320,6 +323,10 @@ class Reconciler:
         self.metrics = metrics
         self.settings = settings or Settings()
         self.clock = clock
+        # Every write goes through the fence: only a leading replica with a fresh lease
+        # changes anything (`kvtopo_operator.fence`); without one, this replica leads.
+        self.fence = fence if fence is not None else Fence()
+        self.writes = FencedWrites(kube, workers, self.fence, metrics)
         self._loops: dict[TopologyKey, _Loop] = {}
         self._ungating: set[asyncio.Task[None]] = set()  # gates a forgotten topology left
         # Events leave the reconcile path: queued, de-duplicated and rate-limited per object.
@@ -364,13 +371,26 @@ class Reconciler:
                 loop.pods_changed.set()
 
     def forget(self, key: TopologyKey) -> None:
-        """The topology is gone: its loop stops. The gates of the pods only it selected
-        turn False: by the loop of the namespace's oldest topology left (`_strays`, poked
-        now), or here when none is left."""
+        """The topology is gone (deleted): its loop stops, and the gates of the pods only
+        it selected turn False (`stop_loop`)."""
+        self.stop_loop(key, StopCause.DELETED)
+
+    def stop_loop(self, key: TopologyKey, cause: StopCause) -> None:
+        """Stops the topology's loop for `cause` and makes the writes the fail-static
+        policy names for it (`stopping.on_loop_stop`): after a deletion, the gates of the
+        pods only it selected turn False, by the loop of the namespace's oldest topology
+        left (`_strays`, poked now) or here when none is left; after anything else,
+        nothing. Each write is fenced on leadership."""
         self._stop_loop(key)
         namespace, name = key
-        if any(t.name != name and t.spec is not None for t in self.topologies(namespace)):
+        others = False
+        if cause is StopCause.DELETED:
+            others = any(t.name != name and t.spec is not None for t in self.topologies(namespace))
+        writes = on_loop_stop(cause, others)
+        if writes is StopWrites.UNGATE_BY_OLDEST:
             self.poke_namespace(namespace)
+            return
+        if writes is not StopWrites.UNGATE_HERE:
             return
         with contextlib.suppress(RuntimeError):  # no running event loop: nothing to write
             pods = tuple(self.pods(namespace, 0))
@@ -426,11 +446,13 @@ class Reconciler:
                 selected.update(p.name for p in pods_of(t.spec, pods))
         return stray_gates(pods, selected, tops)
 
-    def cancel_all(self) -> None:
-        """Cancels every loop at once (leadership lost); the clients stay open, so `ensure`
-        starts fresh loops later (with fresh worker views)."""
+    def cancel_all(self, cause: StopCause = StopCause.LEASE_LOST) -> None:
+        """Cancels every loop at once (leadership lost, or the process stopping); the
+        clients stay open, so `ensure` starts fresh loops later (with fresh worker views).
+        A loop that stops is not a topology deleted: what it controls is left exactly as
+        it is (`stopping.on_loop_stop`)."""
         for key in list(self._loops):
-            self.forget(key)
+            self.stop_loop(key, cause)
 
     @property
     def running(self) -> int:
@@ -460,10 +482,16 @@ class Reconciler:
     async def _post_event(
         self, body: Mapping[str, Any], event_type: str, reason: str, message: str
     ) -> None:
-        await self.kube.record_event(body, event_type, reason, message)
+        try:
+            await self.writes.record_event(body, event_type, reason, message)
+        except Fenced:
+            return  # counted; an Event is never worth a write this replica may not make
 
     async def stop(self) -> None:
-        self.cancel_all()
+        """The process stops: nothing is written from now on (the fence closes first), and
+        every loop stops leaving what it controls as it is."""
+        self.fence.stop()
+        self.cancel_all(StopCause.PROCESS_STOP)
         await self.events.close()
         await self.workers.close()
 
@@ -1019,7 +1047,12 @@ class Reconciler:
             if status == loop.written:
                 continue
             try:
-                version = await self.kube.patch_status(namespace, name, status, loop.version)
+                version = await self.writes.patch_status(namespace, name, status, loop.version)
+            except Fenced as exc:
+                # Not leading with a fresh lease (stopping, demoted, partitioned): nothing
+                # is written; the leader's loop writes the status it decides.
+                log.info("%s/%s: the status is not written: %s", *key, exc)
+                return
             except Exception as exc:
                 loop.write_failures += 1
                 pause = min(
@@ -1108,9 +1141,11 @@ class Reconciler:
             }
             try:
                 async with sem:
-                    ok = await self.kube.patch_pod_condition(
+                    ok = await self.writes.patch_pod_condition(
                         namespace, change.pod, uid.get(change.pod, ""), condition
                     )
+            except Fenced:
+                return  # counted; this replica changes no gate now
             except Exception as exc:  # 403, 429, a timeout: next round tries again
                 log.warning("%s/%s: setting %s: %s", namespace, change.pod, KV_CONNECTED_GATE, exc)
                 ok = False
@@ -1188,9 +1223,21 @@ class Reconciler:
         async def work(pod: str, endpoint: str, part: _WorkerPart) -> None:
             try:
                 while True:
-                    await self._worker_calls(
-                        pod, endpoint, part, views, sem, call_timeout, now, failing_before, calls
-                    )
+                    try:
+                        await self._worker_calls(
+                            pod,
+                            endpoint,
+                            part,
+                            views,
+                            sem,
+                            call_timeout,
+                            now,
+                            failing_before,
+                            calls,
+                        )
+                    except Fenced:  # counted; not leading now, so nothing more is sent
+                        views.mark_dirty(pod)
+                        break
                     # What a later plan queued meanwhile goes now, not a round later.
                     queued = calls.queued.pop(pod, None)
                     if queued is None:
@@ -1281,7 +1328,7 @@ class Reconciler:
             add_part = [x for x in batch if isinstance(x, Handshake)]
             ev_part = [x for x in batch if isinstance(x, Eviction)]
             async with sem:
-                results = await self.workers.change_peers(
+                results = await self.writes.change_peers(
                     endpoint,
                     [
                         PeerAdd(
@@ -1327,7 +1374,7 @@ class Reconciler:
         change = part.ttl
         if change is not None:
             async with sem:
-                res = await self.workers.set_idle_ttl(
+                res = await self.writes.set_idle_ttl(
                     change.endpoint, change.idle_ttl_s, call_timeout, pod_uid=pod_uid
                 )
             if res.ok:

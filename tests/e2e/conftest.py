@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtopo import launch
 from kvtopo.cluster.local_cluster import LocalCluster
 from tests.cluster.kube import create_namespace
 from tests.e2e.env import Env
@@ -26,4 +27,6 @@ def env(cluster_a: LocalCluster, tmp_path: Path) -> Iterator[Env]:
     try:
         yield e
     finally:
+        for replica in e.replicas:
+            launch.stop_process(replica.proc, 10)
         stop_operator_and_workers(e.operator, 10, e.workers.values())

@@ -11,7 +11,7 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from kvtopo.drill import manifests
 from kvtopo.localkeys import Credentials
 from tests.cluster.kube import apply
 from tests.e2e.harness import OperatorHarness, WorkerFactory
+from tests.e2e.replicas import Replica
 from tests.worker.workers import WorkerProcess, start_worker
 
 GRACE = 2
@@ -28,6 +29,7 @@ GRACE = 2
 @dataclass
 class Env(OperatorHarness):
     token_file: Path
+    replicas: list[Replica] = field(default_factory=list, kw_only=True)  # leader-elected
 
     # --- workers and pods ------------------------------------------------------------------
 

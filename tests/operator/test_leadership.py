@@ -25,6 +25,7 @@ from kvtopo_operator.kube import KubeClient
 from kvtopo_operator.main import parse_args
 from kvtopo_operator.metrics import OperatorMetrics
 from kvtopo_operator.reconcile import Reconciler, Settings
+from kvtopo_operator.stopping import StopCause
 from kvtopo_operator.workers import WorkerClient
 
 
@@ -103,8 +104,8 @@ class RecordingReconciler:
     def poke_namespace(self, namespace: str) -> None:
         self.calls.append(("poke", namespace))
 
-    def cancel_all(self) -> None:
-        self.calls.append(("cancel_all",))
+    def cancel_all(self, cause: StopCause = StopCause.LEASE_LOST) -> None:
+        self.calls.append(("cancel_all", cause))
 
     @property
     def running(self) -> int:
@@ -167,7 +168,7 @@ async def test_handlers_remember_topologies_as_standby_and_act_only_while_leadin
 
     # Leadership lost: every loop cancelled at once; events only update what is known.
     handlers._stop_leading()
-    assert gauge() == 0.0 and rec.calls[-1] == ("cancel_all",)
+    assert gauge() == 0.0 and rec.calls[-1] == ("cancel_all", StopCause.LEASE_LOST)
     n = len(rec.calls)
     await event("MODIFIED", "d", 2)
     assert len(rec.calls) == n and handlers._state["known"][("ns", "d")] == 2
