@@ -349,6 +349,7 @@ class Reason(enum.StrEnum):
     HANDSHAKE_FAILED = "HandshakeFailed"
     INCOMPATIBLE = "Incompatible"
     WORKER_UNREACHABLE = "WorkerUnreachable"
+    WORKER_ANSWER_REFUSED = "WorkerAnswerRefused"
     ENDPOINT_REFUSED = "EndpointRefused"
     IDENTITY_MISMATCH = "IdentityMismatch"
     DUPLICATE_ENGINE_ID = "DuplicateEngineId"

@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 Post = Callable[[Mapping[str, Any], str, str, str], Awaitable[None]]
 
 KEYS_KEPT = 4096  # (object, reason, message) remembered for the repeat window
+# An Event's reason and message are cut to these before anything is kept or posted, so what
+# the recorder holds is bounded in bytes (KEYS_KEPT x about 1.2 KB), whatever a worker said.
+MAX_REASON = 128
+MAX_MESSAGE = 1024
 
 
 @dataclass
@@ -92,7 +96,9 @@ class EventRecorder:
 
     def record(self, body: Mapping[str, Any], event: Event) -> bool:
         """Queues `event` on the object `body` unless it is noise; never waits. True when
-        it was queued."""
+        it was queued. Its reason and message are cut to their bounds first."""
+        if len(event.message) > MAX_MESSAGE or len(event.reason) > MAX_REASON:
+            event = Event(event.type, event.reason[:MAX_REASON], event.message[:MAX_MESSAGE])
         why = self._admit(self._object(body), event)
         if why is None:
             try:

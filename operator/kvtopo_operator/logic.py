@@ -225,6 +225,8 @@ def _judge(pod: PodView, worker: WorkerView | WorkerUnreachable | None) -> _Verd
     if isinstance(worker, WorkerUnreachable):
         if worker.identity_mismatch:
             return (pod, worker.message, Reason.IDENTITY_MISMATCH)
+        if worker.refused:
+            return (pod, worker.message, Reason.WORKER_ANSWER_REFUSED)
         return (pod, f"worker unreachable: {worker.message}", Reason.WORKER_UNREACHABLE)
     if worker.pod_uid != pod.uid:
         why = (
@@ -243,12 +245,19 @@ def usable_engines(
     pods: Iterable[PodView],
     workers: Mapping[str, WorkerView | WorkerUnreachable],
     cache: RoundCache | None = None,
+    holders: Mapping[str, str] | None = None,
 ) -> Engines:
     """Policy: which engines can be acted on. A pod that is not up, is being deleted or has
     no endpoint yet has none; a refused endpoint, an unreachable worker, a worker of another
-    pod (its uid) or of another role makes the engine unusable, with the reason. An engine
-    id that the workers of several pods report is an identity nobody can pair: every one of
-    those engines is unusable (DuplicateEngineId) until one of them goes.
+    pod (its uid) or of another role makes the engine unusable, with the reason.
+
+    An engine id is one engine's: the pod that held it keeps it (`holders`: engine id ->
+    the pod whose engine had it, as the last round decided), and any other pod whose
+    worker reports it is unusable (DuplicateEngineId, naming the holder): ids are public
+    (in the status, in every peer add), so a newcomer claiming one must never knock its
+    holder out. An id no pod held is kept by the claimant up first (then by name). The
+    same rule decides the round (`evaluate`) and the arrivals paired between rounds
+    (`admissions`).
 
     `cache` (last round's): a pod whose view and worker view are the objects judged last
     round (both immutable) is judged as it was, without a new `Usable`."""
@@ -274,18 +283,48 @@ def usable_engines(
             unread[pod.name] = pod
     if cache is not None:
         cache.usable = judged
+    held = holders or {}
     for eid, usable in claims.items():
-        if len(usable) == 1:
+        holder = held.get(eid)
+        if len(usable) == 1 and holder in (None, usable[0].pod.name):
             live[eid] = usable[0]
             continue
-        names = ", ".join(sorted(u.pod.name for u in usable))
-        why = (
-            f"engine id {eid} is reported by the workers of pods {names}: neither is paired "
-            "until one of them goes (give each engine an id of its own)"
-        )
+        keeper = first_holder(usable, holder)
+        if keeper is not None:
+            live[eid] = keeper
+        owner = keeper.pod.name if keeper is not None else holder
         for u in usable:
+            if u is keeper:
+                continue
+            why = (
+                f"engine id {eid} is held by pod {owner}; pod {u.pod.name}'s worker reports "
+                "it too and is not paired (give each engine an id of its own)"
+            )
             unusable[u.pod.name] = (u.pod, why[:480], Reason.DUPLICATE_ENGINE_ID)
     return Engines(live, unusable, unread)
+
+
+def id_holders(previous: KVTopologyStatus, pods: Iterable[PodView]) -> dict[str, str]:
+    """engine id -> the pod whose engine had it at the last round (its status line), for
+    the pods still here and not being deleted: who keeps an id several workers report."""
+    here = {p.name for p in pods if not p.deleting}
+    return {
+        e.engine_id: e.pod
+        for e in previous.engines
+        if e.engine_id and e.pod in here and e.state != EngineState.EVICTED
+    }
+
+
+def first_holder(claimants: list[Usable], holder: str | None) -> Usable | None:
+    """Of the engines whose workers report one engine id, the one that keeps it: the pod
+    that held it (`holder`); when no claimant is that pod and it held the id, nobody (the
+    holder is elsewhere: not among these, or its engine cannot be judged now); when no pod
+    held it, the claimant up first, then by pod name."""
+    if holder is not None:
+        return next((u for u in claimants if u.pod.name == holder), None)
+    return min(
+        claimants, key=lambda u: (u.pod.ready_since is None, u.pod.ready_since or 0.0, u.pod.name)
+    )
 
 
 def cannot_tell(
@@ -1124,7 +1163,7 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
     spec = obs.spec
     pods = tuple(p for p in pods_of(spec, obs.pods) if p.name not in obs.claimed)
     grace = timedelta(seconds=spec.eviction.grace_seconds)
-    engines = usable_engines(pods, obs.workers, obs.memory.cache)
+    engines = usable_engines(pods, obs.workers, obs.memory.cache, id_holders(obs.previous, pods))
     pairing = pair_engines(spec, engines.live, obs.memory.cache)
     gone = gone_engines(obs, engines, now, pairing.extra_held)
     evicting = evictions_due(engines.live, gone, pairing, obs.memory, grace, now)
@@ -1204,12 +1243,11 @@ def admissions(
     of the last round's usable engines.
 
     Anything else is the next round's: an engine that is not usable (unreachable, of
-    another pod, duplicate), one whose engine id another pod's engine had at the last round
-    (the round says DuplicateEngineId), a partner the last round did not find usable, every
-    eviction, status line and Event."""
+    another pod, duplicate: one whose engine id another pod's engine had at the last round
+    keeps out, by the rule the round applies, `usable_engines`'s holders), a partner the
+    last round did not find usable, every eviction, status line and Event."""
     selected = pods_of(spec, pods)
-    fresh = usable_engines([p for p in selected if p.name in new], workers).live
-    fresh = {eid: u for eid, u in fresh.items() if live.get(eid, u.pod.name) == u.pod.name}
+    fresh = usable_engines([p for p in selected if p.name in new], workers, holders=live).live
     if not fresh:
         return ()
     wanted = {"decode" if u.pod.role == "prefill" else "prefill" for u in fresh.values()}
@@ -1303,6 +1341,7 @@ def conditions_of(
             Reason.DUPLICATE_ENGINE_ID,
             Reason.ENDPOINT_REFUSED,
             Reason.IDENTITY_MISMATCH,
+            Reason.WORKER_ANSWER_REFUSED,
             Reason.WORKER_UNREACHABLE,
         ]
         worst = min((why for _, why in progress.unreachable), key=order.index)
@@ -1311,6 +1350,8 @@ def conditions_of(
             Reason.ENDPOINT_REFUSED: "engines with a refused endpoint or unreachable workers",
             Reason.IDENTITY_MISMATCH: "engines whose worker is not their pod's, or unreachable",
             Reason.DUPLICATE_ENGINE_ID: "engines whose id another pod's worker reports too",
+            Reason.WORKER_ANSWER_REFUSED: "engines whose worker's answer is refused, or "
+            "unreachable",
         }.get(worst, "unreachable workers")
         degraded = ("True", worst, f"{label}: {names}")
     elif progress.failing:

@@ -145,10 +145,14 @@ LINEAGE_DEPTH = 4
 @dataclass(frozen=True)
 class WorkerUnreachable:
     """The worker's state could not be read this round (`identity_mismatch`: its endpoint
-    claims to be another pod's worker, so nothing signed was sent there)."""
+    claims to be another pod's worker, so nothing signed was sent there; `refused`: the
+    worker answered, with something the operator refuses: garbage, or a field beyond what
+    the status or the pairing can carry; known against the engine, unlike a worker that
+    cannot be reached, which may be the operator's own network's fault)."""
 
     message: str
     identity_mismatch: bool = False
+    refused: bool = False
 
 
 class RoundCache:

@@ -38,6 +38,7 @@ from kvtopo_operator.wire import WireError, WirePool
 from kvtopo_worker.credentials import TokenError
 from kvtopo_worker.endpoints import EndpointError, parse_endpoint
 from kvtopo_worker.protocol import (
+    MAX_HEALTH_REASON,
     MAX_ID_LEN,
     PEER_BATCH_CONCURRENCY,
     UNHEALTHY,
@@ -127,11 +128,15 @@ _unknown_health_seen: set[str] = set()  # peer health values logged once as unkn
 
 
 def _unhealthy(peers: list[_PeerView]) -> dict[str, str]:
-    """Held peers the worker reports unhealthy: engine id -> "health: reason"."""
+    """Held peers the worker reports unhealthy: engine id -> "health: reason" (the reason
+    clamped to the protocol's MAX_HEALTH_REASON characters: it goes into Event messages,
+    and a worker answering a 15 MB reason that changed on every read once grew the
+    operator by hundreds of MB)."""
     out: dict[str, str] = {}
     for p in peers:
         if p.health in UNHEALTHY:
-            out[p.engine_id] = f"{p.health}: {p.health_reason}" if p.health_reason else p.health
+            reason = p.health_reason[:MAX_HEALTH_REASON]
+            out[p.engine_id] = f"{p.health}: {reason}" if reason else p.health
         elif (
             p.health != "ok"
             and p.health[:64] not in _unknown_health_seen
@@ -178,6 +183,7 @@ def _failure_counts(failures: dict[str, int]) -> dict[str, int]:
 
 
 MAX_COMPAT_HASH = 64  # the status's compatHash bound
+ROLES = ("prefill", "decode", "both")  # what a worker may say it is
 # Failure times the operator takes (epoch seconds): 2000-01-01 .. 2200-01-01. Another
 # value is no time (the failure is dated when it was read).
 _EARLIEST, _LATEST = 946_684_800.0, 7_258_118_400.0
@@ -189,6 +195,8 @@ def _refusal(st: _StateView) -> str | None:
     this reason; the round and the other engines go on."""
     if not 1 <= len(st.engine_id) <= MAX_ID_LEN:
         return f"its engine id has {len(st.engine_id)} characters (1..{MAX_ID_LEN})"
+    if st.role not in ROLES:
+        return f"its role {st.role[:32]!r} is none of {', '.join(ROLES)}"
     if len(st.compat_hash) > MAX_COMPAT_HASH:
         return (
             f"its compatibility hash has {len(st.compat_hash)} characters "
@@ -429,8 +437,13 @@ class WorkerClient:
             if status != 200:
                 return WorkerUnreachable(f"HTTP {status}: {body[:200]!r}")
             if len(body) > MAX_STATE_BYTES:
-                return WorkerUnreachable(f"state answer exceeds {MAX_STATE_BYTES} bytes")
-            st = msgspec.json.decode(body, type=_StateView)
+                return WorkerUnreachable(
+                    f"worker answer refused: it exceeds {MAX_STATE_BYTES} bytes", refused=True
+                )
+            try:
+                st = msgspec.json.decode(body, type=_StateView)
+            except msgspec.DecodeError as exc:
+                return WorkerUnreachable(f"worker answer refused: {exc}"[:300], refused=True)
         except EndpointError as exc:
             return WorkerUnreachable(f"endpoint refused: {exc}")
         except IdentityMismatch as exc:
@@ -441,7 +454,7 @@ class WorkerClient:
             return WorkerUnreachable(f"{type(exc).__name__}: {exc}"[:300])
         refused = _refusal(st)
         if refused is not None:
-            return WorkerUnreachable(f"worker answer refused: {refused}")
+            return WorkerUnreachable(f"worker answer refused: {refused}", refused=True)
         return WorkerView(
             engine_id=st.engine_id,
             role=st.role,

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from kvtopo_operator.api import EngineState, KVTopologyStatus, dump
-from kvtopo_operator.logic import evaluate
+from kvtopo_operator.logic import admissions, evaluate
 from kvtopo_operator.model import Eviction, WorkerView
-from tests.operator.test_logic import T0, full_mesh, observe, pod, worker
+from tests.operator.test_logic import SPEC, T0, full_mesh, observe, pod, worker
 from tests.operator.test_workers import read_state
 
 
@@ -108,11 +108,12 @@ def test_what_workers_make_up_grows_no_memory_of_the_operator() -> None:
     assert max(map(len, client._unknown_health_seen | client._unknown_failures_seen)) <= 64
 
 
-def test_two_pods_whose_workers_report_one_engine_id_are_neither_paired() -> None:
+def test_a_pod_whose_worker_reports_a_held_engine_id_is_refused_and_the_holder_kept() -> None:
     """A pod whose worker reports another engine's id (a copy-paste, or an attacker taking
-    the victim's KV): both are Failed with DuplicateEngineId and an Event naming the two
-    pods, Degraded says so, nothing is handshaken under that id (no prefill re-adds it at
-    the newcomer's endpoint) and nothing drops out of the status."""
+    the victim's KV; ids are public): the engine that held the id keeps it and stays
+    connected; the newcomer is Failed with DuplicateEngineId and one Event naming both pods,
+    Degraded says so, nothing is handshaken under that id at the newcomer's endpoint, and
+    nothing drops out of the status. On 7314fe4 both were Failed (the victim knocked out)."""
     from tests.operator.test_logic import cond
 
     pods, workers = full_mesh()
@@ -121,18 +122,24 @@ def test_two_pods_whose_workers_report_one_engine_id_are_neither_paired() -> Non
     workers2 = {**workers, "d9": worker("D1", "decode")}  # d1's engine id
     plan = evaluate(observe(pods2, workers2, before), T0 + timedelta(seconds=1))
     by_pod = {e.pod: e for e in plan.status.engines}
-    for name in ("d1", "d9"):
-        assert by_pod[name].state == EngineState.FAILED, by_pod[name]
-        assert "d1, d9" in by_pod[name].message
+    assert by_pod["d1"].state == EngineState.CONNECTED, by_pod["d1"]
+    assert by_pod["d9"].state == EngineState.FAILED, by_pod["d9"]
+    assert "held by pod d1" in by_pod["d9"].message and "pod d9" in by_pod["d9"].message
     assert cond(plan.status, "Degraded") == ("True", "DuplicateEngineId")
-    assert {e.reason for e in plan.events} == {"DuplicateEngineId"}
-    assert all("d1, d9" in e.message for e in plan.events)
-    assert all(h.peer_engine_id != "D1" and h.pod not in ("d1", "d9") for h in plan.handshakes)
+    assert [e.reason for e in plan.events] == ["DuplicateEngineId"]
+    assert "d1" in plan.events[0].message and "d9" in plan.events[0].message
+    assert all(h.pod != "d9" and h.endpoint != pods2[-1].endpoint for h in plan.handshakes)
+    assert all(h.peer_endpoint != pods2[-1].endpoint for h in plan.handshakes)
     assert plan.evictions == ()
-    # Resolved (d9 goes): d1 is itself again, with no Event of its own.
+    # The same rule pairs arrivals between rounds: d9 is not admitted, under the id d1 held.
+    live = {eid: name for name, eid in plan.progress.live}
+    assert live["D1"] == "d1"
+    assert admissions(SPEC, pods2, workers2, {"d9"}, live) == ()
+    # Resolved (d9 goes): nothing changed for d1, no Event.
     again = evaluate(observe(pods, workers, plan.status), T0 + timedelta(seconds=2))
     assert next(e for e in again.status.engines if e.pod == "d1").state == EngineState.CONNECTED
     assert cond(again.status, "Degraded") == ("False", "Healthy")
+    assert again.events == ()
 
 
 def test_counts_are_over_every_engine_and_a_restart_counts_no_failure_twice() -> None:

@@ -68,6 +68,9 @@ MAX_BLOCKS_PER_REQUEST = 65536
 MAX_NOTIFICATION_BYTES = 1 << 20
 MAX_ENGINE_BLOCKS = 1 << 24  # blocks one engine rank may register
 MAX_DEVICE_ID = 1 << 16
+# A held peer's `health_reason` (the failure that made it unhealthy) is at most this long, as
+# the worker keeps it and as the operator reads it (a longer one is cut where it enters).
+MAX_HEALTH_REASON = 300
 
 _T = TypeVar("_T")
 

@@ -36,13 +36,12 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal, Protocol
 
-from kvtopo_worker.protocol import PeerHealth, PeerState
+from kvtopo_worker.protocol import MAX_HEALTH_REASON, PeerHealth, PeerState
 
 log = logging.getLogger(__name__)
 
 EvictResult = Literal["evicted", "deferred", "absent"]
 FORMER_AGENTS_KEPT = 4096  # torn-down agents whose notifications are still attributed
-MAX_HEALTH_REASON = 300  # characters of the failure kept as a peer's health reason
 _NO_AGENTS: Mapping[int, str] = MappingProxyType({})
 
 
