@@ -530,6 +530,26 @@ class Failures(_Model):
     )
 
 
+STALE_PEER_EXAMPLES = 5
+
+
+class StalePeers(_Model):
+    """Peers that engines of the topology hold and no pod of it owns (engines gone before
+    the operator knew them, or made up by a worker): a count, never an engine line each."""
+
+    count: int = Field(
+        default=0,
+        ge=0,
+        description="Stale peers held by the topology's engines now, each evicted from its "
+        "holders after the eviction grace.",
+    )
+    engine_ids: list[Annotated[str, Field(max_length=256)]] = Field(
+        default_factory=list,
+        max_length=STALE_PEER_EXAMPLES,
+        description=f"Up to {STALE_PEER_EXAMPLES} of their engine ids, as examples.",
+    )
+
+
 class KVTopologyStatus(_Model):
     """The observed state of the topology, written by the operator."""
 
@@ -565,6 +585,11 @@ class KVTopologyStatus(_Model):
     failures: Failures = Field(
         default_factory=Failures,
         description="Transfer failure counters by type and the most recent failure.",
+    )
+    stale_peers: StalePeers = Field(
+        default_factory=StalePeers,
+        description="Peers the engines hold that no pod of the topology owns (see "
+        "StalePeers); they are counted here, not listed as engines.",
     )
 
 

@@ -31,6 +31,7 @@ from itertools import repeat
 
 from kvtopo_operator.api import (
     MAX_ENGINES_IN_STATUS,
+    STALE_PEER_EXAMPLES,
     Condition,
     ConditionType,
     EngineState,
@@ -41,6 +42,7 @@ from kvtopo_operator.api import (
     LabelSelector,
     LastFailure,
     Reason,
+    StalePeers,
     Summary,
 )
 from kvtopo_operator.model import (
@@ -302,6 +304,52 @@ def usable_engines(
             )
             unusable[u.pod.name] = (u.pod, why[:480], Reason.DUPLICATE_ENGINE_ID)
     return Engines(live, unusable, unread)
+
+
+STRANGER_SLACK = 64
+
+
+def refuse_strangers(engines: Engines, known: Callable[[], Collection[str]]) -> Engines:
+    """Policy: an engine whose worker reports more peers no pod of the topology owns
+    (not in `known()`: the engines read now or remembered, the status's lines) than it has
+    partners plus a slack (the larger of STRANGER_SLACK and its partner count: a rollout
+    leaves gone engines it still holds) is not believed: it is unusable
+    (WorkerAnswerRefused, with the count) and nothing it holds is evicted or listed. A
+    worker once reported 1,500 made-up peers: they became 1,446 status lines and spent the
+    topology's Event budget. Only an engine holding more peers than that bound could fail
+    it, so the set difference is taken for those only."""
+    per_role: Counter[str] = Counter(e.pod.role for e in engines.live.values())
+    refused: dict[str, tuple[PodView, str, Reason]] = {}
+    ids: Collection[str] | None = None
+    for eid, e in engines.live.items():
+        partners = per_role["decode" if e.pod.role == "prefill" else "prefill"]
+        bound = partners + max(STRANGER_SLACK, partners)
+        if len(e.worker.peers) <= bound:
+            continue
+        ids = known() if ids is None else ids
+        strangers = len(e.worker.peers.difference(ids))
+        if strangers > bound:
+            why = (
+                f"worker answer refused: it holds {strangers} peers no pod of the topology "
+                f"has (at most {bound} believed: {partners} partners and the slack)"
+            )
+            refused[eid] = (e.pod, why, Reason.WORKER_ANSWER_REFUSED)
+    if not refused:
+        return engines
+    live = {eid: e for eid, e in engines.live.items() if eid not in refused}
+    unusable = dict(engines.unusable)
+    unusable.update((v[0].name, v) for v in refused.values())
+    return Engines(live, unusable, engines.unread)
+
+
+def _known_ids(obs: Observed, engines: Engines) -> set[str]:
+    """The engine ids of the topology as this round knows them: usable now, in the last
+    status, gone or read within the memory's retention."""
+    known = set(engines.live)
+    known.update(e.engine_id for e in obs.previous.engines if e.engine_id)
+    known.update(obs.memory.gone_since)
+    known.update(obs.memory.seen_at)
+    return known
 
 
 def id_holders(previous: KVTopologyStatus, pods: Iterable[PodView]) -> dict[str, str]:
@@ -791,6 +839,10 @@ def gone_engines(
     # Peers held by a usable engine that is not usable and not gone yet (found by set
     # operations; the first holder, in order, tells the role).
     unknown = set(held.difference(live, gone))
+    if unknown:  # an engine whose worker was read, but is not usable, is not gone either
+        unknown.difference_update(
+            w.engine_id for w in obs.workers.values() if isinstance(w, WorkerView)
+        )
     for eid, e in live.items() if unknown else ():
         for peer in sorted(extra_held[eid] & unknown):
             unknown.discard(peer)
@@ -1037,6 +1089,8 @@ def engine_statuses(
             )
         )
     for eid, g in sorted(gone.items()):
+        if not g.pod:
+            continue  # a stale peer no pod owns: counted (`stale_peers`), never a line
         was = prev_engines.get(eid)
         held_by = evicting.still_held[eid]
         if held_by == 0 and (now - g.since >= grace or not g.pod):
@@ -1055,8 +1109,6 @@ def engine_statuses(
             state = EngineState.DRAINING
             stamp = precise(g.since)
             message = f"gone; evicted from {held_by} peer(s) after {grace_s}s grace"
-        if not g.pod and state == EngineState.EVICTED:
-            continue  # an unknown stale peer, now gone: nothing worth keeping
         statuses.append(
             EngineStatus(
                 pod=g.pod,
@@ -1164,6 +1216,7 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
     pods = tuple(p for p in pods_of(spec, obs.pods) if p.name not in obs.claimed)
     grace = timedelta(seconds=spec.eviction.grace_seconds)
     engines = usable_engines(pods, obs.workers, obs.memory.cache, id_holders(obs.previous, pods))
+    engines = refuse_strangers(engines, lambda: _known_ids(obs, engines))
     pairing = pair_engines(spec, engines.live, obs.memory.cache)
     gone = gone_engines(obs, engines, now, pairing.extra_held)
     evicting = evictions_due(engines.live, gone, pairing, obs.memory, grace, now)
@@ -1172,6 +1225,7 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
     lines, omitted = bounded_lines(statuses)
     events += topology_events(obs, pairing, tally)
     unknown, maybe = cannot_tell(engines, obs.previous)
+    stale = sorted(eid for eid, g in gone.items() if not g.pod and evicting.still_held.get(eid, 0))
     partnered = pairing.partner_ids
     unpaired = tuple(
         sorted(
@@ -1206,6 +1260,7 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
         engines=lines,
         engines_omitted=omitted,
         failures=Failures(counts=dict(tally.counts), last=tally.last),
+        stale_peers=StalePeers(count=len(stale), engine_ids=stale[:STALE_PEER_EXAMPLES]),
     )
     memory = _remember(obs.memory, gone, tally, now)
     return Plan(

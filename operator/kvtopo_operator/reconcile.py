@@ -1311,8 +1311,10 @@ class Reconciler:
                 evicted[e.engine_id] = res.result
                 return True
             views.mark_dirty(e.pod)
-            log.warning("evicting %s from %s: %s", e.engine_id, e.pod, res.message)
+            failed_evictions.append(f"{e.engine_id[:64]}: {res.message[:120]}")
             return False
+
+        failed_evictions: list[str] = []  # one log line per call, not one per engine
 
         # The batch's handshake deadline goes only to a worker that reports one (an older
         # worker refuses the field, and keeps its own default).
@@ -1368,6 +1370,15 @@ class Reconciler:
             ]
             for outcome, n in evictions.items():  # a rollout's round: thousands
                 self.metrics.evictions.labels(outcome).inc(n)
+            if failed_evictions:
+                log.warning(
+                    "%s: %d evictions failed: %s%s",
+                    pod,
+                    len(failed_evictions),
+                    "; ".join(failed_evictions[:3]),
+                    " ..." if len(failed_evictions) > 3 else "",
+                )
+                failed_evictions.clear()
             views.peers_changed(pod, added, evicted)
             if added or any(done):
                 calls.outcome.acted = True

@@ -29,4 +29,6 @@ def env(cluster_a: LocalCluster, tmp_path: Path) -> Iterator[Env]:
     finally:
         for replica in e.replicas:
             launch.stop_process(replica.proc, 10)
+        for proc in e.others:
+            launch.stop_process(proc, 5)
         stop_operator_and_workers(e.operator, 10, e.workers.values())

@@ -9,6 +9,7 @@ be killed mid-way. The `env` fixture is in this folder's conftest.
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ GRACE = 2
 class Env(OperatorHarness):
     token_file: Path
     replicas: list[Replica] = field(default_factory=list, kw_only=True)  # leader-elected
+    others: list[subprocess.Popen[bytes]] = field(default_factory=list, kw_only=True)
 
     # --- workers and pods ------------------------------------------------------------------
 

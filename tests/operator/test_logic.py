@@ -238,8 +238,41 @@ def test_unknown_stale_peer_is_evicted_after_grace() -> None:
     workers["p0"] = worker("P0", "prefill", {"D0", "D1", "D2", "ghost"})
     first = evaluate(observe(pods, workers), T0)
     assert first.evictions == ()
-    later = evaluate(observe(pods, workers, first.status), T0 + timedelta(seconds=10))
+    # A peer no pod owns is counted, never an engine line (its timer is in the memory).
+    assert first.status.stale_peers.count == 1
+    assert first.status.stale_peers.engine_ids == ["ghost"]
+    assert all(e.engine_id != "ghost" for e in first.status.engines)
+    assert first.memory is not None
+    obs = dataclasses.replace(observe(pods, workers, first.status), memory=first.memory)
+    later = evaluate(obs, T0 + timedelta(seconds=10))
     assert [(e.pod, e.engine_id) for e in later.evictions] == [("p0", "ghost")]
+    assert not any("ghost" in e.message for e in (*first.events, *later.events))
+
+
+def test_a_worker_reporting_more_made_up_peers_than_it_could_hold_is_not_believed() -> None:
+    """1,500 invented peers with 256-character ids (issue 54): on 7314fe4 they became
+    1,446 phantom `Gone` lines with pod "" that sorted first and pushed the real prefills
+    out of the status, and spent the topology's Event budget. Now the holder is refused
+    (WorkerAnswerRefused, with the count), nothing it holds is evicted or listed, and the
+    other engines are paired as before."""
+    pods, workers = full_mesh()
+    ghosts = {f"ghost-{i:05d}-" + "x" * 244 for i in range(1500)}
+    workers = dict(workers)
+    workers["d2"] = worker("D2", "decode", {"P0", "P1", *ghosts})
+    plan = evaluate(observe(pods, workers), T0)
+    by_pod = {e.pod: e for e in plan.status.engines}
+    assert by_pod["d2"].state == EngineState.FAILED
+    assert "1500 peers no pod of the topology has" in by_pod["d2"].message
+    assert {e.pod for e in plan.status.engines} == {"p0", "p1", "d0", "d1", "d2"}
+    assert plan.status.stale_peers.count == 0 and plan.status.engines_omitted == 0
+    assert [e.reason for e in plan.events] == ["WorkerAnswerRefused"]
+    assert plan.evictions == ()
+    later = evaluate(observe(pods, workers, plan.status), T0 + timedelta(seconds=30))
+    assert later.evictions == () and later.events == ()
+    # A few strangers (a peer gone before the operator knew it) are believed and evicted.
+    workers["d2"] = worker("D2", "decode", {"P0", "P1", *sorted(ghosts)[:3]})
+    few = evaluate(observe(pods, workers), T0)
+    assert few.status.stale_peers.count == 3 and len(few.status.stale_peers.engine_ids) == 3
 
 
 def test_failure_counters_accumulate_across_worker_restarts() -> None:

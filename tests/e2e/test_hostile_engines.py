@@ -1,0 +1,194 @@
+"""One worker cannot grow, blind or knock out its topology (issue 54, defects 2, 3 and 6).
+
+Real API server (tier a), real `kvtopo-worker` processes beside one that lies
+(`tests.e2e.hostile_worker`, its own process on its pod's IP), the operator as its own
+process. On 7314fe4:
+- a decode answering a 15 MB `health_reason`, new on every read, grew the operator by
+  hundreds of MB (Event keys kept whole);
+- a pod whose worker reports a connected prefill's engine id made both unusable: the
+  decodes' gates went False and a new decode never connected;
+- a worker reporting 1,500 made-up peers produced ~1,450 phantom engine lines that pushed
+  the real engines out of the status, and spent the Event budget on them.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtopo.drill.gates import GateWatch
+from kvtopo_operator.kube import ClusterApi
+from tests.cluster.kube import create_engine_pod, get_json, loopback_pod_ip, mark_pod_ready
+from tests.e2e.env import Env
+from tests.e2e.harness import ROOT
+from tests.e2e.test_gate import gate
+
+pytestmark = pytest.mark.nixl
+
+
+def hostile(env: Env, name: str, role: str, *args: str, kv_gate: bool = False) -> None:
+    """An engine pod served by the lying worker (see `tests.e2e.hostile_worker`)."""
+    ip = loopback_pod_ip()
+    uid = create_engine_pod(env.cluster, env.namespace, name, role, {"version": "v1"})  # type: ignore[arg-type]
+    log = (env.tmp / f"hostile-{name}.log").open("wb")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.e2e.hostile_worker",
+            "--host",
+            ip,
+            "--port",
+            "8975",
+            "--pod-uid",
+            uid,
+            "--role",
+            role,
+            *args,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=log,
+    )
+    env.others.append(proc)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == b"listening", Path(log.name).read_text()
+    mark_pod_ready(env.cluster, env.namespace, name, [ip], kv_gate=kv_gate)
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def events(env: Env, reason: str) -> list[dict[str, object]]:
+    got = get_json(env.cluster, "events", "-n", env.namespace)
+    return [e for e in got.get("items") or [] if e.get("reason") == reason]
+
+
+def test_a_worker_answering_huge_changing_reasons_does_not_grow_the_operator(env: Env) -> None:
+    env.pod("p0", "prefill", env.worker("prefill"))
+    env.pod("d0", "decode", env.worker("decode"))
+    p0 = env.workers["p0"]
+    compat = str(p0.state()["compat_hash"])
+    env.topology()
+    env.start_operator()
+    env.wait("connected", lambda: env.status().get("summary", {}).get("pairs") == "1/1")
+    assert env.operator is not None
+    base = rss_mib(env.operator.pid)
+    hostile(
+        env,
+        "d9",
+        "decode",
+        "--engine-id",
+        "D9-hostile",
+        "--compat-hash",
+        compat,
+        "--unhealthy-peer",
+        p0.engine_id,
+        "--reason-bytes",
+        str(15_000_000),
+    )
+    # Each unhealthy report is new (healthy on the reads between): a PeerUnhealthy Event
+    # each time the Event budget allows, every one a 15 MB reason as the worker sent it.
+    env.wait("8 PeerUnhealthy Events", lambda: len(events(env, "PeerUnhealthy")) >= 8, timeout=120)
+    grown = rss_mib(env.operator.pid) - base
+    print(f"operator RSS {base:.0f} MiB -> +{grown:.0f} MiB after 8 reports of 15 MB reasons")
+    assert grown < 60, f"the operator grew by {grown:.0f} MiB"
+    assert all(len(str(e["message"])) <= 1024 for e in events(env, "PeerUnhealthy"))
+    # The healthy pair is untouched.
+    assert env.status()["summary"]["pairs"].startswith("1/")
+    assert env.workers["d0"].engine_id in {p["engine_id"] for p in p0.state()["peers"]}
+
+
+def test_a_pod_claiming_a_connected_prefill_s_engine_id_is_refused_and_the_prefill_kept(
+    env: Env,
+) -> None:
+    env.pod("p0", "prefill", env.worker("prefill"), kv_gate=True)
+    env.pod("d0", "decode", env.worker("decode"), kv_gate=True)
+    env.topology(readinessGate={"minConnectedPartners": 1})
+    env.start_operator()
+    for pod in ("p0", "d0"):
+        env.wait(f"{pod}'s gate True", lambda pod=pod: gate(env, pod).get("status") == "True")
+    p0 = env.workers["p0"]
+    with GateWatch(ClusterApi(env.cluster.kubeconfig), env.namespace) as watch:
+        hostile(
+            env,
+            "px",
+            "prefill",
+            "--engine-id",
+            p0.engine_id,
+            "--compat-hash",
+            str(p0.state()["compat_hash"]),
+            kv_gate=True,
+        )
+        line = env.wait(
+            "the newcomer refused",
+            lambda: next(
+                (
+                    e
+                    for e in env.status().get("engines", [])
+                    if e["pod"] == "px" and e["state"] == "Failed"
+                ),
+                None,
+            ),
+        )
+        assert "held by pod p0" in line["message"], line
+        told = env.wait(
+            "a DuplicateEngineId Event naming both pods",
+            lambda: events(env, "DuplicateEngineId"),
+        )
+        assert "p0" in str(told[0]["message"]) and "px" in str(told[0]["message"])
+        # The holder keeps its id: a new decode is connected to it, and no gate dropped.
+        env.pod("d1", "decode", env.worker("decode"), kv_gate=True)
+        env.wait("d1's gate True", lambda: gate(env, "d1").get("status") == "True")
+        assert p0.engine_id in {p["engine_id"] for p in env.workers["d1"].state()["peers"]}
+        engines = {e["pod"]: e["state"] for e in env.status()["engines"]}
+        assert engines["p0"] == "Connected", engines
+        assert not watch.drops(), watch.drops()
+        assert gate(env, "px").get("status") != "True"
+
+
+def test_made_up_peers_are_neither_engine_lines_nor_events(env: Env) -> None:
+    env.pod("p0", "prefill", env.worker("prefill"))
+    env.pod("p1", "prefill", env.worker("prefill"))
+    env.pod("d0", "decode", env.worker("decode"))
+    env.topology()
+    env.start_operator()
+    env.wait("connected", lambda: env.status().get("summary", {}).get("pairs") == "2/2")
+    compat = str(env.workers["p0"].state()["compat_hash"])
+    hostile(
+        env,
+        "d9",
+        "decode",
+        "--engine-id",
+        "D9-ghost-maker",
+        "--compat-hash",
+        compat,
+        "--invent-peers",
+        "1500",
+    )
+    line = env.wait(
+        "the lying decode refused",
+        lambda: next(
+            (
+                e
+                for e in env.status().get("engines", [])
+                if e["pod"] == "d9" and e["state"] == "Failed"
+            ),
+            None,
+        ),
+    )
+    assert "1500 peers no pod of the topology has" in line["message"], line
+    st = env.status()
+    assert {e["pod"] for e in st["engines"]} == {"p0", "p1", "d0", "d9"}, st["engines"][:5]
+    assert st.get("enginesOmitted", 0) == 0
+    assert not [e for e in events(env, "EngineEvicted") if "ghost" in str(e["message"])]
+    obj = get_json(env.cluster, "kvt", "llama", "-n", env.namespace)
+    assert len(str(obj)) < 20_000, len(str(obj))
+    assert env.operator_tail(400).count("WARNING") < 20
