@@ -103,6 +103,19 @@ def _pod_source(namespace: str, control_port: int) -> Iterable[PodView]:
     return out
 
 
+def _departed_source(namespace: str) -> list[tuple[str, str]]:
+    """(name, uid) of the namespace's pods that left the engine-pod watch with their gate
+    True (`PodStore.departed`)."""
+    store: PodStore | None = _state.get("pods")
+    return [] if store is None else [(p.name, p.uid) for p in store.departed(namespace)]
+
+
+def _departed_settled(namespace: str, uid: str) -> None:
+    store: PodStore | None = _state.get("pods")
+    if store is not None:
+        store.settle(namespace, uid)
+
+
 def _pods_changed(namespace: str) -> None:
     reconciler: Reconciler | None = _state.get("reconciler")
     if reconciler is not None:
@@ -289,6 +302,8 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
         pods=_pod_source,
         topologies=_topology_source,
         bodies=lambda key: _state.get("bodies", {}).get(key),
+        departed=_departed_source,
+        settled=_departed_settled,
         metrics=memo["metrics"],
         fence=fence,
         settings=Settings(

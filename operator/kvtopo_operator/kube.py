@@ -31,7 +31,7 @@ from typing import Any, cast
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from kvtopo_operator.api import GROUP, KIND, PLURAL, VERSION
+from kvtopo_operator.api import GROUP, KIND, KV_CONNECTED_GATE, PLURAL, VERSION
 
 log = logging.getLogger(__name__)
 
@@ -344,6 +344,30 @@ class KubeClient:
                 log.warning("could not record event %s on %s: %s", reason, meta["name"], exc.reason)
 
         await asyncio.to_thread(call)
+
+    async def read_pod_gate(self, namespace: str, name: str) -> tuple[str, str, bool] | None:
+        """A pod's (uid, kv-connected condition status or "", whether it is being deleted);
+        None when there is no such pod."""
+
+        def call() -> tuple[str, str, bool] | None:
+            try:
+                obj = self._api.request_json("GET", f"/api/v1/namespaces/{namespace}/pods/{name}")
+            except ApiException as exc:
+                if exc.status == 404:
+                    return None
+                raise
+            meta = obj.get("metadata") or {}
+            gate = next(
+                (
+                    str(c.get("status") or "")
+                    for c in (obj.get("status") or {}).get("conditions") or ()
+                    if c.get("type") == KV_CONNECTED_GATE
+                ),
+                "",
+            )
+            return str(meta.get("uid") or ""), gate, bool(meta.get("deletionTimestamp"))
+
+        return await asyncio.to_thread(call)
 
     async def patch_pod_condition(
         self, namespace: str, name: str, uid: str, condition: dict[str, str]

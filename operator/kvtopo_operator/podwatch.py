@@ -228,11 +228,45 @@ class NotListedYet(RuntimeError):
 
 class PodStore:
     """namespace -> uid -> `EnginePod`, and which scopes have been listed. Changed only on
-    the event loop (by `PodWatch`)."""
+    the event loop (by `PodWatch`).
+
+    Also the pods that left the watch while their kv-connected gate was True, not being
+    deleted (`departed`): the watch is filtered on the `kvtopo.dev/role` label, so a pod
+    whose label is removed is reported DELETED although it runs on, and nothing else would
+    ever write its gate again (on 7314fe4 it said `True/KVConnected` for good). The
+    reconciler checks each one and turns its gate False (`settle` then forgets it); one that
+    comes back into the watch is forgotten too. At most DEPARTED_KEPT per namespace (the
+    oldest go first)."""
+
+    DEPARTED_KEPT = 4096
 
     def __init__(self) -> None:
         self._pods: dict[str, dict[str, EnginePod]] = {}
         self._listed: set[Scope] = set()
+        self._departed: dict[str, dict[str, EnginePod]] = {}
+
+    def depart(self, pod: EnginePod) -> bool:
+        """`pod` left the watch: remembered when its gate is True and it is not being
+        deleted (whether it was)."""
+        if pod.deleting or not pod.gated or pod.gate != "True":
+            return False
+        kept = self._departed.setdefault(pod.namespace, {})
+        kept[pod.uid] = pod
+        while len(kept) > self.DEPARTED_KEPT:
+            del kept[next(iter(kept))]
+        return True
+
+    def departed(self, namespace: str) -> list[EnginePod]:
+        """The namespace's pods that left the watch with their gate True, oldest first."""
+        return list(self._departed.get(namespace, {}).values())
+
+    def settle(self, namespace: str, uid: str) -> None:
+        """The departed pod `uid` needs nothing more (its gate is False, or it is gone)."""
+        kept = self._departed.get(namespace)
+        if kept is not None:
+            kept.pop(uid, None)
+            if not kept:
+                del self._departed[namespace]
 
     def listed(self, namespace: str) -> bool:
         return namespace in self._listed or None in self._listed
@@ -250,6 +284,7 @@ class PodStore:
 
     def upsert(self, pod: EnginePod) -> bool:
         """Adds or replaces a pod; whether anything the operator reads changed."""
+        self.settle(pod.namespace, pod.uid)  # back in the watch, if it had left it
         pods = self._pods.setdefault(pod.namespace, {})
         old = pods.get(pod.uid)
         pods[pod.uid] = pod
@@ -271,6 +306,7 @@ class PodStore:
         for pod in pods:
             if scope is None or pod.namespace == scope:
                 fresh.setdefault(pod.namespace, {})[pod.uid] = pod
+                self.settle(pod.namespace, pod.uid)
         old_scope = dict(self._pods) if scope is None else {scope: self._pods.get(scope, {})}
         changed: set[str] = set()
         dropped: list[EnginePod] = []
@@ -489,6 +525,8 @@ class PodWatch:
             elif kind == "delete":
                 if self.store.remove(what.namespace, what.uid):
                     changed.add(what.namespace)
+                if self.store.depart(what):
+                    changed.add(what.namespace)
             elif kind == "replace":
                 scope, pods = what
                 namespaces, dropped = self.store.replace(scope, pods)
@@ -497,6 +535,8 @@ class PodWatch:
                     self._listed[scope].set()
                 if dropped:
                     self.dropped(dropped)
+                    for pod in dropped:
+                        self.store.depart(pod)
             elif kind == "malformed":
                 self.malformed()
         for namespace in sorted(changed):

@@ -29,6 +29,7 @@ from pydantic import ValidationError
 
 from kvtopo_operator.api import (
     KV_CONNECTED_GATE,
+    ROLE_LABEL,
     KVTopologySpec,
     KVTopologyStatus,
     LastFailure,
@@ -37,7 +38,7 @@ from kvtopo_operator.api import (
 )
 from kvtopo_operator.events import EventRecorder
 from kvtopo_operator.fence import Fence, Fenced, FencedWrites
-from kvtopo_operator.gate import GateChange, gate_changes, stray_gates
+from kvtopo_operator.gate import NOT_SELECTED, GateChange, gate_changes, stray_gates
 from kvtopo_operator.gather import WorkerViews, wait_most, wait_set
 from kvtopo_operator.kube import KubeClient
 from kvtopo_operator.logic import (
@@ -78,6 +79,10 @@ TopologySource = Callable[[str], Iterable[TopologyView]]
 # (namespace, name) -> the topology's latest body as a watch delivered it (None: not known;
 # it is then read from the API server)
 BodySource = Callable[[TopologyKey], Mapping[str, Any] | None]
+# namespace -> (name, uid) of each pod that left the engine-pod watch with its gate True
+# (its role label removed: `podwatch.PodStore.departed`), and the call that forgets one.
+DepartedSource = Callable[[str], Iterable[tuple[str, str]]]
+Settled = Callable[[str, str], None]  # (namespace, uid)
 
 
 @dataclass
@@ -310,6 +315,8 @@ class Reconciler:
         pods: PodSource,
         topologies: TopologySource = lambda namespace: (),
         bodies: BodySource = lambda key: None,
+        departed: DepartedSource = lambda namespace: (),
+        settled: Settled = lambda namespace, uid: None,
         metrics: OperatorMetrics,
         settings: Settings | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
@@ -320,6 +327,8 @@ class Reconciler:
         self.pods = pods
         self.topologies = topologies
         self.bodies = bodies
+        self.departed = departed
+        self.settled = settled
         self.metrics = metrics
         self.settings = settings or Settings()
         self.clock = clock
@@ -328,7 +337,7 @@ class Reconciler:
         self.fence = fence if fence is not None else Fence()
         self.writes = FencedWrites(kube, workers, self.fence, metrics)
         self._loops: dict[TopologyKey, _Loop] = {}
-        self._ungating: set[asyncio.Task[None]] = set()  # gates a forgotten topology left
+        self._ungating: set[asyncio.Task[bool]] = set()  # gates a forgotten topology left
         # Events leave the reconcile path: queued, de-duplicated and rate-limited per object.
         self.events = EventRecorder(self._post_event, metrics)
 
@@ -424,6 +433,50 @@ class Reconciler:
         self._stop_loop(key)
         self.ensure(key)
 
+    def _oldest(self, me: TopologyView, others: Iterable[TopologyView]) -> bool:
+        """Whether `me` is the namespace's oldest readable topology: its loop un-gates what
+        no topology selects (`_strays`, `_sweep_departed`); the others leave it to it."""
+        tops = [t for t in others if t.spec is not None and t.name != me.name]
+        if me.spec is not None:
+            tops.append(me)
+        return bool(tops) and min(tops, key=claim_order).name == me.name
+
+    async def _sweep_departed(self, namespace: str, sem: asyncio.Semaphore, now: datetime) -> None:
+        """The pods that left the engine-pod watch with their gate True (their role label
+        removed: the watch reports them deleted, while they run on): each is read, and its
+        gate turned False (NotSelected) if it is still that pod with the gate True; a pod
+        gone, replaced, being deleted or already False needs nothing. A read or write that
+        fails is tried again next round."""
+        for name, uid in list(self.departed(namespace))[:64]:
+            try:
+                got = await self.kube.read_pod_gate(namespace, name)
+            except Exception as exc:  # tried again next round
+                log.warning("%s/%s: reading a pod that left the watch: %s", namespace, name, exc)
+                continue
+            if got is None or got[0] != uid or got[2] or got[1] != "True":
+                self.settled(namespace, uid)
+                continue
+            pod = PodView(
+                name=name,
+                role="",
+                labels={},
+                ready=True,
+                deleting=False,
+                endpoint="",
+                uid=uid,
+                gated=True,
+                gate="True",
+            )
+            change = GateChange(
+                name,
+                "False",
+                NOT_SELECTED,
+                f"the pod no longer carries the {ROLE_LABEL} label: no KVTopology manages it",
+            )
+            ok = await self._set_gates(namespace, (pod,), (change,), sem, now)
+            if ok:
+                self.settled(namespace, uid)
+
     def _strays(
         self,
         me: TopologyView,
@@ -434,11 +487,11 @@ class Reconciler:
         """The namespace's oldest topology's loop turns False the gates no topology selects
         any more (`gate.stray_gates`); the other loops leave them to it. `mine`: the pods
         `me` selects (the round's claim found them: owned or claimed by another)."""
+        if not self._oldest(me, others):
+            return ()
         tops = {t.name: t for t in others if t.spec is not None}
         if me.spec is not None:
             tops[me.name] = me
-        if not tops or min(tops.values(), key=claim_order).name != me.name:
-            return ()
         pods = tuple(pods)
         selected = set(mine)
         for t in tops.values():
@@ -1013,6 +1066,8 @@ class Reconciler:
         changes += self._strays(me, others, all_pods, [*(p.name for p in pods), *claimed])
         if changes:
             await self._set_gates(namespace, all_pods, changes, sem, now)
+        if self._oldest(me, others):
+            await self._sweep_departed(namespace, sem, now)
         self._observe(key, loop, plan, pods, time.monotonic() - started)
         return acted, plan.wake_in_s
 
@@ -1125,13 +1180,13 @@ class Reconciler:
         changes: tuple[GateChange, ...],
         sem: asyncio.Semaphore,
         now: datetime,
-    ) -> None:
+    ) -> bool:
         """Writes the kv-connected condition of each pod in `changes` (`pods/status`), at
-        most `sem` calls at once. A write that fails is left: the pod's condition still
-        differs next round, so it is written again then."""
+        most `sem` calls at once; whether every write was made. A write that fails is
+        left: the pod's condition still differs next round, so it is written again then."""
         uid = {p.name: p.uid for p in pods}
 
-        async def one(change: GateChange) -> None:
+        async def one(change: GateChange) -> bool:
             condition = {
                 "type": KV_CONNECTED_GATE,
                 "status": change.status,
@@ -1145,13 +1200,14 @@ class Reconciler:
                         namespace, change.pod, uid.get(change.pod, ""), condition
                     )
             except Fenced:
-                return  # counted; this replica changes no gate now
+                return False  # counted; this replica changes no gate now
             except Exception as exc:  # 403, 429, a timeout: next round tries again
                 log.warning("%s/%s: setting %s: %s", namespace, change.pod, KV_CONNECTED_GATE, exc)
                 ok = False
             self.metrics.gate_writes.labels(change.status if ok else "failed").inc()
+            return ok
 
-        await asyncio.gather(*map(one, changes))
+        return all(await asyncio.gather(*map(one, changes)))
 
     async def _invalid_spec(
         self,

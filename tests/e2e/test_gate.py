@@ -128,3 +128,30 @@ def test_a_hung_worker_costs_its_own_engine_only(env: Env) -> None:
         assert hung.engine_id in peers(env.workers["p0"])  # kept: nobody can tell yet
     finally:
         hung.proc.send_signal(signal.SIGCONT)
+
+
+def test_a_pod_whose_role_label_is_removed_has_its_gate_turned_false(env: Env) -> None:
+    """The engine-pod watch is filtered on `kvtopo.dev/role`: removing the label makes the
+    pod leave it (reported DELETED, while it runs on). Its engine is evicted from its peers,
+    and its gate, which the operator set True, must not stay True. On 7314fe4 it said
+    `True/KVConnected "1/1 partners connected"` for good."""
+    env.pod("p0", "prefill", env.worker("prefill"), kv_gate=True)
+    env.pod("d0", "decode", env.worker("decode"), kv_gate=True)
+    env.pod("d1", "decode", env.worker("decode"), kv_gate=True)
+    env.topology(readinessGate={"minConnectedPartners": 1})
+    env.start_operator()
+    for pod in ("p0", "d0", "d1"):
+        env.wait(f"{pod}'s gate True", lambda pod=pod: gate(env, pod).get("status") == "True")
+    gone = env.workers["d1"].engine_id
+    env.cluster.kubectl("label", "pod", "d1", "-n", env.namespace, "kvtopo.dev/role-")
+    left = env.wait(
+        "d1's gate False once its role label is removed",
+        lambda: (g := gate(env, "d1")).get("status") == "False" and g,
+        timeout=15,
+    )
+    assert left["reason"] == "NotSelected" and "kvtopo.dev/role" in left["message"], left
+    env.wait("d1 evicted from p0", lambda: gone not in peers(env.workers["p0"]), timeout=15)
+    assert gate(env, "d0")["status"] == "True"
+    # Labelled again, it is an engine pod again: connected, its gate True.
+    env.cluster.kubectl("label", "pod", "d1", "-n", env.namespace, "kvtopo.dev/role=decode")
+    env.wait("d1's gate True again", lambda: gate(env, "d1").get("status") == "True", timeout=30)
