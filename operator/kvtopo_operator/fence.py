@@ -114,10 +114,15 @@ class FencedWrites:
         self.metrics.writes.labels(kind).inc()
 
     async def patch_status(
-        self, namespace: str, name: str, status: dict[str, Any], resource_version: str
+        self,
+        namespace: str,
+        name: str,
+        status: dict[str, Any],
+        resource_version: str,
+        uid: str = "",
     ) -> str | None:
         self.check(STATUS)
-        return await self.kube.patch_status(namespace, name, status, resource_version)
+        return await self.kube.patch_status(namespace, name, status, resource_version, uid)
 
     async def patch_pod_condition(
         self, namespace: str, name: str, uid: str, condition: dict[str, str]

@@ -269,6 +269,21 @@ class ClusterApi:
         )
 
 
+class StatusNotFound(Exception):
+    """A status write answered 404: the object is gone, or its kind has no status
+    subresource (a CRD applied without it: an old or hand-edited one; Helm never upgrades
+    CRDs). The caller reads the object to tell which."""
+
+    status = 404
+
+
+MISSING_STATUS_SUBRESOURCE = (
+    "the KVTopology CRD has no status subresource (spec.versions[].subresources.status): "
+    "the status cannot be written; apply the CRD of this operator's version "
+    "(kubectl apply -f crds/kvtopology.yaml: helm upgrade does not upgrade CRDs)"
+)
+
+
 class KubeClient:
     """Thin async wrapper over the API calls the reconciler makes, each with the request
     timeout `request_timeout` (see `ClusterApi`)."""
@@ -282,17 +297,28 @@ class KubeClient:
         return await asyncio.to_thread(self._api.read_topology, namespace, name)
 
     async def patch_status(
-        self, namespace: str, name: str, status: dict[str, Any], resource_version: str
+        self,
+        namespace: str,
+        name: str,
+        status: dict[str, Any],
+        resource_version: str,
+        uid: str = "",
     ) -> str | None:
         """Replaces `.status` (a merge patch of the whole status through the subresource),
-        conditional on `resource_version` ("" for unconditional). The object's new
+        conditional on `resource_version` ("" for unconditional) and on the object's `uid`
+        (never written onto another object of the same name). The object's new
         resourceVersion; None when the write was refused because the object changed since
-        that version (409) or is gone (404)."""
+        that version or is another one (409). Raises `StatusNotFound` on 404."""
 
         def call() -> str | None:
             body: dict[str, Any] = {"status": status}
+            meta: dict[str, str] = {}
             if resource_version:
-                body["metadata"] = {"resourceVersion": resource_version}
+                meta["resourceVersion"] = resource_version
+            if uid:
+                meta["uid"] = uid
+            if meta:
+                body["metadata"] = meta
             try:
                 obj = self._api.request_json(
                     "PATCH",
@@ -301,8 +327,10 @@ class KubeClient:
                     content_type="application/merge-patch+json",
                 )
             except ApiException as exc:
-                if exc.status in (404, 409):
+                if exc.status == 409:
                     return None
+                if exc.status == 404:
+                    raise StatusNotFound(f"{namespace}/{name}: HTTP 404 on /status") from exc
                 raise
             return str(obj.get("metadata", {}).get("resourceVersion") or "")
 

@@ -40,7 +40,7 @@ from kvtopo_operator.events import EventRecorder
 from kvtopo_operator.fence import Fence, Fenced, FencedWrites
 from kvtopo_operator.gate import NOT_SELECTED, GateChange, gate_changes, stray_gates
 from kvtopo_operator.gather import WorkerViews, wait_most, wait_set
-from kvtopo_operator.kube import KubeClient
+from kvtopo_operator.kube import MISSING_STATUS_SUBRESOURCE, KubeClient, StatusNotFound
 from kvtopo_operator.logic import (
     admissions,
     claim_order,
@@ -155,6 +155,14 @@ class Settings:
     # A status write that failed is tried again after retry_s, doubling with each failure
     # in a row up to this (a refusal that lasts costs the API server little).
     max_write_backoff_s: float = 30.0
+
+
+class StatusWriteRefused(Exception):
+    """A status write refused for a reason that lasts (`status`: the HTTP code)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def _timed_evaluate(obs: Observed, now: datetime) -> tuple[Plan, float]:
@@ -301,6 +309,7 @@ class _Loop:
     version: str = ""  # the resourceVersion the next status write is conditional on
     writer: asyncio.Task[None] | None = None
     write_failures: int = 0  # status writes failed in a row
+    failure_logged: str = ""  # the last failure logged (a repeat is not logged again)
     refusal_told: str = ""  # the last permanent refusal an Event said
 
 
@@ -1102,7 +1111,16 @@ class Reconciler:
             if status == loop.written:
                 continue
             try:
-                version = await self.writes.patch_status(namespace, name, status, loop.version)
+                try:
+                    version = await self.writes.patch_status(
+                        namespace, name, status, loop.version, loop.uid
+                    )
+                except StatusNotFound:
+                    if await self.kube.get_topology(namespace, name) is None:
+                        log.info("%s/%s: gone from the API server; forgetting it", *key)
+                        self.forget(key)
+                        return
+                    raise StatusWriteRefused(404, MISSING_STATUS_SUBRESOURCE) from None
             except Fenced as exc:
                 # Not leading with a fresh lease (stopping, demoted, partitioned): nothing
                 # is written; the leader's loop writes the status it decides.
@@ -1114,20 +1132,24 @@ class Reconciler:
                     self.settings.max_write_backoff_s,
                     self.settings.retry_s * 2 ** min(loop.write_failures - 1, 16),
                 )
-                log.warning(
+                # One log line per kind of failure, not one per retry (a refusal lasts).
+                said = f"{type(exc).__name__}: {exc}"[:300]
+                log.log(
+                    logging.DEBUG if said == loop.failure_logged else logging.WARNING,
                     "%s/%s: the status write failed (%d in a row; next try in %.1f s): %s",
                     *key,
                     loop.write_failures,
                     pause,
-                    exc,
+                    said,
                 )
+                loop.failure_logged = said
                 self.metrics.status_write_failures.inc()
                 await self._tell_refusal(key, loop, exc)
                 if loop.unwritten is None:
                     loop.unwritten = decided
                 await asyncio.sleep(pause)  # backing off: a refusal may last
                 continue
-            loop.write_failures = 0
+            loop.write_failures, loop.failure_logged = 0, ""
             if version is None:
                 # The object changed since the version written last (its spec, or a
                 # write of a replaced leader) or is gone: asked of the API server itself
@@ -1153,7 +1175,7 @@ class Reconciler:
         of the same kind will be refused too) is an Event (`StatusWriteRefused`), once per
         refusal; a passing failure (a timeout, 429, 5xx) is only logged and counted."""
         code = getattr(exc, "status", None)
-        if code not in (400, 413, 422):
+        if code not in (400, 404, 413, 422):
             return
         text = str(getattr(exc, "body", "") or exc)[:600]
         if text == loop.refusal_told:

@@ -37,7 +37,12 @@ class FakeKube:
         return self.bodies.get(name)
 
     async def patch_status(
-        self, namespace: str, name: str, status: dict[str, Any], resource_version: str
+        self,
+        namespace: str,
+        name: str,
+        status: dict[str, Any],
+        resource_version: str,
+        uid: str = "",
     ) -> str | None:
         self.status_writes += 1
         if self.failures:

@@ -103,7 +103,12 @@ class RefusingKube(FakeKube):
     refused = 0
 
     async def patch_status(
-        self, namespace: str, name: str, status: dict[str, Any], resource_version: str
+        self,
+        namespace: str,
+        name: str,
+        status: dict[str, Any],
+        resource_version: str,
+        uid: str = "",
     ) -> bool:
         self.refused += 1
         raise RuntimeError("(403) Forbidden: denied by admission webhook")
@@ -167,7 +172,12 @@ class RefusingContent(FakeKube):
     refused = 0
 
     async def patch_status(
-        self, namespace: str, name: str, status: dict[str, Any], resource_version: str
+        self,
+        namespace: str,
+        name: str,
+        status: dict[str, Any],
+        resource_version: str,
+        uid: str = "",
     ) -> bool:
         self.refused += 1
         raise Unprocessable("(422) Unprocessable Entity")
