@@ -299,6 +299,26 @@ class ReadinessGateSpec(_Model):
     )
 
 
+class AvailabilitySpec(_Model):
+    """When the topology counts as Ready, as a Deployment's `available >= N` says it."""
+
+    min_available_prefill: int | None = Field(
+        default=None,
+        ge=0,
+        le=1_000_000,
+        description="The topology is Ready once at least this many prefill engines are "
+        "available (connected to at least readinessGate.minConnectedPartners of their "
+        "partners, as their readiness gate says). Unset: every prefill engine, and every "
+        "pair connected.",
+    )
+    min_available_decode: int | None = Field(
+        default=None,
+        ge=0,
+        le=1_000_000,
+        description="As minAvailablePrefill, for decode engines.",
+    )
+
+
 class KVTopologySpec(_Model):
     model_config = ConfigDict(
         json_schema_extra=_cel(
@@ -325,6 +345,7 @@ class KVTopologySpec(_Model):
     handshake: HandshakeSpec = Field(default_factory=HandshakeSpec)
     eviction: EvictionSpec = Field(default_factory=EvictionSpec)
     readiness_gate: ReadinessGateSpec = Field(default_factory=ReadinessGateSpec)
+    availability: AvailabilitySpec = Field(default_factory=AvailabilitySpec)
 
 
 # --- status ------------------------------------------------------------------------------
@@ -350,6 +371,9 @@ class Reason(enum.StrEnum):
     INCOMPATIBLE = "Incompatible"
     WORKER_UNREACHABLE = "WorkerUnreachable"
     WORKER_ANSWER_REFUSED = "WorkerAnswerRefused"
+    ENGINES_AVAILABLE = "EnginesAvailable"
+    TOO_FEW_AVAILABLE = "TooFewAvailable"
+    ENGINES_UNAVAILABLE = "EnginesUnavailable"
     ENDPOINT_REFUSED = "EndpointRefused"
     IDENTITY_MISMATCH = "IdentityMismatch"
     DUPLICATE_ENGINE_ID = "DuplicateEngineId"
@@ -414,14 +438,14 @@ class Summary(_Model):
     prefill: str = Field(
         default="0/0",
         max_length=MAX_SUMMARY,
-        description="Prefill engines connected to every partner they must have (at least "
-        "one) / prefill pods selected.",
+        description="Available prefill engines (connected to at least "
+        "readinessGate.minConnectedPartners of their partners, all of them when they have "
+        "fewer) / prefill pods selected.",
     )
     decode: str = Field(
         default="0/0",
         max_length=MAX_SUMMARY,
-        description="Decode engines connected to every partner they must have (at least "
-        "one) / decode pods selected.",
+        description="Available decode engines (as for prefill) / decode pods selected.",
     )
     pairs: str = Field(
         default="0/0",

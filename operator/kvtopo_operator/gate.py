@@ -60,6 +60,12 @@ def wanted(
     )
 
 
+def transition(change: GateChange, pod: PodView | None) -> bool:
+    """Whether writing `change` changes the condition's status (its lastTransitionTime is
+    then written too; a write of the reason alone keeps it)."""
+    return pod is None or pod.gate != change.status
+
+
 def stray_gates(
     pods: Iterable[PodView], selected: Iterable[str], topologies: Iterable[str]
 ) -> tuple[GateChange, ...]:
@@ -115,6 +121,8 @@ def gate_changes(
             benefit = wanted(pod, engine, (counts[0] + extra, counts[1] + extra), minimum)
             if benefit.status == "True":
                 continue  # its missing partners may be engines the round cannot judge
-        if change.status != pod.gate:
-            changes.append(change)
+        if change.status != pod.gate or (
+            change.status == "False" and change.reason != pod.gate_reason
+        ):
+            changes.append(change)  # a False gate says why now, not why it turned False
     return tuple(sorted(changes))

@@ -95,6 +95,7 @@ def _pod_source(namespace: str, control_port: int) -> Iterable[PodView]:
             endpoint_error=refused,
             gated=pod.gated,
             gate=pod.gate,
+            gate_reason=pod.gate_reason,
             lost_since=pod.lost_since,
         )
         fresh[pod.uid] = (pod, control_port, view)

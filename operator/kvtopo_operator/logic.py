@@ -1252,6 +1252,11 @@ def evaluate(obs: Observed, now: datetime) -> Plan:
         live_roles={eid: e.pod.role for eid, e in engines.live.items()},
         cannot_tell=unknown,
         maybe_partners=maybe,
+        min_partners=spec.readiness_gate.min_connected_partners,
+        min_available=(
+            spec.availability.min_available_prefill,
+            spec.availability.min_available_decode,
+        ),
     )
     status = KVTopologyStatus(
         observed_generation=obs.generation,
@@ -1366,6 +1371,8 @@ def conditions_of(
                 "(see the Conflict condition)"
             )
         ready = ("False", Reason.NO_ENGINES, message)
+    elif progress.min_available != (None, None):
+        ready = _ready_by_minimum(progress, pairs)
     elif lonely:
         ready = ("False", Reason.ENGINES_UNPAIRED, f"{lonely}; {pairs}")
     elif n_conn == n_exp:
@@ -1418,6 +1425,14 @@ def conditions_of(
             f"{len(progress.failing)} handshake(s) failing past the progress deadline: "
             f"{shown}{more}",
         )
+    elif ready[0] == "True" and (short := availability(progress)[1]):
+        degraded = (
+            "True",
+            Reason.ENGINES_UNAVAILABLE,
+            f"{len(short)} engine(s) not available (fewer partners connected than "
+            f"{progress.min_partners}): {', '.join(short[:10])}"
+            + (f" and {len(short) - 10} more" if len(short) > 10 else ""),
+        )
     else:
         degraded = ("False", Reason.HEALTHY, "")
     return [
@@ -1426,6 +1441,23 @@ def conditions_of(
         _condition(prev, ConditionType.DEGRADED, *degraded, generation, now),
         _condition(prev, ConditionType.CONFLICT, *conflict_of(progress.claimed), generation, now),
     ]
+
+
+def _ready_by_minimum(progress: Progress, pairs: str) -> tuple[str, Reason, str]:
+    """Ready under `spec.availability`: enough available engines of each role (a minimum
+    left unset is every selected engine of that role)."""
+    done = availability(progress)[0]
+    need = [
+        n if n is not None else selected
+        for n, selected in zip(progress.min_available, progress.selected, strict=True)
+    ]
+    said = (
+        f"available: prefill {done['prefill']}/{progress.selected[0]} (at least {need[0]}), "
+        f"decode {done['decode']}/{progress.selected[1]} (at least {need[1]}); {pairs}"
+    )
+    if done["prefill"] >= need[0] and done["decode"] >= need[1]:
+        return ("True", Reason.ENGINES_AVAILABLE, said)
+    return ("False", Reason.TOO_FEW_AVAILABLE, said)
 
 
 def settle(
@@ -1508,16 +1540,38 @@ def settle(
     return status, events, progress
 
 
+def is_available(ok: int, total: int, min_partners: int) -> bool:
+    """An engine with `ok` of its `total` partners connected is available (as its readiness
+    gate says: at least minConnectedPartners, all it has when fewer; 0: reached)."""
+    if min_partners == 0:
+        return True
+    return total > 0 and ok >= min(min_partners, total)
+
+
+def availability(progress: Progress) -> tuple[dict[str, int], list[str]]:
+    """Available engines per role, and the pods of the usable engines that are not."""
+    done = {"prefill": 0, "decode": 0}
+    short: list[str] = []
+    if progress.live_roles is None or progress.pair_counts is None:
+        return done, short
+    pod_of = {eid: name for name, eid in progress.live}
+    for eid, role in progress.live_roles.items():
+        ok, total = progress.pair_counts.get(eid, (0, 0))
+        if is_available(ok, total, progress.min_partners):
+            if role in done:
+                done[role] += 1
+        else:
+            short.append(pod_of.get(eid, eid))
+    return done, sorted(short)
+
+
 def summary_of(engines: Iterable[EngineStatus], progress: Progress) -> Summary:
-    """The printer columns: engines Connected (to every partner they must have) / pods
-    selected, per role, and connected / expected pairs. Counted over every usable engine
-    (`progress`), not over the status's engine lines, which stop at a bound."""
+    """The printer columns: available engines (`is_available`) / pods selected, per role,
+    and connected / expected pairs. Counted over every usable engine (`progress`), not
+    over the status's engine lines, which stop at a bound."""
     done = {"prefill": 0, "decode": 0}
     if progress.live_roles is not None and progress.pair_counts is not None:
-        for eid, role in progress.live_roles.items():
-            ok, total = progress.pair_counts.get(eid, (0, 0))
-            if total and ok == total and role in done:
-                done[role] += 1
+        done = availability(progress)[0]
     else:
         for e in engines:
             if e.state == EngineState.CONNECTED and e.role in done:

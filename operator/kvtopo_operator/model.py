@@ -48,6 +48,7 @@ class PodView:
     endpoint_error: str = ""  # why the pod's endpoint is refused (it is then never dialled)
     gated: bool = False  # the pod lists the readiness gate kvtopo.dev/kv-connected
     gate: str = ""  # that condition's status now ("True", "False"; "" when not set)
+    gate_reason: str = ""  # and its reason
     # The pod was marked not Ready by its node's lifecycle (node NotReady or unreachable):
     # since when (epoch seconds). Such a pod is not `ready`; its engine is gone from then.
     lost_since: float | None = None
@@ -256,6 +257,10 @@ class Progress:
     # engine id -> role of each usable engine (the summary counts from these and
     # `pair_counts`, never from the status's engine lines, which are bounded)
     live_roles: Mapping[str, str] | None = None
+    # The spec's readinessGate.minConnectedPartners and availability minimums (prefill,
+    # decode; None: every engine): what "available" means and when the topology is Ready.
+    min_partners: int = 1
+    min_available: tuple[int | None, int | None] = (None, None)
     # Pods whose engine the round cannot judge: up (ContainersReady, not being deleted)
     # but their worker not read yet or unreachable (pod name -> why). A gate that is True
     # stays True for them: nothing is known against it (fail-static; `gate.gate_changes`).

@@ -130,6 +130,7 @@ class EnginePod:
     gated: bool  # lists the readiness gate kvtopo.dev/kv-connected
     gate: str  # that condition's status ("True", "False"; "" when not set)
     resource_version: str = field(default="", compare=False)
+    gate_reason: str = ""  # that condition's reason (bounded)
     # The pod was marked not Ready from outside (see `lost_since`): since when (epoch s).
     lost_since: float | None = None
 
@@ -210,6 +211,7 @@ def engine_pod(pod: _Pod) -> EnginePod:
         gated=any(g.conditionType == KV_CONNECTED_GATE for g in pod.spec.readinessGates or []),
         gate=gate.status if gate is not None else "",
         resource_version=meta.resourceVersion,
+        gate_reason=gate.reason[:128] if gate is not None else "",
         lost_since=lost,
     )
 

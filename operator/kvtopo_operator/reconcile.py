@@ -38,7 +38,13 @@ from kvtopo_operator.api import (
 )
 from kvtopo_operator.events import EventRecorder
 from kvtopo_operator.fence import Fence, Fenced, FencedWrites
-from kvtopo_operator.gate import NOT_SELECTED, GateChange, gate_changes, stray_gates
+from kvtopo_operator.gate import (
+    NOT_SELECTED,
+    GateChange,
+    gate_changes,
+    stray_gates,
+    transition,
+)
 from kvtopo_operator.gather import WorkerViews, wait_most, wait_set
 from kvtopo_operator.kube import MISSING_STATUS_SUBRESOURCE, KubeClient, StatusNotFound
 from kvtopo_operator.logic import (
@@ -1206,7 +1212,7 @@ class Reconciler:
         """Writes the kv-connected condition of each pod in `changes` (`pods/status`), at
         most `sem` calls at once; whether every write was made. A write that fails is
         left: the pod's condition still differs next round, so it is written again then."""
-        uid = {p.name: p.uid for p in pods}
+        by_name = {p.name: p for p in pods}
 
         async def one(change: GateChange) -> bool:
             condition = {
@@ -1214,12 +1220,14 @@ class Reconciler:
                 "status": change.status,
                 "reason": change.reason,
                 "message": change.message,
-                "lastTransitionTime": rfc3339(now),
             }
+            if transition(change, by_name.get(change.pod)):  # else the time stays as it was
+                condition["lastTransitionTime"] = rfc3339(now)
+            pod = by_name.get(change.pod)
             try:
                 async with sem:
                     ok = await self.writes.patch_pod_condition(
-                        namespace, change.pod, uid.get(change.pod, ""), condition
+                        namespace, change.pod, pod.uid if pod is not None else "", condition
                     )
             except Fenced:
                 return False  # counted; this replica changes no gate now

@@ -192,3 +192,25 @@ def test_made_up_peers_are_neither_engine_lines_nor_events(env: Env) -> None:
     obj = get_json(env.cluster, "kvt", "llama", "-n", env.namespace)
     assert len(str(obj)) < 20_000, len(str(obj))
     assert env.operator_tail(400).count("WARNING") < 20
+
+
+def test_one_unreachable_decode_costs_the_summary_its_own_line_only(env: Env) -> None:
+    """A decode no prefill can add (its metadata cannot be fetched): on 7314fe4 the summary
+    said `PREFILL 0/2` (a prefill counted only when connected to every partner). Now each
+    role counts its available engines, and `availability.minAvailableDecode` makes Ready a
+    minimum, with Degraded naming the decode left out."""
+    env.pod("p0", "prefill", env.worker("prefill"))
+    env.pod("p1", "prefill", env.worker("prefill"))
+    env.pod("d0", "decode", env.worker("decode"))
+    compat = str(env.workers["p0"].state()["compat_hash"])
+    hostile(env, "d9", "decode", "--engine-id", "D9-unreachable", "--compat-hash", compat)
+    env.topology(availability={"minAvailableDecode": 1})
+    env.start_operator()
+    st = env.wait(
+        "the summary",
+        lambda: (s := env.status()).get("summary", {}).get("decode") == "1/2" and s,
+    )
+    assert st["summary"]["prefill"] == "2/2", st["summary"]
+    conds = {c["type"]: c for c in st["conditions"]}
+    assert (conds["Ready"]["status"], conds["Ready"]["reason"]) == ("True", "EnginesAvailable")
+    assert conds["Degraded"]["status"] == "True" and "d9" in conds["Degraded"]["message"]

@@ -384,8 +384,13 @@ def test_spec_requires_roles_and_carries_the_cel_rules(openapi: dict[str, Any]) 
         "handshake",
         "eviction",
         "readinessGate",
+        "availability",
     }
     assert set(spec["properties"]["readinessGate"]["properties"]) == {"minConnectedPartners"}
+    assert set(spec["properties"]["availability"]["properties"]) == {
+        "minAvailablePrefill",
+        "minAvailableDecode",
+    }
     assert set(spec["properties"]["eviction"]["properties"]) == {"graceSeconds", "idleTTLSeconds"}
     [distinct] = spec["x-kubernetes-validations"]
     assert "self.prefill.selector" in distinct["rule"]

@@ -584,3 +584,32 @@ def test_a_connection_no_longer_paired_is_evicted_after_the_grace() -> None:
     kept = evaluate(again, T0 + timedelta(seconds=SPEC.eviction.grace_seconds))
     assert kept.evictions == ()
     assert kept.memory is not None and kept.memory.unpairing_since == {}
+
+
+def test_the_summary_counts_available_engines_and_ready_can_be_a_minimum() -> None:
+    """One decode that no prefill can reach (issue 54): on 7314fe4 the summary said
+    `prefill 0/2` (a prefill counted only when connected to every partner), and Ready was
+    False for the whole topology. Now each role counts its available engines (as their
+    gates say), and `spec.availability` makes Ready a minimum, Degraded naming the rest."""
+    pods, workers = full_mesh()
+    workers = dict(workers)
+    workers["p0"] = worker("P0", "prefill", {"D0", "D1"})
+    workers["p1"] = worker("P1", "prefill", {"D0", "D1"})
+    workers["d2"] = worker("D2", "decode", set())
+    plan = evaluate(observe(pods, workers), T0)
+    assert plan.status.summary.prefill == "2/2" and plan.status.summary.decode == "2/3"
+    assert cond(plan.status, "Ready")[0] == "False"  # unset: every pair, as before
+    spec = SPEC.model_copy(
+        update={"availability": SPEC.availability.model_copy(update={"min_available_decode": 2})}
+    )
+    obs = dataclasses.replace(observe(pods, workers), spec=spec)
+    plan = evaluate(obs, T0)
+    assert cond(plan.status, "Ready") == ("True", "EnginesAvailable")
+    assert cond(plan.status, "Degraded") == ("True", "EnginesUnavailable")
+    degraded = next(c for c in plan.status.conditions if c.type == "Degraded")
+    assert "d2" in degraded.message
+    spec3 = spec.model_copy(
+        update={"availability": spec.availability.model_copy(update={"min_available_decode": 3})}
+    )
+    plan = evaluate(dataclasses.replace(obs, spec=spec3), T0)
+    assert cond(plan.status, "Ready") == ("False", "TooFewAvailable")
