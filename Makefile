@@ -63,7 +63,7 @@ toolchain:
 	@toolchain/build.sh
 
 # The real node's (tier c) Debian packages, installed when missing (needs root).
-NODE_PACKAGES := containerd runc buildah debootstrap containernetworking-plugins iptables nftables
+NODE_PACKAGES := containerd runc buildah debootstrap containernetworking-plugins iptables nftables faketime
 node-deps:
 	@missing=$$(for p in $(NODE_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null \
 	  | grep -q '^install ok installed' || echo $$p; done); \

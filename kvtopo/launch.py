@@ -269,3 +269,33 @@ def _kill(proc: subprocess.Popen[Any]) -> int | None:
         return proc.wait(KILL_GRACE_S)
     except subprocess.TimeoutExpired:
         return None
+
+
+FAKETIME_LIBRARIES = (
+    "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1",
+    "/usr/lib/aarch64-linux-gnu/faketime/libfaketimeMT.so.1",
+    "/usr/lib/faketime/libfaketimeMT.so.1",
+)
+
+
+def clock_ahead_env(seconds: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment that starts a process with its wall clock `seconds` ahead (or behind,
+    when negative) and its monotonic clock true: libfaketime preloaded (Debian's `faketime`
+    package; its multithreaded library, as the operator runs threads). Preloaded into the
+    process itself, so a signal sent to it reaches it (the `faketime` command would run it
+    as its child). Raises LaunchError when the library is not installed."""
+    import os
+
+    lib = next((p for p in FAKETIME_LIBRARIES if Path(p).exists()), None)
+    if lib is None:
+        raise LaunchError(
+            "libfaketime is not installed: apt-get install faketime (make node-deps does)"
+        )
+    env = dict(os.environ if base is None else base)
+    env.update(
+        LD_PRELOAD=lib,
+        FAKETIME=f"{seconds:+d}s",
+        FAKETIME_DONT_FAKE_MONOTONIC="1",
+        FAKETIME_NO_CACHE="1",
+    )
+    return env

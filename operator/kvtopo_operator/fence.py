@@ -52,6 +52,7 @@ class Fence:
         self.clock = clock
         self._stopping = False
         self._clock_doubt = ""
+        self._clock_source: Callable[[], str] = lambda: ""
         # Seconds of fresh lease left (None: not under leader election).
         self._lease_left: Callable[[], float] | None = None
 
@@ -67,6 +68,11 @@ class Fence:
     def doubt_clock(self, why: str) -> None:
         """The wall clock is judged wrong ("" when it is trusted again)."""
         self._clock_doubt = why
+
+    def follow_clock(self, doubt: Callable[[], str]) -> None:
+        """Writes only while `doubt()` (why the wall clock cannot be trusted now, e.g.
+        `kube.ServerClock.doubt`) is ""."""
+        self._clock_source = doubt
 
     @property
     def stopping(self) -> bool:
@@ -85,8 +91,9 @@ class Fence:
                     f"the lease was last renewed over the renew deadline ago ({-left:.1f} s "
                     "past it)"
                 )
-        if self._clock_doubt:
-            return "clock_doubted", self._clock_doubt
+        doubt = self._clock_doubt or self._clock_source()
+        if doubt:
+            return "clock_doubted", doubt
         return None
 
     @property

@@ -43,7 +43,13 @@ from kvtopo_operator.api import (
     read_tolerant,
 )
 from kvtopo_operator.fence import Fence
-from kvtopo_operator.kube import REQUEST_TIMEOUT_S, ClusterApi, KubeClient, LeaseClient
+from kvtopo_operator.kube import (
+    REQUEST_TIMEOUT_S,
+    SERVER_CLOCK,
+    ClusterApi,
+    KubeClient,
+    LeaseClient,
+)
 from kvtopo_operator.leader import LeaderElector
 from kvtopo_operator.model import (
     PodView,
@@ -295,6 +301,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     # Every write passes this fence (`fence`): under leader election it is shut until this
     # replica holds the Lease, and follows the lease's freshness from then on.
     fence = _state["fence"] = Fence()
+    fence.follow_clock(SERVER_CLOCK.doubt)
     if memo.get("election") is not None:
         fence.follow(lambda: float("-inf"))
     _state["reconciler"] = Reconciler(
@@ -307,6 +314,9 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
         settled=_departed_settled,
         metrics=memo["metrics"],
         fence=fence,
+        # Times written (engines' `since`, conditions) are the API server's: what every
+        # replica reads them against, whatever this node's clock says.
+        clock=SERVER_CLOCK.now,
         settings=Settings(
             resync_s=memo.get("resync_s", 2.0),
             state_reads_per_s=memo.get("state_reads_per_s", Settings.state_reads_per_s),

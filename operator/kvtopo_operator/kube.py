@@ -19,10 +19,12 @@ the tools that use them. No other operator module imports `kubernetes`.
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import functools
 import json
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -51,6 +53,67 @@ def _pods(namespace: str | None) -> str:
 
 def _topologies(namespace: str) -> str:
     return f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}"
+
+
+class ServerClock:
+    """The API server's clock, as this process measures it: the `Date` of its answers (one
+    second's resolution) against the local wall clock, halfway through each call.
+
+    The operator writes times that other replicas read as timers (an engine's `since` in
+    the status, a condition's lastTransitionTime): written in the API server's time, a
+    replica whose own clock is off by more than `SLACK_S` writes what the others would.
+    `doubt` says why this replica cannot trust its clock now: the wall clock moved against
+    the monotonic one since the last measurement (it was stepped) by more than `SLACK_S`;
+    the next answer from the API server measures it again."""
+
+    SLACK_S = 2.0
+
+    def __init__(
+        self,
+        wall: Callable[[], float] = time.time,
+        mono: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._wall = wall
+        self._mono = mono
+        self.offset = 0.0  # the API server's clock minus ours, when beyond SLACK_S (else 0)
+        self.measured = False
+        self._base = wall() - mono()  # wall minus monotonic at the last measurement
+
+    def observe(self, date: str | None, sent: float, got: float) -> None:
+        """One answer's `Date` header, for a call sent and answered at these wall times."""
+        if not date:
+            return
+        try:
+            server = email.utils.parsedate_to_datetime(date).timestamp() + 0.5
+        except (TypeError, ValueError, IndexError, OverflowError):
+            return
+        offset = server - (sent + got) / 2
+        if got - sent > 2 * self.SLACK_S:
+            return  # a slow answer tells too little
+        self.offset = offset if abs(offset) > self.SLACK_S else 0.0
+        self.measured = True
+        self._base = self._wall() - self._mono()
+
+    def time(self) -> float:
+        return self._wall() + self.offset
+
+    def now(self) -> datetime:
+        """Now on the API server's clock (as last measured)."""
+        return datetime.fromtimestamp(self.time(), UTC)
+
+    def doubt(self) -> str:
+        """Why this clock cannot be trusted now ("" when it can)."""
+        moved = (self._wall() - self._mono()) - self._base
+        if abs(moved) > self.SLACK_S:
+            return (
+                f"the wall clock moved {moved:+.0f} s against the monotonic clock since it was "
+                "last compared with the API server's (stepped); waiting for the next answer"
+            )
+        return ""
+
+
+SERVER_CLOCK = ServerClock()
+"""This process's measure of the API server's clock (every `ClusterApi` call feeds it)."""
 
 
 class ClusterApi:
@@ -122,9 +185,11 @@ class ClusterApi:
             body=body,
             auth_settings=["BearerToken"],
         )
+        sent = time.time()
         resp = self.api_client.call_api(
             method, url, headers, body, post, _request_timeout=timeout or self.request_timeout
         )
+        SERVER_CLOCK.observe(resp.getheader("date"), sent, time.time())
         if not 200 <= resp.status <= 299:
             resp.read()
             raise ApiException(http_resp=resp)

@@ -833,7 +833,8 @@ def gone_engines(
             continue  # handed over to the older topology that owns its pod: not gone
         if prev.pod in cannot_tell and prev.state != EngineState.DRAINING:
             continue  # cannot tell: keep it as it was until its worker answers again
-        since = parse_time(prev.since) if prev.state == EngineState.DRAINING else now
+        # A time another replica wrote never lengthens a timer (its clock may be ahead).
+        since = min(parse_time(prev.since), now) if prev.state == EngineState.DRAINING else now
         since = min(since, obs.memory.gone_since.get(eid, since), lost.get(prev.pod, since))
         gone[eid] = Gone(prev.pod, prev.role, prev.endpoint, since)
     # Peers held by a usable engine that is not usable and not gone yet (found by set
@@ -854,7 +855,7 @@ def gone_engines(
             ):
                 continue  # the engine of a pod whose worker cannot be read: as above
             if known is not None and known.state == EngineState.EVICTED:
-                since = parse_time(known.since) - grace  # evicted before: due at once
+                since = min(parse_time(known.since), now) - grace  # evicted before: due now
             else:
                 since = obs.memory.gone_since.get(peer, now)
             role = "decode" if e.pod.role == "prefill" else "prefill"

@@ -240,6 +240,7 @@ pairing never works on it (600,000 peers once cost 45 s of a round and 1.2 GiB).
 MAX_ETAG = 128
 """The longest ETag kept; a longer one is cut, so it never matches and the next read is whole."""
 KEEPALIVE_S = 60.0  # how long an idle connection to a worker is kept for its next call
+CLOCK_SLACK_S = 5.0  # a worker's clock this far from ours is skew (logged; signed against)
 
 
 class PeerAdd(NamedTuple):
@@ -290,6 +291,11 @@ class WorkerClient:
             keys = PrivateKeys(path=key_file, recheck_s=KEY_RECHECK_S)
         self.caller = CallerKey("operator", keys)
         self._challenges: OrderedDict[str, Challenge] = OrderedDict()
+        # endpoint -> its clock minus ours (seconds), from the time in its last challenge:
+        # calls are signed against the worker's clock, so a replica whose clock is off is
+        # still understood (a standby 90 s ahead once made every worker answer 401).
+        self._offsets: OrderedDict[str, float] = OrderedDict()
+        self._skew_said = 0.0  # when skew was last logged (monotonic)
         # An idle connection is kept a minute: a large topology's workers are re-read
         # every 10-20 s (`Settings.state_reads_per_s`), and at 15 s (the default of
         # aiohttp's client, which the operator used before `wire`) each re-read opened a
@@ -310,6 +316,37 @@ class WorkerClient:
 
     def forget(self, endpoint: str) -> None:
         self._challenges.pop(endpoint, None)
+
+    def clock_offset(self, endpoint: str) -> float:
+        """The worker's clock minus ours, as its last challenge said (0 until one did)."""
+        return self._offsets.get(endpoint, 0.0)
+
+    def _clock_from(self, endpoint: str, challenge: Challenge, sent: float, got: float) -> bool:
+        """Takes the worker's clock from `challenge` (its time, between `sent` and `got` on
+        ours); whether the offset moved by more than CLOCK_SLACK_S (signing afresh then
+        makes sense)."""
+        if challenge.now is None:
+            return False
+        offset = challenge.now + 0.5 - (sent + got) / 2  # its time is truncated to a second
+        old = self._offsets.get(endpoint)
+        self._offsets[endpoint] = offset
+        self._offsets.move_to_end(endpoint)
+        while len(self._offsets) > self.MAX_CHALLENGES:
+            self._offsets.popitem(last=False)
+        if abs(offset) > CLOCK_SLACK_S and time.monotonic() - self._skew_said > 60:
+            self._skew_said = time.monotonic()
+            skewed = sum(abs(o) > CLOCK_SLACK_S for o in self._offsets.values())
+            log.warning(
+                "clock skew: the worker at %s is %+.0f s from this replica's clock (%d of %d "
+                "workers are off by more than %g s); calls are signed against each worker's "
+                "own clock. Check NTP on this node and theirs.",
+                endpoint,
+                offset,
+                skewed,
+                len(self._offsets),
+                CLOCK_SLACK_S,
+            )
+        return old is None or abs(offset - old) > CLOCK_SLACK_S
 
     async def _call(
         self,
@@ -347,16 +384,24 @@ class WorkerClient:
             sent = dict(headers)
             if held is not None:
                 sent["Authorization"] = self.caller.authorization(
-                    held, method, path, str(target), body or b""
+                    held,
+                    method,
+                    path,
+                    str(target),
+                    body or b"",
+                    now=time.time() + self._offsets.get(endpoint, 0.0),
                 )
+            began = time.time()
             answer = await self._pool.request(
                 target, method, path, sent, body, timeout_s, MAX_STATE_BYTES
             )
             if answer.status == 401 and attempt == 0:
                 fresh = parse_challenge(answer.fields.get("www-authenticate", ""))
-                if fresh is not None and fresh != held:
-                    self._remember(endpoint, fresh)
-                    continue
+                if fresh is not None:
+                    moved = self._clock_from(endpoint, fresh, began, time.time())
+                    if fresh != held or moved:
+                        self._remember(endpoint, fresh)
+                        continue
             tag = answer.fields.get("etag", "")[:MAX_ETAG]
             if answer.status == 304:
                 return answer.status, b"", tag

@@ -77,8 +77,10 @@ def start_replica(
     renew_s: float,
     retry_s: float,
     resync_s: int = 1,
+    clock_ahead_s: int = 0,
 ) -> Replica:
-    """One `kvtopo-operator --leader-elect` replica of the namespace's topologies."""
+    """One `kvtopo-operator --leader-elect` replica of the namespace's topologies;
+    `clock_ahead_s`: its wall clock that far ahead (`launch.clock_ahead_env`)."""
     port = free_port()
     args = launch.operator_args(
         namespace,
@@ -91,7 +93,9 @@ def start_replica(
         ),
     )
     log = tmp / f"{identity}.log"
-    return Replica(identity, port, log, launch.start_operator(args, log, cwd=ROOT, append=True))
+    env = launch.clock_ahead_env(clock_ahead_s) if clock_ahead_s else None
+    proc = launch.start_operator(args, log, cwd=ROOT, append=True, env=env)
+    return Replica(identity, port, log, proc)
 
 
 def lease_holder(cluster: LocalCluster, namespace: str) -> str:

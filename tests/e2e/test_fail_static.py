@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import signal
 import time
+from datetime import datetime
 
 import pytest
 
@@ -194,3 +195,71 @@ def test_an_api_server_stalled_past_the_renew_deadline_changes_no_gate_or_peer(e
     assert "stopped leading" in leader.log.read_text(errors="replace") + "".join(
         r.log.read_text(errors="replace") for r in env.replicas
     )
+
+
+SKEW_S = 90
+SKEW_GRACE = 10
+
+
+def test_a_replica_whose_clock_is_90s_ahead_leads_as_any_other_and_misleads_no_timer(
+    env: Env,
+) -> None:
+    """Replica op-a's wall clock is 90 s ahead (faketime). On 7314fe4 it signed with its
+    own clock: every worker answered 401 (a 60 s window), every engine went Failed and
+    every gate False, and no message said "clock"; and a `Draining since` it wrote in its
+    time made the next leader wait 90 s more before evicting. Now it signs against each
+    worker's clock (the challenge carries it), writes the API server's time, and a time
+    from the future lengthens no timer."""
+    env.pod("p0", "prefill", env.worker("prefill"), kv_gate=True)
+    env.pod("d0", "decode", env.worker("decode"), kv_gate=True)
+    env.pod("d1", "decode", env.worker("decode"), kv_gate=True)
+    env.topology(readinessGate={"minConnectedPartners": 1}, eviction={"graceSeconds": SKEW_GRACE})
+    ahead = start_replica(
+        env.cluster,
+        env.namespace,
+        env.tmp,
+        env.token_file,
+        "op-a",
+        lease_s=LEASE_S,
+        renew_s=RENEW_S,
+        retry_s=RETRY_S,
+        clock_ahead_s=SKEW_S,
+    )
+    env.replicas.append(ahead)
+    env.wait("op-a holds the Lease", lambda: lease_holder(env.cluster, env.namespace) == "op-a")
+    true = start_replica(
+        env.cluster,
+        env.namespace,
+        env.tmp,
+        env.token_file,
+        "op-b",
+        lease_s=LEASE_S,
+        renew_s=RENEW_S,
+        retry_s=RETRY_S,
+    )
+    env.replicas.append(true)
+    all_gates_true(env)  # 7314fe4: never (every call 401)
+    assert "clock skew" in ahead.log.read_text(errors="replace"), ahead.tail()
+    with GateWatch(ClusterApi(env.cluster.kubeconfig), env.namespace) as watch:
+        gone = env.workers["d1"].engine_id
+        deleted = time.time()
+        env.delete_pod("d1")
+        line = env.wait(
+            "op-a writes d1 Draining",
+            lambda: next(
+                (e for e in env.status().get("engines", []) if e["state"] == "Draining"), None
+            ),
+        )
+        since = datetime.fromisoformat(line["since"].replace("Z", "+00:00")).timestamp()
+        assert abs(since - deleted) < 5, f"since {line['since']}: {since - deleted:+.1f} s"
+        ahead.proc.send_signal(signal.SIGKILL)
+        ahead.proc.wait(10)
+        env.wait("op-b leads", lambda: true.leading() == 1.0, timeout=LEASE_S + 10)
+        env.wait(
+            "d1 evicted within its grace (and the take-over), not 90 s later",
+            lambda: gone not in peers(env.workers["p0"]),
+            timeout=SKEW_GRACE + LEASE_S + 10,
+        )
+        took = time.time() - deleted
+        assert took < SKEW_GRACE + LEASE_S + 10, took
+        assert not watch.drops(pods={"p0", "d0"}), watch.drops()

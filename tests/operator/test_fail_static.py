@@ -6,6 +6,7 @@ real workers are `tests/e2e/test_fail_static.py`."""
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime
 from typing import cast
 
 import pytest
@@ -153,3 +154,34 @@ async def test_a_deletion_seen_by_a_replica_that_does_not_lead_writes_nothing() 
         await asyncio.sleep(0.001)
     assert kube.pod_conditions == []
     await reconciler.stop()
+
+
+def test_the_server_clock_takes_the_api_server_s_time_and_doubts_a_stepped_clock() -> None:
+    """`kube.ServerClock`: the `Date` of the API server's answers against the local wall
+    clock. An offset within the slack is noise (0); beyond it the operator writes the API
+    server's time. A wall clock stepped since the last answer is doubted (the fence shuts)
+    until the next answer measures it again."""
+    from email.utils import format_datetime
+
+    from kvtopo_operator.kube import ServerClock
+
+    wall, mono = [1_800_000_000.0], [100.0]
+    clock = ServerClock(wall=lambda: wall[0], mono=lambda: mono[0])
+
+    def answer(server: float) -> None:
+        date = format_datetime(datetime.fromtimestamp(server, UTC), usegmt=True)
+        clock.observe(date, wall[0] - 0.05, wall[0] + 0.05)
+
+    answer(wall[0] + 0.6)
+    assert clock.offset == 0.0 and clock.doubt() == ""
+    answer(wall[0] - 90)  # this node is 90 s ahead of the API server
+    assert clock.offset == pytest.approx(-90, abs=1)
+    assert abs(clock.time() - (wall[0] - 90)) < 1.5
+    wall[0] += 30  # stepped by 30 s while 1 s passed
+    mono[0] += 1
+    assert "stepped" in clock.doubt()
+    fence = Fence()
+    fence.follow_clock(clock.doubt)
+    assert fence.refusal()[0] == "clock_doubted"  # type: ignore[index]
+    answer(wall[0] - 60)
+    assert clock.doubt() == "" and fence.refusal() is None

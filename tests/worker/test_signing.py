@@ -158,6 +158,26 @@ def test_a_signature_holds_within_its_time_window_only(skew: float, ok: bool) ->
     assert got == ("current" if ok else None)
 
 
+def test_the_challenge_carries_the_engine_s_clock_and_a_401_names_the_skew() -> None:
+    """A caller whose clock is 90 s ahead is out of the window; signed against the time the
+    engine's challenge carries, it is understood; the guard says how far off the refused
+    one was (the 401's message names it). The time is not part of the challenge's
+    identity (a caller keeps the challenge it holds)."""
+    a = engine(now=NOW)
+    told = challenge_of(a)
+    assert told.now == int(NOW)
+    assert told == Challenge(told.role, told.engine_key, "uid-a", "inc-a", told.kids, now=1)
+    ahead = signed(operator(), a, now=NOW + 90)
+    assert a.accepts("operator", ahead, "PUT", "/v1/settings", [A], BODY) is None
+    assert a.skew(ahead) == pytest.approx(90)
+    on_its_clock = signed(operator(), a, now=told.now)
+    assert a.accepts("operator", on_its_clock, "PUT", "/v1/settings", [A], BODY) == "current"
+    assert a.skew(on_its_clock) is None
+    # An engine that predates the time in the challenge: parsed, with no time.
+    old = told.header().rsplit(",now=", 1)[0]
+    assert (parsed := parse_challenge(old)) is not None and parsed.now is None
+
+
 def test_a_signature_of_one_role_opens_nothing_of_another() -> None:
     """A client and the operator, even holding the same key, make different call keys: a
     client's signature opens no admin route, and its role cannot be rewritten."""

@@ -107,6 +107,7 @@ from kvtopo_worker.protocol import (
 from kvtopo_worker.registry import AgentConflict, EngineRegistry
 from kvtopo_worker.signing import (
     SCHEME,
+    SIGNATURE_WINDOW_S,
     TICKET_SCHEME,
     CallGuard,
     PublicKeys,
@@ -496,12 +497,19 @@ class ControlServer:
             self.metrics.rejected_total.labels("unknown_key").inc()
         elif not self.guard.stale(header):
             self.metrics.reject("control_auth")  # a bad signature (a stale one is no fault)
-        resp = _error(
-            401,
-            "unauthorized",
+        message = (
             f"this route takes calls signed by the operator's key ({SCHEME}, derived from the "
-            "challenge in WWW-Authenticate); no bearer token opens it",
+            "challenge in WWW-Authenticate); no bearer token opens it"
         )
+        skew = self.guard.skew(header)
+        if skew is not None:
+            self.metrics.rejected_total.labels("clock_skew").inc()
+            message = (
+                f"the call's time is {skew:+.0f} s from this engine's clock (the window is "
+                f"{SIGNATURE_WINDOW_S:g} s): the caller's or this node's clock is off; sign "
+                "against the time in the challenge (WWW-Authenticate now=)"
+            )
+        resp = _error(401, "unauthorized", message)
         resp.headers["WWW-Authenticate"] = self.guard.challenge("operator")
         return resp
 

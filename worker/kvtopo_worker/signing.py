@@ -49,7 +49,7 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Generic, Literal, TypeVar
 
@@ -417,19 +417,24 @@ def _fields(header: str, scheme: str) -> dict[str, str] | None:
 @dataclass(frozen=True)
 class Challenge:
     """What an engine says of itself in a 401: its role's caller key ids, its public key,
-    its pod uid and its incarnation."""
+    its pod uid and its incarnation, and the time on its clock (epoch seconds; None from
+    an engine that predates it). A caller signs against the engine's clock, not its own
+    (`CallerKey.authorization`'s `now`): a caller whose clock is off by more than the
+    signature window is still understood. The time is not part of the challenge's identity."""
 
     role: str
     engine_key: bytes  # X9.62 uncompressed point
     pod_uid: str
     incarnation: str
     kids: tuple[str, ...]
+    now: int | None = field(default=None, compare=False)
 
     def header(self) -> str:
+        clock = f",now={self.now}" if self.now is not None else ""
         return (
             f"{SCHEME} role={self.role},key={_b64(self.engine_key)},"
             f"uid={_b64(self.pod_uid.encode())},incarnation={_b64(self.incarnation.encode())},"
-            f"kids={'.'.join(self.kids)}"
+            f"kids={'.'.join(self.kids)}{clock}"
         )
 
 
@@ -444,13 +449,16 @@ def parse_challenge(header: str) -> Challenge | None:
         inc = _unb64(f["incarnation"]).decode()
         kids = tuple(k for k in f["kids"].split(".") if k)
         role = f["role"]
+        now = int(f["now"]) if "now" in f else None
     except (KeyError, ValueError, UnicodeDecodeError):
         return None
     if len(key) != 65 or role not in ROLES or len(kids) > 2 or any(len(k) != 16 for k in kids):
         return None
     if len(uid) > 256 or len(inc) > 256:
         return None
-    return Challenge(role, key, uid, inc, kids)
+    if now is not None and not 0 <= now < 1 << 40:
+        now = None
+    return Challenge(role, key, uid, inc, kids, now)
 
 
 def engine_key_id(public: bytes) -> str:
@@ -539,7 +547,20 @@ class CallGuard:
             kids = tuple(kid for kid, _ in self._role_keys(role))
         except TokenError:
             kids = ()
-        return Challenge(role, self.key.public, self.pod_uid, self.incarnation, kids).header()
+        now = int(self._clock())
+        return Challenge(role, self.key.public, self.pod_uid, self.incarnation, kids, now).header()
+
+    def skew(self, header: str) -> float | None:
+        """How far the time a signature carries is from this engine's clock (seconds; its
+        time minus ours) when that is beyond the signature window, so a 401 can say the
+        caller's clock is off; None otherwise (or when `header` has no time)."""
+        f = _fields(header, SCHEME) or _fields(header, TICKET_SCHEME)
+        try:
+            ts = int((f or {})["ts"])
+        except (KeyError, ValueError):
+            return None
+        off = ts - self._clock()
+        return off if abs(off) > SIGNATURE_WINDOW_S else None
 
     def accepts(
         self,
