@@ -28,6 +28,7 @@ fails while a loop has not ended a round for `memo.stuck_after_s`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -55,6 +56,7 @@ from kvtopo_operator.model import (
     PodView,
     TopologyView,
 )
+from kvtopo_operator.nodewatch import NodeApi, NodeStore, NodeWatch
 from kvtopo_operator.podwatch import EnginePod, NotListedYet, PodApi, PodStore, PodWatch
 from kvtopo_operator.reconcile import Reconciler, Settings
 from kvtopo_operator.stopping import StopCause
@@ -69,20 +71,26 @@ LIST_WAIT_S = 30.0  # how long start-up waits for the first lists of the engine 
 
 def _pod_source(namespace: str, control_port: int) -> Iterable[PodView]:
     """The namespace's engine pods as the loops see them (from the pod watch's store). A
-    pod's view is built once per version of it and control port."""
+    pod's view is built once per version of it, control port and state of its node. With
+    the Node watch (`--watch-nodes`), a pod on a node whose Ready is not True is not up,
+    and lost since the node's transition (`nodewatch`), whatever the pod itself says."""
     store: PodStore | None = _state.get("pods")
     if store is None:
         raise NotListedYet("the engine-pod watch has not started")
     allow_host = bool(_state.get("allow_endpoint_host"))
     # namespace -> uid -> (pod, port, view); rebuilt each call from the pods there now,
     # so a deleted pod's view goes with it.
-    views: dict[str, dict[str, tuple[EnginePod, int, PodView]]] = _state.setdefault("views", {})
+    views: dict[str, dict[str, tuple[EnginePod, int, PodView, float | None]]] = _state.setdefault(
+        "views", {}
+    )
+    nodes: NodeStore | None = _state.get("nodes")
     cache = views.get(namespace, {})
-    fresh: dict[str, tuple[EnginePod, int, PodView]] = {}
+    fresh: dict[str, tuple[EnginePod, int, PodView, float | None]] = {}
     out = []
     for pod in store.pods(namespace):
+        node_lost = nodes.lost_since(pod.node) if nodes is not None and pod.node else None
         hit = cache.get(pod.uid)
-        if hit is not None and hit[0] is pod and hit[1] == control_port:
+        if hit is not None and hit[0] is pod and hit[1] == control_port and hit[3] == node_lost:
             fresh[pod.uid] = hit
             out.append(hit[2])
             continue
@@ -104,7 +112,10 @@ def _pod_source(namespace: str, control_port: int) -> Iterable[PodView]:
             gate_reason=pod.gate_reason,
             lost_since=pod.lost_since,
         )
-        fresh[pod.uid] = (pod, control_port, view)
+        if node_lost is not None and not pod.deleting:
+            lost = node_lost if pod.lost_since is None else min(pod.lost_since, node_lost)
+            view = dataclasses.replace(view, ready=False, ready_since=None, lost_since=lost)
+        fresh[pod.uid] = (pod, control_port, view, node_lost)
         out.append(view)
     views[namespace] = fresh
     return out
@@ -121,6 +132,26 @@ def _departed_settled(namespace: str, uid: str) -> None:
     store: PodStore | None = _state.get("pods")
     if store is not None:
         store.settle(namespace, uid)
+
+
+def _node_changed(node: str) -> None:
+    """A node's readiness changed: the loops of the namespaces with pods on it are poked."""
+    store: PodStore | None = _state.get("pods")
+    reconciler: Reconciler | None = _state.get("reconciler")
+    if store is None or reconciler is None:
+        return
+    for namespace in store.namespaces():
+        if any(p.node == node for p in store.pods(namespace)):
+            reconciler.poke_namespace(namespace)
+
+
+def start_node_watch(api: NodeApi) -> NodeWatch:
+    """Starts the Node watch (`--watch-nodes`) into the store `_pod_source` reads."""
+    store = _state["nodes"] = NodeStore()
+    watch = NodeWatch(api, store, on_change=_node_changed)
+    watch.start()
+    _state["node_watch"] = watch
+    return watch
 
 
 def _pods_changed(namespace: str) -> None:
@@ -320,6 +351,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
         settings=Settings(
             resync_s=memo.get("resync_s", 2.0),
             state_reads_per_s=memo.get("state_reads_per_s", Settings.state_reads_per_s),
+            guarded_ports=frozenset(memo.get("guarded_ports") or ()),
         ),
     )
     _state["metrics"] = memo["metrics"]
@@ -331,6 +363,8 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
         memo.get("watch_namespaces"),
         float(memo.get("relist_s") or 0),
     )
+    if memo.get("watch_nodes"):
+        start_node_watch(ClusterApi(memo.get("kubeconfig")))
     relist_s = float(memo.get("relist_s") or 0)
     if relist_s > 0:
         namespaces = memo.get("watch_namespaces")
@@ -431,6 +465,9 @@ async def stop(**_: Any) -> None:
     watch: PodWatch | None = _state.pop("pod_watch", None)
     if watch is not None:
         watch.stop()
+    nodes: NodeWatch | None = _state.pop("node_watch", None)
+    if nodes is not None:
+        nodes.stop()
     relist: asyncio.Task[None] | None = _state.pop("topology_relist", None)
     if relist is not None:
         relist.cancel()

@@ -299,9 +299,20 @@ class ClusterApi:
         """A watch of pods from `resource_version`: its lines (one JSON event each) as they
         arrive, until the server ends it after `timeout_s` (bookmarks on). A read waits at most
         `timeout_s` plus the request timeout."""
+        return self.watch_raw(
+            _pods(namespace),
+            label_selector,
+            resource_version=resource_version,
+            timeout_s=timeout_s,
+        )
+
+    def watch_raw(
+        self, path: str, label_selector: str, *, resource_version: str, timeout_s: int
+    ) -> Iterator[bytes]:
+        """A watch of the collection at `path` (as `watch_pods_raw`)."""
         resp = self._send(
             "GET",
-            _pods(namespace),
+            path,
             query=[
                 ("labelSelector", label_selector),
                 ("watch", "true"),

@@ -98,6 +98,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "topology of more than --resync-seconds x this workers, each is re-read every "
         "workers / this seconds instead (10 s at 1,000); 0: no bound",
     )
+    p.add_argument(
+        "--watch-nodes",
+        action="store_true",
+        help="watch the cluster's Nodes (needs get, list and watch on nodes: the chart's "
+        "nodes.watch): an engine on a node whose Ready is not True is lost from the node's "
+        "transition, gated or not; without it, the pod's own Ready tells",
+    )
+    p.add_argument(
+        "--guarded-control-ports",
+        default="",
+        help="the control ports a NetworkPolicy guards, comma-separated (the chart's "
+        "workers.controlPort and workers.extraControlPorts): a KVTopology whose controlPort "
+        "is none of them gets a Warning Event, ControlPortUnguarded; empty: no check",
+    )
     p.add_argument("--peering", default=None, help="kopf peering name (default: standalone)")
     p.add_argument("--verbose", "-v", action="store_true")
     le = p.add_argument_group(
@@ -150,6 +164,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error("--leader-elect-renew-seconds must be above 0 and below the lease seconds")
         if not 0 < args.leader_elect_retry_seconds < args.leader_elect_renew_seconds:
             p.error("--leader-elect-retry-seconds must be above 0 and below the renew seconds")
+    try:
+        args.guarded_ports = frozenset(
+            int(x) for x in str(args.guarded_control_ports).split(",") if x.strip()
+        )
+    except ValueError:
+        p.error("--guarded-control-ports takes port numbers, comma-separated")
     if args.relist_seconds < 0:
         p.error("--relist-seconds must be 0 (off) or more")
     if args.stuck_after_seconds is not None and args.stuck_after_seconds <= 0:
@@ -222,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         stuck_after_s=args.stuck_after_seconds,
         watch_namespaces=None if args.all_namespaces else list(args.namespace),
         allow_endpoint_host=args.allow_endpoint_host,
+        watch_nodes=args.watch_nodes,
+        guarded_ports=args.guarded_ports,
     )
     if args.leader_elect:
         from kvtopo_operator.leader import ElectionConfig, default_identity

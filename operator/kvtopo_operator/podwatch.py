@@ -69,6 +69,7 @@ class _Meta(msgspec.Struct):
 
 class _Spec(msgspec.Struct):
     readinessGates: list[_Gate] | None = None  # noqa: N815
+    nodeName: str = ""  # noqa: N815
 
 
 class _Status(msgspec.Struct):
@@ -131,6 +132,7 @@ class EnginePod:
     gate: str  # that condition's status ("True", "False"; "" when not set)
     resource_version: str = field(default="", compare=False)
     gate_reason: str = ""  # that condition's reason (bounded)
+    node: str = ""  # spec.nodeName ("" until scheduled)
     # The pod was marked not Ready from outside (see `lost_since`): since when (epoch s).
     lost_since: float | None = None
 
@@ -212,6 +214,7 @@ def engine_pod(pod: _Pod) -> EnginePod:
         gate=gate.status if gate is not None else "",
         resource_version=meta.resourceVersion,
         gate_reason=gate.reason[:128] if gate is not None else "",
+        node=pod.spec.nodeName[:253],
         lost_since=lost,
     )
 

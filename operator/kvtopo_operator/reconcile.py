@@ -161,6 +161,9 @@ class Settings:
     # A status write that failed is tried again after retry_s, doubling with each failure
     # in a row up to this (a refusal that lasts costs the API server little).
     max_write_backoff_s: float = 30.0
+    # The control ports a NetworkPolicy guards (`--guarded-control-ports`); a topology whose
+    # controlPort is none of them gets a ControlPortUnguarded Event. Empty: no check.
+    guarded_ports: frozenset[int] = frozenset()
 
 
 class StatusWriteRefused(Exception):
@@ -1076,6 +1079,19 @@ class Reconciler:
         self._write_status(key, loop, status)
         for event in (*plan.events, *act_events):
             self.events.record(body, event)
+        guarded = self.settings.guarded_ports
+        if guarded and spec.control_port not in guarded:  # said once per repeat window
+            ports = ", ".join(map(str, sorted(guarded)))
+            self.events.record(
+                body,
+                Event(
+                    "Warning",
+                    "ControlPortUnguarded",
+                    f"spec.controlPort {spec.control_port} is not among the ports the "
+                    f"chart's NetworkPolicy guards ({ports}): its workers' control API is "
+                    "open to any pod; add it to the chart's workers.extraControlPorts",
+                ),
+            )
         # The readiness gate of the pods that list it, from the outcome of acting.
         changes = gate_changes(pods, settled, spec.readiness_gate.min_connected_partners)
         changes += self._strays(me, others, all_pods, [*(p.name for p in pods), *claimed])

@@ -113,6 +113,7 @@ def create_engine_pod(
     labels: dict[str, str] | None = None,
     annotation: str | None = None,
     kv_gate: bool = False,
+    node: str | None = None,
 ) -> str:
     """An engine pod of app `llama` (not Ready yet); its uid. `annotation`: the value of its
     control-endpoint annotation (None: none, the worker is at podIP:controlPort)."""
@@ -125,6 +126,8 @@ def create_engine_pod(
         labels=labels,
         kv_gate=kv_gate,
     )
+    if node is not None:  # bound to that node at creation, as the scheduler would
+        pod["spec"]["nodeName"] = node
     apply(cluster, pod)
     uid: str = get_json(cluster, "pod", name, "-n", namespace)["metadata"]["uid"]
     return uid

@@ -65,8 +65,9 @@ class Env(OperatorHarness):
         version: str = "v1",
         *,
         kv_gate: bool = False,
+        node: str | None = None,
     ) -> WorkerProcess:
-        return super().pod(name, role, make, kv_gate=kv_gate, version=version)
+        return super().pod(name, role, make, kv_gate=kv_gate, node=node, version=version)
 
     def delete_pod(self, name: str) -> None:
         self.cluster.kubectl("delete", "pod", name, "-n", self.namespace, "--wait=true")
@@ -85,7 +86,8 @@ class Env(OperatorHarness):
             self.namespace,
             self.cluster.kubeconfig,
             Credentials.beside(self.token_file).operator_key,
-            resync_s=1,
+            1,
+            "--watch-nodes",
         )
         super().start_operator(args, f"operator-{time.monotonic_ns()}.log")
 

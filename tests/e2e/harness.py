@@ -61,6 +61,7 @@ class OperatorHarness:
         make: WorkerFactory,
         *,
         kv_gate: bool = False,
+        node: str | None = None,
         **labels: str,
     ) -> WorkerProcess:
         """A Ready engine pod with a loopback pod IP of its own, served by the worker that
@@ -69,7 +70,7 @@ class OperatorHarness:
         ready only, when it lists the kv-connected readiness gate: `kv_gate`)."""
         ip = loopback_pod_ip()
         uid = create_engine_pod(
-            self.cluster, self.namespace, name, role, labels or None, kv_gate=kv_gate
+            self.cluster, self.namespace, name, role, labels or None, kv_gate=kv_gate, node=node
         )
         self.identities[name] = identity_args(self.namespace, name, uid, ip)
         w = make(self.identities[name])

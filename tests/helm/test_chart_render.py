@@ -157,9 +157,12 @@ def test_default_objects(default_docs: list[dict[str, Any]]) -> None:
             "Secret",
             "ConfigMap",
             "Lease",
+            "ClusterRole",  # the Node watch's, read-only (nodes.watch)
+            "ClusterRoleBinding",
         ]
     )
-    assert {d["metadata"]["namespace"] for d in default_docs} == {"llm"}
+    namespaced = [d for d in default_docs if not d["kind"].startswith("Cluster")]
+    assert {d["metadata"]["namespace"] for d in namespaced} == {"llm"}
     for d in default_docs:
         labels = d["metadata"]["labels"]
         assert labels["app.kubernetes.io/instance"] == "kvtopo"
@@ -363,7 +366,10 @@ def test_the_full_values_render_every_option(full_docs: list[dict[str, Any]]) ->
     for policy in workers:
         ingress = policy["spec"]["ingress"]
         assert len(ingress) == 1  # allowOtherPorts: false
-        assert ingress[0]["ports"] == [{"protocol": "TCP", "port": 9000}]
+        assert ingress[0]["ports"] == [
+            {"protocol": "TCP", "port": 9000},
+            {"protocol": "TCP", "port": 9001},
+        ]
         assert {
             "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
         } in (ingress[0]["from"])
@@ -405,7 +411,8 @@ def _has_path(tree: Any, keys: list[str]) -> bool:
 
 def test_namespace_scope_grants_roles_only_in_engine_namespaces(helm: Helm) -> None:
     docs = render(helm, {"engineNamespaces": ["llm-a", "llm-b"]}, namespace="ops")
-    assert not objects(docs, "ClusterRole") and not objects(docs, "ClusterRoleBinding")
+    # Cluster-wide only the Node watch's read of nodes (`test_the_node_watch_reads_nodes_only`).
+    assert [r["metadata"]["name"] for r in objects(docs, "ClusterRole")] == ["kvtopo-nodes"]
     roles = [r for r in objects(docs, "Role") if r["metadata"]["name"] == "kvtopo-operator"]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["llm-a", "llm-b"]
     for role in roles:
@@ -431,8 +438,26 @@ def test_namespace_scope_grants_roles_only_in_engine_namespaces(helm: Helm) -> N
     assert rules_set(others[0]["rules"]) == lease_rules("kvtopo-operator")
 
 
+def test_the_node_watch_reads_nodes_only_and_can_be_turned_off(helm: Helm) -> None:
+    for scope in ("namespace", "cluster"):
+        docs = render(helm, {"scope": scope})
+        role = next(
+            r for r in objects(docs, "ClusterRole") if r["metadata"]["name"].endswith("-nodes")
+        )
+        assert rules_set(role["rules"]) == {("", "nodes", "*", v) for v in ("get", "list", "watch")}
+        binding = next(
+            b
+            for b in objects(docs, "ClusterRoleBinding")
+            if b["roleRef"]["name"] == role["metadata"]["name"]
+        )
+        assert binding["subjects"][0]["name"] == "kvtopo"
+        assert "--watch-nodes" in container(docs)["args"]
+    off = render(helm, {"nodes": {"watch": False}})
+    assert not objects(off, "ClusterRole") and "--watch-nodes" not in container(off)["args"]
+
+
 def test_cluster_scope_grants_one_cluster_role(helm: Helm) -> None:
-    docs = render(helm, {"scope": "cluster"})
+    docs = render(helm, {"scope": "cluster", "nodes": {"watch": False}})
     # No namespaced grants but the Lease's, in the release namespace.
     lease_role = one(docs, "Role")
     assert lease_role["metadata"]["name"] == "kvtopo-leader-election"
@@ -464,7 +489,13 @@ def test_no_rule_reaches_secrets_nodes_or_writes_pods_but_the_gate(helm: Helm) -
         for role in objects(docs, "Role") + objects(docs, "ClusterRole"):
             for group, resource, _, verb in rules_set(role["rules"]):
                 assert "*" not in (group, resource, verb), role["rules"]
-                assert resource not in ("secrets", "nodes", "configmaps", "serviceaccounts")
+                assert resource not in ("secrets", "configmaps", "serviceaccounts")
+                if resource == "nodes":  # the Node watch's own role: read only
+                    assert role["metadata"]["name"].endswith("-nodes") and verb in (
+                        "get",
+                        "list",
+                        "watch",
+                    )
                 if resource == "pods":
                     assert verb in ("list", "watch")
                 # Writes of existing objects: the status, the Lease and kopf's peering only.
@@ -475,7 +506,13 @@ def test_no_rule_reaches_secrets_nodes_or_writes_pods_but_the_gate(helm: Helm) -
 @pytest.mark.parametrize("scope", ["namespace", "cluster"])
 def test_peering_objects_and_rules(helm: Helm, scope: str) -> None:
     docs = render(
-        helm, {"scope": scope, "peering": {"enabled": True, "name": "guard"}, **NO_LEADER_ELECTION}
+        helm,
+        {
+            "scope": scope,
+            "peering": {"enabled": True, "name": "guard"},
+            "nodes": {"watch": False},
+            **NO_LEADER_ELECTION,
+        },
     )
     assert "--peering=guard" in container(docs)["args"]
     if scope == "cluster":
