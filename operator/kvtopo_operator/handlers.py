@@ -275,6 +275,13 @@ def _topologies_listed(listed: Mapping[tuple[str, str], str], scopes: Sequence[s
                 reconciler.replaced(key)
 
 
+def _topology_gone(key: tuple[str, str]) -> None:
+    """A loop found topology `key` gone from the API server (it claimed pods): forgotten as
+    a relist that lacks it would (`_topologies_listed`)."""
+    listed = {k: v for k, v in _state.get("uids", {}).items() if k[0] == key[0] and k != key}
+    _topologies_listed(listed, [key[0]])
+
+
 async def relist_topologies(api: ClusterApi, scopes: Sequence[str | None], period_s: float) -> None:
     """Lists the KVTopologies of `scopes` afresh every `period_s` (`_topologies_listed`);
     a list that fails is counted and tried again next period."""
@@ -343,6 +350,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
         bodies=lambda key: _state.get("bodies", {}).get(key),
         departed=_departed_source,
         settled=_departed_settled,
+        topology_gone=_topology_gone,
         metrics=memo["metrics"],
         fence=fence,
         # Times written (engines' `since`, conditions) are the API server's: what every

@@ -89,6 +89,10 @@ BodySource = Callable[[TopologyKey], Mapping[str, Any] | None]
 # (its role label removed: `podwatch.PodStore.departed`), and the call that forgets one.
 DepartedSource = Callable[[str], Iterable[tuple[str, str]]]
 Settled = Callable[[str, str], None]  # (namespace, uid)
+# A topology the API server no longer has (a deletion the watch missed): forgotten by the
+# handlers as a relist would (`handlers._topology_gone`).
+TopologyGone = Callable[[TopologyKey], None]
+OWNER_CHECK_S = 5.0  # how often a topology claiming this one's pods is asked after
 
 
 @dataclass
@@ -335,6 +339,7 @@ class Reconciler:
         bodies: BodySource = lambda key: None,
         departed: DepartedSource = lambda namespace: (),
         settled: Settled = lambda namespace, uid: None,
+        topology_gone: TopologyGone = lambda key: None,
         metrics: OperatorMetrics,
         settings: Settings | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
@@ -347,6 +352,8 @@ class Reconciler:
         self.bodies = bodies
         self.departed = departed
         self.settled = settled
+        self.topology_gone = topology_gone
+        self._owners_checked: dict[TopologyKey, float] = {}  # owner -> when asked (monotonic)
         self.metrics = metrics
         self.settings = settings or Settings()
         self.clock = clock
@@ -450,6 +457,37 @@ class Reconciler:
         Its pods' gates are left to the new loop."""
         self._stop_loop(key)
         self.ensure(key)
+
+    async def _owners_gone(self, namespace: str, owners: set[str]) -> bool:
+        """Whether any of `owners` (older topologies claiming pods this one selects) is gone
+        from the API server: each is asked at most every OWNER_CHECK_S. A deletion the
+        watch missed (an API server restart; kopf's index keeps the object) otherwise left
+        the pods to a topology that no longer exists until the next relist (`--relist-
+        seconds`); one found gone is forgotten as the relist would (`topology_gone`)."""
+        gone = False
+        now = time.monotonic()
+        for owner in sorted(owners)[:8]:
+            key = (namespace, owner)
+            if now - self._owners_checked.get(key, -math.inf) < OWNER_CHECK_S:
+                continue
+            self._owners_checked[key] = now
+            if len(self._owners_checked) > 4096:
+                self._owners_checked.pop(next(iter(self._owners_checked)))
+            try:
+                body = await self.kube.get_topology(namespace, owner)
+            except Exception as exc:  # asked again later
+                log.debug("%s/%s: asking for a claiming topology: %s", namespace, owner, exc)
+                continue
+            if body is None:
+                log.warning(
+                    "%s/%s: claims pods but is gone from the API server (its deletion was "
+                    "missed); forgotten",
+                    namespace,
+                    owner,
+                )
+                self.topology_gone(key)
+                gone = True
+        return gone
 
     def _oldest(self, me: TopologyView, others: Iterable[TopologyView]) -> bool:
         """Whether `me` is the namespace's oldest readable topology: its loop un-gates what
@@ -948,6 +986,11 @@ class Reconciler:
         all_pods = tuple(self.pods(namespace, spec.control_port))
         others = tuple(self.topologies(namespace))
         pods, claimed = owned_pods(me, others, all_pods)
+        if claimed and await self._owners_gone(namespace, set(claimed.values())):
+            # An older topology that claimed pods is gone (its deletion was missed): the
+            # claim is made again without it.
+            others = tuple(self.topologies(namespace))
+            pods, claimed = owned_pods(me, others, all_pods)
         sem = asyncio.Semaphore(spec.handshake.max_concurrent)
         timeout = float(spec.handshake.timeout_seconds)
         reads, unchanged = loop.views.reads, loop.views.unchanged

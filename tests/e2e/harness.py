@@ -103,8 +103,18 @@ class OperatorHarness:
             what,
             interval_s=interval_s,
             describe_last=lambda: (
-                json.dumps(self.status(), indent=1)[-3000:]
-                + "\n--- operator log ---\n"
-                + self.operator_tail()
+                self._described() + "\n--- operator log ---\n" + self.operator_tail()
             ),
+        )
+
+    def _described(self) -> str:
+        """Every topology's status of the namespace (for a wait that ran out)."""
+        try:
+            got = get_json(self.cluster, "kvt", "-n", self.namespace)
+        except Exception as exc:  # the wait's own failure is what matters
+            return f"(the topologies could not be read: {exc})"
+        return "\n".join(
+            f"--- {t['metadata']['name']} ---\n"
+            + json.dumps(t.get("status") or {}, indent=1)[-3000:]
+            for t in got.get("items") or []
         )

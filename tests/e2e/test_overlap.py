@@ -9,6 +9,7 @@ takes them over."""
 from __future__ import annotations
 
 import json
+import signal
 import time
 import urllib.request
 from typing import Any
@@ -142,3 +143,76 @@ def test_overlapping_topologies_the_older_owns_the_pods_and_the_younger_takes_ov
         f"$ kubectl get kvt -n {env.namespace}   # after deleting {OLDER}\n"
         + env.cluster.kubectl("get", "kvt", "-n", env.namespace).stdout
     )
+
+
+def compact_etcd(env: Env) -> None:
+    """Compacts etcd's history up to now (its JSON gateway on loopback), as etcd does every
+    few minutes: a watch resuming from an older version then gets "410 Gone"."""
+    url = env.cluster.layout.etcd_url
+
+    def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        req = urllib.request.Request(
+            url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            got: dict[str, Any] = json.loads(resp.read())
+            return got
+
+    revision = post("/v3/kv/range", {"key": "YQ=="})["header"]["revision"]
+    post("/v3/kv/compaction", {"revision": revision, "physical": True})
+
+
+def test_a_topology_deleted_while_the_watch_was_away_does_not_keep_its_pods(env: Env) -> None:
+    """The older topology is deleted while the operator is frozen and the API server
+    restarts (its watch then resumes from a version the new API server no longer has, and
+    no DELETED comes); a younger one with the same selectors is created meanwhile. On
+    7314fe4 the younger said `Conflict=True ... belong to an older KVTopology ... (owned by
+    KVTopology llama)` until the next relist (60 s). Now a loop that finds its pods claimed
+    asks the API server for the claimant, and takes the pods over within a few rounds."""
+    env.pod("p0", "prefill", env.worker("prefill"))
+    env.pod("d0", "decode", env.worker("decode"))
+    env.topology(OLDER)
+    env.start_operator()
+    env.wait("connected", lambda: env.status(OLDER).get("summary", {}).get("pairs") == "1/1")
+    assert env.operator is not None
+    env.topology(YOUNGER)
+    env.operator.send_signal(signal.SIGSTOP)
+    try:
+        # The frozen operator's watches end with the old API server (what was sent before
+        # is in its socket buffers); the deletion happens on the new one, and the history
+        # is compacted, so the watch cannot resume: "410 Gone", a relist.
+        env.cluster.restart_apiserver()
+        env.wait(  # the restarted API server serves the custom resources again
+            "the older topology served again",
+            lambda: (
+                env.cluster.kubectl(
+                    "get", "kvt", OLDER, "-n", env.namespace, check=False
+                ).returncode
+                == 0
+            ),
+        )
+        env.cluster.kubectl(
+            "delete", "kvt", OLDER, "-n", env.namespace, "--wait=false", check=False
+        )
+        env.wait(
+            "the older topology gone",
+            lambda: (
+                env.cluster.kubectl(
+                    "get", "kvt", OLDER, "-n", env.namespace, check=False
+                ).returncode
+                != 0
+            ),
+        )
+        compact_etcd(env)
+    finally:
+        env.operator.send_signal(signal.SIGCONT)
+    st = env.wait(
+        "the younger topology owns the pods",
+        lambda: (
+            (s := env.status(YOUNGER)).get("summary", {}).get("pairs") == "1/1"
+            and condition(s, "Conflict").get("status") == "False"
+            and s
+        ),
+        timeout=25,
+    )
+    assert {e["pod"] for e in st["engines"]} == {"p0", "d0"}
