@@ -154,6 +154,32 @@ def start_node_watch(api: NodeApi) -> NodeWatch:
     return watch
 
 
+def _pods_touched(namespace: str, pods: list[EnginePod]) -> None:
+    """Pods of the namespace changed (each as it was and as it is): the loops whose
+    selectors match them are poked; a relabelled pod pokes them all (it may have left
+    every selector: its gate is the oldest topology's to turn False)."""
+    reconciler: Reconciler | None = _state.get("reconciler")
+    if reconciler is None:
+        return
+    labels: dict[str, Mapping[str, str]] = {}
+    for pod in pods:
+        was = labels.setdefault(pod.uid, pod.labels)
+        if was != pod.labels:
+            reconciler.poke_namespace(namespace)
+            return
+    reconciler.poke_pods(namespace, [(p.role, p.labels) for p in pods])
+
+
+def _pods_version(namespace: str) -> object | None:
+    """What the namespace's pods' views are made from changes with this (its pods, the
+    nodes' readiness); None before the pod watch started."""
+    store: PodStore | None = _state.get("pods")
+    if store is None or not store.listed(namespace):
+        return None
+    nodes: NodeStore | None = _state.get("nodes")
+    return (store.version(namespace), nodes.version if nodes is not None else 0)
+
+
 def _pods_changed(namespace: str) -> None:
     reconciler: Reconciler | None = _state.get("reconciler")
     if reconciler is not None:
@@ -202,6 +228,7 @@ def start_pod_watch(
         [None] if namespaces is None else list(namespaces),
         store,
         on_change=_pods_changed,
+        on_pods=_pods_touched,
         dropped=_pods_dropped,
         failed=_watch_failed,
         malformed=_pod_malformed,
@@ -351,6 +378,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
         departed=_departed_source,
         settled=_departed_settled,
         topology_gone=_topology_gone,
+        pods_version=_pods_version,
         metrics=memo["metrics"],
         fence=fence,
         # Times written (engines' `since`, conditions) are the API server's: what every

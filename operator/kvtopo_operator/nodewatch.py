@@ -96,6 +96,7 @@ class NodeStore:
     def __init__(self) -> None:
         self.nodes: dict[str, NodeState] = {}
         self.listed = False
+        self.version = 0  # changes whenever a node's readiness does
 
     def lost_since(self, name: str) -> float | None:
         """When node `name` stopped being Ready (epoch seconds); None while it is Ready,
@@ -108,10 +109,14 @@ class NodeStore:
     def put(self, state: NodeState) -> bool:
         old = self.nodes.get(state.name)
         self.nodes[state.name] = state
-        return old is None or old.ready != state.ready
+        changed = old is None or old.ready != state.ready or old.since != state.since
+        self.version += changed
+        return changed
 
     def remove(self, name: str) -> bool:
-        return self.nodes.pop(name, None) is not None
+        gone = self.nodes.pop(name, None) is not None
+        self.version += gone
+        return gone
 
 
 class NodeApi(Protocol):

@@ -249,6 +249,15 @@ class PodStore:
         self._pods: dict[str, dict[str, EnginePod]] = {}
         self._listed: set[Scope] = set()
         self._departed: dict[str, dict[str, EnginePod]] = {}
+        self._versions: dict[str, int] = {}  # namespace -> changes of its pods so far
+
+    def version(self, namespace: str) -> int:
+        """A number that changes whenever the namespace's pods change (what is computed
+        from them, e.g. the namespace's claim, is kept until it does)."""
+        return self._versions.get(namespace, 0)
+
+    def _changed(self, namespace: str) -> None:
+        self._versions[namespace] = self._versions.get(namespace, 0) + 1
 
     def depart(self, pod: EnginePod) -> bool:
         """`pod` left the watch: remembered when its gate is True and it is not being
@@ -289,11 +298,19 @@ class PodStore:
 
     def upsert(self, pod: EnginePod) -> bool:
         """Adds or replaces a pod; whether anything the operator reads changed."""
+        return self.put(pod)[0]
+
+    def put(self, pod: EnginePod) -> tuple[bool, EnginePod | None]:
+        """Adds or replaces a pod: (whether anything the operator reads changed, the pod as
+        it was)."""
         self.settle(pod.namespace, pod.uid)  # back in the watch, if it had left it
         pods = self._pods.setdefault(pod.namespace, {})
         old = pods.get(pod.uid)
         pods[pod.uid] = pod
-        return old != pod
+        if old != pod:
+            self._changed(pod.namespace)
+            return True, old
+        return False, old
 
     def remove(self, namespace: str, uid: str) -> bool:
         pods = self._pods.get(namespace)
@@ -301,6 +318,7 @@ class PodStore:
             return False
         if not pods:
             del self._pods[namespace]
+        self._changed(namespace)
         return True
 
     def replace(self, scope: Scope, pods: Iterable[EnginePod]) -> tuple[set[str], list[EnginePod]]:
@@ -321,6 +339,7 @@ class PodStore:
             dropped.extend(gone)
             if gone or any(old.get(uid) != p for uid, p in new.items()):
                 changed.add(namespace)
+                self._changed(namespace)
             if new:
                 self._pods[namespace] = new
             else:
@@ -376,6 +395,7 @@ class PodWatch:
         store: PodStore,
         *,
         on_change: Callable[[str], None],
+        on_pods: Callable[[str, list[EnginePod]], None] | None = None,
         dropped: Callable[[list[EnginePod]], None] = lambda pods: None,
         failed: Callable[[Scope, Exception], None] = lambda scope, exc: None,
         malformed: Callable[[], None] = lambda: None,
@@ -387,6 +407,9 @@ class PodWatch:
         self.scopes = list(scopes)
         self.store = store
         self.on_change = on_change
+        # With `on_pods`, a batch's changed pods (as they were and as they are) go to it
+        # instead, by namespace: a change pokes only the loops whose selectors match.
+        self.on_pods = on_pods
         self.dropped = dropped
         self.failed = failed
         self.malformed = malformed
@@ -523,19 +546,28 @@ class PodWatch:
             changes, self._pending = self._pending, []
             self._scheduled = False
         changed: set[str] = set()
+        touched: dict[str, list[EnginePod]] = {}  # namespace -> pods changed, old and new
+        every: set[str] = set()  # namespaces a list replaced: every loop of them is poked
         for kind, what in changes:
             if kind == "upsert":
-                if self.store.upsert(what):
+                moved, old = self.store.put(what)
+                if moved:
                     changed.add(what.namespace)
+                    touched.setdefault(what.namespace, []).extend(
+                        (what,) if old is None else (old, what)
+                    )
             elif kind == "delete":
                 if self.store.remove(what.namespace, what.uid):
                     changed.add(what.namespace)
+                    touched.setdefault(what.namespace, []).append(what)
                 if self.store.depart(what):
                     changed.add(what.namespace)
+                    every.add(what.namespace)  # its gate: the oldest topology's loop
             elif kind == "replace":
                 scope, pods = what
                 namespaces, dropped = self.store.replace(scope, pods)
                 changed |= namespaces
+                every |= namespaces
                 if scope in self._listed:
                     self._listed[scope].set()
                 if dropped:
@@ -545,4 +577,7 @@ class PodWatch:
             elif kind == "malformed":
                 self.malformed()
         for namespace in sorted(changed):
-            self.on_change(namespace)
+            if self.on_pods is None or namespace in every:
+                self.on_change(namespace)
+            else:
+                self.on_pods(namespace, touched.get(namespace, []))

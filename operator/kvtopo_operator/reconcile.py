@@ -48,13 +48,16 @@ from kvtopo_operator.gate import (
 from kvtopo_operator.gather import WorkerViews, wait_most, wait_set
 from kvtopo_operator.kube import MISSING_STATUS_SUBRESOURCE, KubeClient, StatusNotFound
 from kvtopo_operator.logic import (
+    NamespaceClaim,
     admissions,
+    claim_namespace,
     claim_order,
     evaluate,
     invalid_spec,
     owned_pods,
     pods_of,
     record_operator_failures,
+    selector_matches,
     settle,
 )
 from kvtopo_operator.metrics import OperatorMetrics
@@ -324,6 +327,8 @@ class _Loop:
     write_failures: int = 0  # status writes failed in a row
     failure_logged: str = ""  # the last failure logged (a repeat is not logged again)
     refusal_told: str = ""  # the last permanent refusal an Event said
+    swept: object | None = None  # the namespace's claim version its strays were swept at
+    spec: KVTopologySpec | None = None  # the spec the last round read (`poke_pods`)
 
 
 class Reconciler:
@@ -340,6 +345,7 @@ class Reconciler:
         departed: DepartedSource = lambda namespace: (),
         settled: Settled = lambda namespace, uid: None,
         topology_gone: TopologyGone = lambda key: None,
+        pods_version: Callable[[str], object | None] = lambda namespace: None,
         metrics: OperatorMetrics,
         settings: Settings | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
@@ -353,6 +359,10 @@ class Reconciler:
         self.departed = departed
         self.settled = settled
         self.topology_gone = topology_gone
+        # namespace -> a number that changes with its pods (and nodes); None: not known.
+        self.pods_version = pods_version
+        # namespace -> (the version it was made at, its pods, the claim): `_claim_of`
+        self._claims: dict[str, tuple[object, tuple[PodView, ...], NamespaceClaim]] = {}
         self._owners_checked: dict[TopologyKey, float] = {}  # owner -> when asked (monotonic)
         self.metrics = metrics
         self.settings = settings or Settings()
@@ -396,6 +406,27 @@ class Reconciler:
             return
         if generation is not None and generation != loop.generation:
             loop.poke.set()
+
+    def poke_pods(self, namespace: str, pods: Iterable[tuple[str, Mapping[str, str]]]) -> None:
+        """Pods of the namespace changed ((role, labels) of each, as it was and as it is):
+        only the loops whose selectors match one of them are poked (a loop that has not
+        read its spec yet always is). A pod event used to poke every loop of the
+        namespace: 100 topologies there each ran a round per event."""
+        changed = list(pods)
+        for (ns, _), loop in self._loops.items():
+            if ns != namespace:
+                continue
+            spec = loop.spec
+            if spec is None or any(
+                role in ("prefill", "decode")
+                and selector_matches(
+                    (spec.prefill if role == "prefill" else spec.decode).selector, labels
+                )
+                for role, labels in changed
+            ):
+                loop.poke.set()
+                loop.arrived.set()
+                loop.pods_changed.set()
 
     def poke_namespace(self, namespace: str) -> None:
         for (ns, _), loop in self._loops.items():
@@ -457,6 +488,53 @@ class Reconciler:
         Its pods' gates are left to the new loop."""
         self._stop_loop(key)
         self.ensure(key)
+
+    def _claim_of(
+        self, me: TopologyView, namespace: str
+    ) -> tuple[
+        tuple[PodView, ...],
+        tuple[TopologyView, ...],
+        tuple[PodView, ...],
+        dict[str, str],
+        object | None,
+    ]:
+        """The namespace's pods and topologies, and `me`'s part of the claim: its owned
+        pods and those an older topology owns (`logic.owned_pods`). The claim is made once
+        per change of the namespace's pods, topologies or the control port, for every loop
+        there (`logic.claim_namespace`: 100 topologies of one namespace once each walked
+        every pod every round); a spec newer than the one claimed under is claimed on its
+        own. Also returns the version the claim was made at (None: not shared)."""
+        spec = me.spec
+        assert spec is not None
+        others = tuple(self.topologies(namespace))
+        version = self.pods_version(namespace)
+        if version is None:  # no versions to go by: claimed afresh
+            all_pods = tuple(self.pods(namespace, spec.control_port))
+            return all_pods, others, *owned_pods(me, others, all_pods), None
+        key = (
+            version,
+            spec.control_port,
+            tuple((t.name, t.created, id(t.spec)) for t in others),
+        )
+        held = self._claims.get(namespace)
+        if held is None or held[0] != key:
+            all_pods = tuple(self.pods(namespace, spec.control_port))
+            held = (key, all_pods, claim_namespace(others, all_pods))
+            self._claims[namespace] = held
+        _, all_pods, claim = held
+        index = next((t for t in others if t.name == me.name), None)
+        if index is None or index.created != me.created or claim.specs.get(me.name) != spec:
+            return all_pods, others, *owned_pods(me, others, all_pods), key
+        return all_pods, others, claim.owned[me.name], dict(claim.claimed[me.name]), key
+
+    def _pods_now(self, namespace: str, port: int) -> tuple[PodView, ...]:
+        """The namespace's pods: those its claim was made of while they have not changed
+        since (a walk over them is made once per change, not once per round or pass)."""
+        held = self._claims.get(namespace)
+        version = self.pods_version(namespace)
+        if held is not None and version is not None and held[0][:2] == (version, port):  # type: ignore[index]
+            return held[1]
+        return tuple(self.pods(namespace, port))
 
     async def _owners_gone(self, namespace: str, owners: set[str]) -> bool:
         """Whether any of `owners` (older topologies claiming pods this one selects) is gone
@@ -811,7 +889,7 @@ class Reconciler:
             loop.uid and str(meta.get("uid") or "") != loop.uid
         ):
             return None  # the round reads the topology afresh
-        all_pods = tuple(self.pods(namespace, spec.control_port))
+        all_pods = self._pods_now(namespace, spec.control_port)
         # With the prefetch on, a first read already out is waited for (`read_new`); off, as
         # measured: a read out (the round's, still going) is the next pass's once it ends.
         prefetching = self.settings.prefetch_interval_s < math.inf
@@ -979,18 +1057,16 @@ class Reconciler:
                 ", ".join(ignored[:20]),
             )
         loop.ignored = ignored
+        loop.spec = spec
 
         # The claim: of the pods this spec selects, those an older topology of the namespace
         # selects too are that one's; they are left alone (`logic.owned_pods`).
         me = TopologyView(name, str(body["metadata"].get("creationTimestamp") or ""), spec)
-        all_pods = tuple(self.pods(namespace, spec.control_port))
-        others = tuple(self.topologies(namespace))
-        pods, claimed = owned_pods(me, others, all_pods)
+        all_pods, others, pods, claimed, shared = self._claim_of(me, namespace)
         if claimed and await self._owners_gone(namespace, set(claimed.values())):
             # An older topology that claimed pods is gone (its deletion was missed): the
             # claim is made again without it.
-            others = tuple(self.topologies(namespace))
-            pods, claimed = owned_pods(me, others, all_pods)
+            all_pods, others, pods, claimed, shared = self._claim_of(me, namespace)
         sem = asyncio.Semaphore(spec.handshake.max_concurrent)
         timeout = float(spec.handshake.timeout_seconds)
         reads, unchanged = loop.views.reads, loop.views.unchanged
@@ -1137,7 +1213,9 @@ class Reconciler:
             )
         # The readiness gate of the pods that list it, from the outcome of acting.
         changes = gate_changes(pods, settled, spec.readiness_gate.min_connected_partners)
-        changes += self._strays(me, others, all_pods, [*(p.name for p in pods), *claimed])
+        if shared is None or loop.swept != shared:  # on a change of the namespace only
+            changes += self._strays(me, others, all_pods, [*(p.name for p in pods), *claimed])
+            loop.swept = shared
         if changes:
             await self._set_gates(namespace, all_pods, changes, sem, now)
         if self._oldest(me, others):

@@ -148,8 +148,12 @@ def test_a_pod_claiming_a_connected_prefill_s_engine_id_is_refused_and_the_prefi
         env.pod("d1", "decode", env.worker("decode"), kv_gate=True)
         env.wait("d1's gate True", lambda: gate(env, "d1").get("status") == "True")
         assert p0.engine_id in {p["engine_id"] for p in env.workers["d1"].state()["peers"]}
-        engines = {e["pod"]: e["state"] for e in env.status()["engines"]}
-        assert engines["p0"] == "Connected", engines
+        env.wait(
+            "p0 Connected in the status",
+            lambda: any(
+                e["pod"] == "p0" and e["state"] == "Connected" for e in env.status()["engines"]
+            ),
+        )
         assert not watch.drops(), watch.drops()
         assert gate(env, "px").get("status") != "True"
 

@@ -27,6 +27,7 @@ from kvtopo_operator.api import (
 )
 from kvtopo_operator.kube import KubeClient
 from kvtopo_operator.logic import (
+    claim_namespace,
     claim_order,
     evaluate,
     invalid_spec,
@@ -199,6 +200,33 @@ def test_every_selected_pod_has_exactly_one_owner_whoever_asks(
             assert p.name not in owners
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(selectors, selectors, st.integers(0, 3)), min_size=1, max_size=6),
+    st.lists(st.tuples(st.sampled_from(["prefill", "decode"]), labels), max_size=12),
+)
+def test_the_namespace_s_claim_made_once_is_each_topology_s_own(
+    specs: list[tuple[dict[str, str], dict[str, str], int]],
+    pods: list[tuple[str, dict[str, str]]],
+) -> None:
+    """`claim_namespace` (one pass over the namespace's pods, shared by every loop) gives
+    each topology exactly what `owned_pods` gives it alone."""
+    topologies = [
+        topo(f"t{i}", f"2026-11-30T11:00:0{sec}Z", spec(p, d if d != p else {**d, "x": "y"}))
+        for i, (p, d, sec) in enumerate(specs)
+    ]
+    views = [
+        PodView(f"pod{i}", role, {**lab, "kvtopo.dev/role": role}, True, False, "e:1")
+        for i, (role, lab) in enumerate(pods)
+    ]
+    shared = claim_namespace(topologies, views)
+    for me in topologies:
+        mine, elsewhere = owned_pods(me, topologies, views)
+        assert shared.owned[me.name] == mine
+        assert dict(shared.claimed[me.name]) == elsewhere
+    assert shared.selected == {p.name for t in topologies for p in owned_pods(t, [], views)[0]}
+
+
 # --- the losing topology's plan and status ---------------------------------------------------
 
 
@@ -306,7 +334,7 @@ def test_an_unreadable_spec_keeps_the_conflict_condition_as_it_was() -> None:
 # --- the reconcile loop ------------------------------------------------------------------------
 
 
-def body(name: str, created: str) -> dict[str, Any]:
+def body(name: str, created: str, s: KVTopologySpec = LLAMA) -> dict[str, Any]:
     return {
         "metadata": {
             "name": name,
@@ -316,7 +344,7 @@ def body(name: str, created: str) -> dict[str, Any]:
             "resourceVersion": "1",
             "uid": f"uid-{name}",
         },
-        "spec": dump(LLAMA),
+        "spec": dump(s),
     }
 
 
@@ -396,3 +424,46 @@ def test_the_topology_index_holds_name_creation_time_and_spec(
     monkeypatch.setattr(handlers, "_state", {"kv_topologies": {"ns": [topo("zeta", EARLY)]}})
     assert list(handlers._topology_source("ns")) == [topo("zeta", EARLY)]
     assert list(handlers._topology_source("other")) == []
+
+
+@pytest.mark.asyncio
+async def test_a_pod_event_pokes_only_the_loops_whose_selectors_match_it() -> None:
+    """100 topologies in one namespace: a pod event used to poke every loop there (each
+    ran a round). Now only the loops selecting the pod (as it was or as it is) are poked;
+    every round of every loop shares one claim of the namespace."""
+    llama, mistral = (
+        spec({"app": "llama"}, {"app": "llama"}),
+        spec({"app": "mistral"}, {"app": "mistral"}),
+    )
+    kube = FakeKube(
+        {"llama": body("llama", EARLY, llama), "mistral": body("mistral", LATE, mistral)}
+    )
+    pods = [pod("p0", "prefill"), pod("d0", "decode")]
+    index = [topo("llama", EARLY, llama), topo("mistral", LATE, mistral)]
+    claims = []
+    reconciler = Reconciler(
+        kube=cast(KubeClient, kube),
+        workers=cast(WorkerClient, RecordingWorkers.for_pods(pods)),
+        pods=lambda namespace, port: claims.append(1) or pods,  # type: ignore[func-returns-value]
+        topologies=lambda namespace: index,
+        pods_version=lambda namespace: 1,  # the pods never change here
+        metrics=OperatorMetrics(),
+        settings=Settings(resync_s=60, retry_s=60),
+    )
+    try:
+        for name in ("llama", "mistral"):
+            reconciler.ensure(("ns", name))
+        loops = reconciler._loops
+        for _ in range(400):
+            await asyncio.sleep(0.005)
+            if all(loop.spec is not None and not loop.poke.is_set() for loop in loops.values()):
+                break
+        assert all(loop.spec is not None for loop in loops.values())
+        assert len(claims) == 1, "the namespace's pods were claimed once for both loops"
+        for loop in loops.values():
+            loop.poke.clear()
+        reconciler.poke_pods("ns", [("decode", {"app": "mistral", "kvtopo.dev/role": "decode"})])
+        assert loops[("ns", "mistral")].poke.is_set()
+        assert not loops[("ns", "llama")].poke.is_set()
+    finally:
+        await reconciler.stop()
