@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from kvtopo.drill.ledger import invariants_hold, targets
 from kvtopo.drill.report import progress_view, render_plot, render_table
-from kvtopo.drill.run import LEASE_S, Drill, DrillOptions
+from kvtopo.drill.run import ELECTED, LEASE_S, Drill, DrillOptions
 
 T = TypeVar("T")
 
@@ -74,6 +74,9 @@ def add_drill_parser(verbs: Any) -> None:
             "apiserver-restart",
             "rotate-credentials",
             "leader-kill",
+            "operator-upgrade",
+            "apiserver-stall",
+            "clock-skew",
             "freeze-decode",
             "kill-prefill",
             "restart-engine",
@@ -84,7 +87,12 @@ def add_drill_parser(verbs: Any) -> None:
         help="a fault during the run: operator-kill, apiserver-restart, rotate-credentials "
         "(both credentials replaced, pod by pod, under traffic) and leader-kill (two operator "
         "replicas with leader election; the leader is SIGKILLed) strike during the second "
-        "decode rollout; freeze-decode SIGSTOPs a decode engine for twice the "
+        "decode rollout; operator-upgrade replaces the leader three times as a Deployment's "
+        "rolling update does (a new replica stands by, then the leader gets SIGTERM); "
+        "apiserver-stall SIGSTOPs kube-apiserver twice for twice the renew deadline; "
+        "clock-skew runs the standby with its wall clock 90 s ahead (libfaketime) and makes "
+        "it take over; with each, no gate of a connected engine may turn False "
+        "(gate_drops_while_connected); freeze-decode SIGSTOPs a decode engine for twice the "
         "registration timeout while traffic flows, then SIGCONTs it; kill-prefill SIGKILLs a "
         "prefill engine with requests in flight (its pod is then replaced); restart-engine "
         "SIGKILLs a prefill engine with requests in flight and starts it again in the same "
@@ -242,7 +250,7 @@ def run_drill(args: argparse.Namespace) -> int:
         return 2
     report["grace"] = opts.grace
     report["chaos"] = opts.chaos
-    if opts.chaos == "leader-kill":
+    if opts.chaos in ELECTED:
         report["lease_s"] = LEASE_S
     report["tp"] = opts.tp
     report["engine"] = opts.engine
@@ -266,6 +274,10 @@ def run_drill(args: argparse.Namespace) -> int:
     if not invariants_hold(report):
         console.print("[red]an invariant broke[/red]; offending requests:")
         console.print(json.dumps(report["offending_requests"], indent=1))
+        dropped = [d for d in report.get("gate_drop_list", []) if d["connected"]]
+        if dropped:
+            console.print("gates of connected engines turned False (each with its cause):")
+            console.print(json.dumps(dropped, indent=1))
         return 1
     if missed and strict_targets:
         console.print("[red]a latency target was missed[/red] (--strict-targets)")

@@ -79,6 +79,10 @@ class Ledger:
     node_failure_limit_s: float | None = None
     # --chaos hang-decode: the most the other engines' convergence p99 may be (seconds).
     convergence_p99_limit_s: float | None = None
+    # Every time a pod's kv-connected gate went from True to False (not being deleted):
+    # (when, pod, engine id, role, why the operator said). One of an engine connected to its
+    # partners then is a drop the fail-static operator must never make.
+    gate_drops: list[tuple[float, str, str, str, str]] = field(default_factory=list)
 
     # --- recording -------------------------------------------------------------------------
 
@@ -127,6 +131,23 @@ class Ledger:
 
     def mark(self, t: float, kind: str, label: str) -> None:
         self.marks.append(Mark(t, kind, label))
+
+    def gate_dropped(self, t: float, pod: str, engine_id: str, role: str, cause: str) -> None:
+        self.gate_drops.append((t, pod, engine_id, role, cause))
+
+    def connected_at(self, engine_id: str, role: str, t: float) -> bool:
+        """Whether the engine was connected to a partner (both ways) in the last sample at
+        or before `t`, and was neither going away nor impaired by a fault then."""
+        gone_at = self.going.get(engine_id)
+        if not engine_id or (gone_at is not None and gone_at <= t):
+            return False
+        if any(a <= t <= b for a, b in self.impaired.get(engine_id, ())):
+            return False
+        i = bisect.bisect_right(self.samples_t, t) - 1
+        if i < 0:
+            return False
+        side = 0 if role == "prefill" else 1
+        return any(pair[side] == engine_id for pair in self.samples_pairs[i])
 
     # --- invariants ------------------------------------------------------------------------
 
@@ -181,6 +202,16 @@ class Ledger:
             for _, up, ready in self.gate
             if not any(up <= end and ready >= start for start, end in self.control_faults)
         )
+        drops = [
+            {
+                "t": round(t - self.t0, 3),
+                "pod": pod,
+                "engine": eid,
+                "cause": cause,
+                "connected": self.connected_at(eid, role, t),
+            }
+            for t, pod, eid, role, cause in self.gate_drops
+        ]
         return {
             "rollouts": sum(1 for m in self.marks if m.kind == "rollout"),
             "requests_total": len(self.requests),
@@ -217,6 +248,9 @@ class Ledger:
             "chaos_recovery_s": [round(s, 3) for s in self.chaos_recovery_s],
             "leader_takeover_s": [round(s, 3) for s in self.leader_takeover_s],
             "restart_recovery_s": [round(s, 3) for s in self.restart_recovery_s],
+            "gate_drops": len(drops),
+            "gate_drops_while_connected": sum(1 for d in drops if d["connected"]),
+            "gate_drop_list": drops[:50],
             "stale_peers_at_end": len(self.stale_peers_at_end),
             "stale_peer_list": self.stale_peers_at_end[:50],
             "offending_requests": {
@@ -272,6 +306,7 @@ def invariants_hold(report: dict[str, Any]) -> bool:
         "unverified_completions",
         "stale_peers_at_end",
         "late_writes",
+        "gate_drops_while_connected",
     )
     # --chaos abort-storm: at least 10% of the requests were aborted (at random stages).
     wanted = float(report.get("abort_share_wanted") or 0)

@@ -57,6 +57,11 @@ def render_table(report: dict[str, Any]) -> Any:
             "<= 1",
         ),
         ("stale peers at the end", str(report["stale_peers_at_end"]), "0"),
+        (
+            "gates of connected engines turned False",
+            str(report.get("gate_drops_while_connected", 0)),
+            "0",
+        ),
     ]
     if report.get("abort_share_wanted"):
         rows.insert(

@@ -30,6 +30,7 @@ from kvtopo.cluster.binaries import find_binary
 from kvtopo.cluster.images import ImageSet, repo_root
 from kvtopo.drill import manifests
 from kvtopo.drill.fleet import Fleet
+from kvtopo.drill.gates import GateWatch
 from kvtopo.drill.ledger import Ledger
 from kvtopo.drill.podfleet import (
     CLIENT_TOKEN_SECRET,
@@ -77,7 +78,20 @@ CRD_NAME = f"{PLURAL}.{GROUP}"
 
 
 # Faults of the control plane: while one lasts, no readiness gate can turn True.
-CONTROL_PLANE_FAULTS = ("operator-kill", "apiserver-restart", "leader-kill")
+CONTROL_PLANE_FAULTS = (
+    "operator-kill",
+    "apiserver-restart",
+    "leader-kill",
+    "operator-upgrade",
+    "apiserver-stall",
+    "clock-skew",
+)
+# The faults run with two operator replicas electing a leader on a Lease, as the chart runs.
+ELECTED = ("leader-kill", "operator-upgrade", "apiserver-stall", "clock-skew")
+UPGRADES = 3  # --chaos operator-upgrade: the leader SIGTERMed and replaced this many times
+STALLS = 2  # --chaos apiserver-stall: kube-apiserver SIGSTOPped this many times ...
+STALL_S = 2 * LEASE_RENEW_S  # ... for twice the renew deadline each
+SKEW_S = 90  # --chaos clock-skew: the standby's wall clock is this far ahead
 
 
 @dataclass
@@ -141,6 +155,7 @@ class Drill:
         if opts.chaos == "hang-decode":
             self.ledger.convergence_p99_limit_s = HANG_CONVERGENCE_P99_S
         self._thaw: asyncio.Task[None] | None = None  # --chaos hang-decode's SIGCONT
+        self.gates: GateWatch | None = None
 
     # --- set-up ----------------------------------------------------------------------------
 
@@ -179,22 +194,26 @@ class Drill:
         assert key is not None
         return key
 
-    def _start_operator(self, kubeconfig: Path, token_file: Path) -> subprocess.Popen[bytes]:
-        """Starts an operator replica; with `--chaos leader-kill` each replica runs with
-        leader election (a short Lease, so the drill sees the take-over), as the chart's
-        replicas do."""
-        extra: list[str] = []
+    def _start_operator(
+        self, kubeconfig: Path, token_file: Path, *, clock_ahead_s: int = 0
+    ) -> subprocess.Popen[bytes]:
+        """Starts an operator replica (watching Nodes, as the chart's do); with the faults
+        of `ELECTED` each replica runs with leader election (a short Lease, so the drill
+        sees the take-over), as the chart's replicas do. `clock_ahead_s`: its wall clock
+        that far ahead (libfaketime)."""
+        extra: list[str] = ["--watch-nodes"]
         log_path = self.opts.workdir / "operator.log"
-        if self.opts.chaos == "leader-kill":
+        if self.opts.chaos in ELECTED:
             self.replicas += 1
             identity = f"operator-{self.replicas}"
-            extra = launch.leader_election_args(
+            extra += launch.leader_election_args(
                 identity, lease_s=LEASE_S, renew_s=LEASE_RENEW_S, retry_s=LEASE_RETRY_S
             )
             log_path = self.opts.workdir / f"{identity}.log"
         args = launch.operator_args(self.namespace, kubeconfig, token_file, 1, *extra)
+        env = launch.clock_ahead_env(clock_ahead_s) if clock_ahead_s else None
         # Appended to: the operator restarted by the chaos fault logs on in the same file.
-        return launch.start_operator(args, log_path, append=True)
+        return launch.start_operator(args, log_path, append=True, env=env)
 
     async def setup(self) -> None:
         self.opts.workdir.mkdir(parents=True, exist_ok=True)
@@ -208,6 +227,8 @@ class Drill:
             await asyncio.to_thread(kube.apply_crd, crd_manifest())
             await self._until("CRD established", lambda: kube.crd_established(CRD_NAME), 30)
         await asyncio.to_thread(kube.create_namespace, self.namespace)
+        # Every gate change of the namespace's pods, for `gate_drops_while_connected`.
+        self.gates = await asyncio.to_thread(GateWatch(kube, self.namespace).start)
         await self._until(
             "default ServiceAccount",
             lambda: bool(kube.core.list_namespaced_service_account(self.namespace).items),
@@ -219,9 +240,14 @@ class Drill:
         else:
             self.say("starting the operator")
             self.operator = self._start_operator(kubeconfig, token_file)
-        if self.opts.chaos == "leader-kill":
-            self.say("starting a second operator replica (leader election on a Lease)")
-            self.standby = self._start_operator(kubeconfig, token_file)
+        if self.opts.chaos in ELECTED:
+            skew = SKEW_S if self.opts.chaos == "clock-skew" else 0
+            ahead = f" (its wall clock {skew} s ahead)" if skew else ""
+            self.say(f"starting a second operator replica{ahead} (leader election on a Lease)")
+            await self._until(
+                "the first replica holding the Lease", lambda: bool(self._holder()), LEASE_S + 30
+            )
+            self.standby = self._start_operator(kubeconfig, token_file, clock_ahead_s=skew)
         worker_args = [
             "--num-blocks",
             str(self.opts.blocks * 64),
@@ -621,6 +647,20 @@ class Drill:
             self.ledger.mark(time.monotonic(), "chaos", "operator restarted")
         elif self.opts.chaos == "leader-kill":
             await self._kill_leader(t)
+        elif self.opts.chaos == "operator-upgrade":
+            for n in range(UPGRADES):
+                await self._replace_leader(f"upgrade {n + 1}/{UPGRADES}")
+        elif self.opts.chaos == "clock-skew":
+            await self._replace_leader(f"the standby {SKEW_S} s ahead takes over")
+        elif self.opts.chaos == "apiserver-stall":
+            cluster = self.cluster or self.opts.cluster
+            if cluster is None:
+                raise RuntimeError("--chaos apiserver-stall needs the drill's own control plane")
+            for n in range(STALLS):
+                self.ledger.mark(time.monotonic(), "chaos", f"kube-apiserver SIGSTOP {n + 1}")
+                took = await asyncio.to_thread(cluster.pause_component, "kube-apiserver", STALL_S)
+                self.ledger.mark(time.monotonic(), "chaos", f"kube-apiserver SIGCONT ({took} s)")
+                await asyncio.sleep(2 * LEASE_S)  # a leader again before the next stall
         elif self.opts.chaos == "rotate-credentials":
             assert self.fleet is not None
 
@@ -686,6 +726,42 @@ class Drill:
         self.operator = standby
         self.standby = self._start_operator(kubeconfig, self._operator_key())
         self.ledger.mark(time.monotonic(), "chaos", "the killed replica restarted as standby")
+
+    async def _replace_leader(self, label: str) -> None:
+        """What a Deployment's rolling update does to the leader (`helm upgrade`): a new
+        replica starts and stands by, then the leader gets SIGTERM (it releases the Lease)
+        and a standby takes over. Nothing any replica controls may change meanwhile (the
+        gates: `gate_drops_while_connected`)."""
+        assert self.operator is not None and self.standby is not None
+        kubeconfig = self.opts.kubeconfig or Path(self.cluster.kubeconfig)
+        holder = await asyncio.to_thread(self._holder)
+        replicas = {self._identity(p): p for p in (self.operator, self.standby)}
+        if holder not in replicas:
+            raise RuntimeError(f"no operator replica holds the Lease (holder: {holder!r})")
+        leader = replicas.pop(holder)
+        standby = next(iter(replicas.values()))
+        surge = None
+        if self.opts.chaos == "operator-upgrade":  # the new pod first (maxSurge)
+            surge = self._start_operator(kubeconfig, self._operator_key())
+            await asyncio.sleep(2.0)  # it starts, lists and watches (its readiness)
+        t = time.monotonic()
+        self.ledger.mark(t, "chaos", f"{label}: SIGTERM the leader {holder}")
+        leader.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(leader.wait, 30)
+        await self._until(
+            "a standby holding the Lease",
+            lambda: self._holder() not in ("", holder),
+            LEASE_S + 10,
+        )
+        leads = time.monotonic()
+        new_holder = await asyncio.to_thread(self._holder)
+        self.ledger.mark(leads, "chaos", f"{new_holder} leads ({leads - t:.1f} s)")
+        self.ledger.leader_takeover_s.append(leads - t)
+        if surge is None:  # the stopped replica's pod comes back, standing by
+            surge = self._start_operator(kubeconfig, self._operator_key())
+        self.operator, self.standby = standby, surge
+        if self._identity(surge) == new_holder:
+            self.operator, self.standby = surge, standby
 
     def _caught_up(self, after: float) -> bool:
         """Whether a connectivity sample taken after `after` shows every pair the topology
@@ -1267,6 +1343,7 @@ class Drill:
             if self.opts.chaos == "node-failure" and self.kube is not None:
                 with contextlib.suppress(Exception):  # a cluster that is not ours any more
                     await asyncio.to_thread(self._cut_off, "", False)
+            self._gate_drops()
             if self.fleet is not None:
                 await self.fleet.stop_all()
             for replica in (self.operator, self.standby):
@@ -1278,6 +1355,23 @@ class Drill:
         report = self.ledger.report()
         report["trace"] = str(self.trace.path)
         return report
+
+    def _gate_drops(self) -> None:
+        """Hands the ledger every gate that turned from True to False (a pod not being
+        deleted), with the engine of its pod and why the operator said it did."""
+        gates, fleet = self.gates, self.fleet
+        if gates is None or fleet is None:
+            return
+        gates.stop()
+        for _, drop in gates.drops():
+            engine = fleet.engines.get(drop.uid)
+            self.ledger.gate_dropped(
+                drop.at,
+                drop.pod,
+                engine.engine_id if engine is not None else "",
+                engine.role if engine is not None else "",
+                f"{drop.reason}: {drop.message}",
+            )
 
     async def _track_serving(self) -> None:
         assert self.fleet is not None
