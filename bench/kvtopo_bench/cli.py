@@ -62,6 +62,14 @@ def _sizes(text: str) -> list[tuple[int, int]]:
     return out
 
 
+def _shape(text: str) -> tuple[int, int]:
+    """ "100x10" -> (100, 10): topologies x engines each."""
+    t, sep, n = text.partition("x")
+    if not sep or not t.isdigit() or not n.isdigit() or int(t) < 1 or int(n) < 2:
+        raise argparse.ArgumentTypeError(f"{text!r} is not TOPOLOGIESxENGINES, e.g. 100x10")
+    return int(t), int(n)
+
+
 def _bench_report(module: str) -> Callable[[argparse.Namespace], int]:
     """The handler of a benchmark that writes its own report: run, then say where it is."""
 
@@ -72,6 +80,8 @@ def _bench_report(module: str) -> Callable[[argparse.Namespace], int]:
             extra["baseline_tree"] = args.baseline_tree
         if getattr(args, "hostile", False):
             extra["hostile"] = True
+        if getattr(args, "topologies", None):
+            extra["topologies"] = args.topologies
         if getattr(args, "sizes", None):
             extra["sizes"] = args.sizes
         if getattr(args, "rounds", None) is not None:
@@ -197,7 +207,18 @@ def add_bench_parser(
                 help="instead: 32 x 1000 (16 x 64 with --quick) four times on one cluster, "
                 "clean, hostile, hostile, clean; in the hostile runs one decode worker "
                 "answers garbage and one hangs, all along. The report's hostile section "
-                "compares the healthy engines' ready -> connected p99 (target: within 1.2x)",
+                "compares the healthy engines' ready -> connected p99 (target: within 1.2x) "
+                "and the operator's RSS (one more decode answers 16 MiB states that change on "
+                "every read: target within 1.2x of the clean runs')",
+            )
+            kind.add_argument(
+                "--topologies",
+                type=_shape,
+                default=None,
+                metavar="TxN",
+                help="instead: T topologies of N engines in one namespace, then T x N engines "
+                "as one topology, on one control plane; the report's topologies section "
+                "compares the operator's idle CPU (target: within 2x), e.g. 100x10",
             )
         if name == "vllm":
             kind.add_argument(

@@ -970,6 +970,7 @@ def run(
     baseline_tree: Path | None = None,
     hostile: bool = False,
     sizes: Sequence[tuple[int, int]] | None = None,
+    topologies: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """Runs each size (16 x 64 only when `quick`; `sizes` when given, as (prefill, decode)
     pairs) and writes the report to `json_path`.
@@ -983,6 +984,10 @@ def run(
     two runs)."""
     if hostile:
         return _run_hostile(json_path, quick, log)
+    if topologies is not None:
+        from kvtopo_bench import topologies as many
+
+        return many.run(json_path, topologies, log)
     from kvtopo.cluster.local_cluster import LocalCluster
 
     if baseline_tree is not None and not (baseline_tree / "operator" / "kvtopo_operator").is_dir():
