@@ -142,6 +142,7 @@ class FakeFleet:
         self.not_modified = 0  # state reads answered 304
         self.never = asyncio.Event()  # what a hung worker's calls wait for (set at cleanup)
         self.hostile_calls = 0
+        self.huge_reads = 0
 
     async def start(self) -> None:
         await self.runner.setup()
@@ -206,7 +207,24 @@ class FakeFleet:
         self.hostile_calls += 1
         if w.hostile == "hung":
             await self.never.wait()
+        if w.hostile == "huge":
+            if request.path != "/v1/state":
+                return await self._refused(w, request)  # its peer calls are a worker's
+            return web.Response(body=self._huge_state(w), content_type="application/json")
         return web.Response(body=b"\x00\xffnot json {{{", content_type="application/json")
+
+    def _huge_state(self, w: FakeWorker) -> bytes:
+        """A 16 MiB state, new on every read: the peers it holds, the first reported failing
+        with a reason of nearly all those bytes (issue 54: a decode answering so grew the
+        operator from 79 to 885 MiB)."""
+        self.huge_reads += 1
+        state = msgspec.json.decode(self._encode_state(w))
+        peers = state["peers"] or [{"engine_id": "nobody"}]
+        peers[0].update(health="failing", health_reason="")
+        state["peers"] = peers
+        room = HUGE_STATE_BYTES - len(msgspec.json.encode(state))
+        peers[0]["health_reason"] = (f"read {self.huge_reads} " + "r" * room)[:room]
+        return msgspec.json.encode(state)
 
     def stop_hostile(self) -> None:
         """Lets the hung workers' calls end (the run is over)."""
@@ -431,7 +449,7 @@ class SizeRun:
         `run_name` tells this run's namespace from others of the same size; `hostile`: one
         decode worker answers garbage and one is hung, all along (a hostile worker's pod
         replaced gets a hostile worker again); they are not measured."""
-        self.hostile = hostile
+        self.hostile = hostile  # one decode answering garbage, one hung, one huge
         self.api = api = ClusterApi(cluster.kubeconfig)
         self.core: Any = api.core
         self.apps: Any = api.apps
@@ -454,7 +472,7 @@ class SizeRun:
             w = await self.fleet.add(name, role, uid, ip)
             if self.hostile and role == "decode":
                 kinds = {o.hostile for o in self.live()}
-                w.hostile = next((k for k in ("garbage", "hung") if k not in kinds), "")
+                w.hostile = next((k for k in ("garbage", "hung", "huge") if k not in kinds), "")
             self.by_uid[uid] = w
             w.serving_at = time.monotonic()
 
@@ -857,6 +875,7 @@ class SizeRun:
                 "size": f"{self.prefill}x{self.decode}",
                 "hostile": self.hostile,
                 "hostile_calls": self.fleet.hostile_calls,
+                "huge_reads": self.fleet.huge_reads,
                 "adds_without_ticket": self.fleet.adds_without_ticket,
                 "fleet_requests": self.fleet.requests,
                 "fleet_refused": self.fleet.refused,
@@ -961,6 +980,7 @@ def _run_and_remove(size_run: SizeRun, token: Path, workdir: Path) -> dict[str, 
 
 
 HOSTILE_SIZE = (32, 1000)  # the size the hostile run is measured at (16 x 64 when quick)
+HUGE_STATE_BYTES = 16 << 20  # a hostile worker's state answer ("huge")
 
 
 def run(
@@ -1079,18 +1099,27 @@ def _run_hostile(json_path: Path | None, quick: bool, log: Callable[[str], None]
 
     clean_p99 = mean(False, "ready_to_connected_p99_s")
     hostile_p99 = mean(True, "ready_to_connected_p99_s")
+    clean_rss, hostile_rss = mean(False, "operator_rss_mb"), mean(True, "operator_rss_mb")
     report: dict[str, Any] = {
         "benchmark": "operator",
         "quick": quick,
         "hostile": {
             "size": f"{p}x{d}",
-            "workers": "one decode answering garbage, one hung (SIGSTOP-like), all along",
+            "workers": "one decode answering garbage, one hung (SIGSTOP-like), one answering "
+            f"{HUGE_STATE_BYTES >> 20} MiB states that change on every read, all along",
             "clean_ready_to_connected_p99_s": round(clean_p99, 3),
             "hostile_ready_to_connected_p99_s": round(hostile_p99, 3),
             "p99_ratio": round(hostile_p99 / clean_p99, 3) if clean_p99 else None,
             "target_ratio": 1.2,
+            "clean_operator_peak_rss_mb": round(clean_rss, 1),
+            "hostile_operator_peak_rss_mb": round(hostile_rss, 1),
+            "rss_ratio": round(hostile_rss / clean_rss, 3) if clean_rss else None,
+            "target_rss_ratio": 1.2,
             "runs": [
-                {k: r.get(k) for k in ("hostile", *SIDE_BY_SIDE_KEYS, "hostile_calls")}
+                {
+                    k: r.get(k)
+                    for k in ("hostile", *SIDE_BY_SIDE_KEYS, "hostile_calls", "huge_reads")
+                }
                 for r in runs
             ],
         },

@@ -42,6 +42,12 @@ class WireError(Exception):
     """A call that got no usable HTTP answer; the message says what was wrong."""
 
 
+class TooLarge(WireError):
+    """The answer says its body is larger than the call reads: refused before a byte of
+    the body is read (a worker answering 16 MiB states that changed on every read once
+    held that much of the operator's memory per read)."""
+
+
 class _Closed(WireError):
     """The connection ended before any byte of the answer arrived."""
 
@@ -233,6 +239,8 @@ async def _answer(conn: _Connection, method: str, limit: int) -> tuple[Answer, b
         if not text.isdigit() or not text.isascii() or len(text) > 18:
             raise WireError(f"a malformed Content-Length: {text[:40]!r}")
         length = int(text)
+        if length > limit and status < 300:
+            raise TooLarge(f"the answer's body is {length} bytes (at most {limit} are read)")
         body = await _take(conn, min(length, limit + 1))
         complete = length <= limit
     else:  # the body runs to the end of the connection

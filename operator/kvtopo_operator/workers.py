@@ -34,7 +34,7 @@ from kvtopo_operator.model import (
     WorkerUnreachable,
     WorkerView,
 )
-from kvtopo_operator.wire import WireError, WirePool
+from kvtopo_operator.wire import TooLarge, WireError, WirePool
 from kvtopo_worker.credentials import TokenError
 from kvtopo_worker.endpoints import EndpointError, parse_endpoint
 from kvtopo_worker.protocol import (
@@ -230,9 +230,10 @@ def _last_failure(lf: _FailureView | None, now: float) -> FailureView | None:
     )
 
 
-MAX_STATE_BYTES = 16 << 20
+MAX_STATE_BYTES = 8 << 20
 """The most of a worker's answer the operator reads (a worker holding a thousand peers
-answers well under a megabyte; MAX_STATE_PEERS of them about 4 MiB)."""
+answers well under a megabyte; MAX_STATE_PEERS of them, ids of 64 characters, about 6 MiB).
+An answer that says it is larger is refused before its body is read (`wire.TooLarge`)."""
 MAX_STATE_PEERS = 16_384
 """The most peers a worker may report: its engine's partners, at most the engines of the
 other role in its topology. A worker that reports more is Failed with the reason; the
@@ -495,6 +496,8 @@ class WorkerClient:
             return WorkerUnreachable(str(exc)[:400], identity_mismatch=True)
         except (TokenError, SignatureError) as exc:
             return WorkerUnreachable(str(exc)[:300])
+        except TooLarge as exc:
+            return WorkerUnreachable(f"worker answer refused: {exc}"[:300], refused=True)
         except (WireError, TimeoutError, OSError, msgspec.DecodeError) as exc:
             return WorkerUnreachable(f"{type(exc).__name__}: {exc}"[:300])
         refused = _refusal(st)

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 from aiohttp import web
 
-from kvtopo_operator.wire import ERROR_BODY_BYTES, MAX_HEAD_BYTES, WireError, WirePool
+from kvtopo_operator.wire import ERROR_BODY_BYTES, MAX_HEAD_BYTES, TooLarge, WireError, WirePool
 from kvtopo_worker.endpoints import Endpoint, parse_endpoint
 
 Script = Callable[[int, bytes], bytes | None]  # (request number, request) -> bytes to send
@@ -178,12 +178,16 @@ def test_a_chunked_body_is_read_and_bounded() -> None:
     run(body)
 
 
-def test_a_body_past_the_limit_is_cut_at_limit_plus_one_and_its_connection_closed() -> None:
+def test_a_body_said_to_be_past_the_limit_is_refused_unread_and_its_connection_closed() -> None:
+    """A Content-Length beyond what the call reads is refused before a byte of the body is
+    read (`TooLarge`); the connection, holding the unread body, is not used again."""
+
     async def body() -> None:
         async def test(pool: WirePool, server: RawServer) -> None:
-            answer = await get(pool, server, limit=10)
-            assert answer.body == b"a" * 11
-            answer = await get(pool, server, limit=10)
+            with pytest.raises(TooLarge, match="100000 bytes"):
+                await get(pool, server, limit=10)
+            answer = await get(pool, server, limit=200_000)
+            assert answer.body == b"a" * 100_000
             assert server.connections == 2
 
         await with_raw(lambda n, r: ok(b"a" * 100_000), test)
