@@ -33,7 +33,6 @@ from kvtopo_operator.api import (
     KVTopologySpec,
     KVTopologyStatus,
     LastFailure,
-    dump,
     read_tolerant,
 )
 from kvtopo_operator.events import EventRecorder
@@ -46,7 +45,7 @@ from kvtopo_operator.gate import (
     transition,
 )
 from kvtopo_operator.gather import WorkerViews, wait_most, wait_set
-from kvtopo_operator.kube import MISSING_STATUS_SUBRESOURCE, KubeClient, StatusNotFound
+from kvtopo_operator.kube import KubeClient
 from kvtopo_operator.logic import (
     NamespaceClaim,
     admissions,
@@ -76,6 +75,7 @@ from kvtopo_operator.model import (
     WorkerView,
     rfc3339,
 )
+from kvtopo_operator.statuswriter import Pacing, StatusWriter, status_pause
 from kvtopo_operator.stopping import StopCause, StopWrites, on_loop_stop
 from kvtopo_operator.workers import CallResult, PeerAdd, WorkerClient
 
@@ -171,14 +171,6 @@ class Settings:
     # The control ports a NetworkPolicy guards (`--guarded-control-ports`); a topology whose
     # controlPort is none of them gets a ControlPortUnguarded Event. Empty: no check.
     guarded_ports: frozenset[int] = frozenset()
-
-
-class StatusWriteRefused(Exception):
-    """A status write refused for a reason that lasts (`status`: the HTTP code)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 def _timed_evaluate(obs: Observed, now: datetime) -> tuple[Plan, float]:
@@ -316,17 +308,10 @@ class _Loop:
     # when one last succeeded (None: never); monotonic. See `Reconciler.stuck`.
     round_ended: float = field(default_factory=time.monotonic)
     succeeded: float | None = None
-    # The status: the last one a round decided (the next round's "previous"; read from the
-    # server only by a loop's first round), what the server was last known to hold, and the
-    # one still to write (see `Reconciler._write_status`).
+    # The status the last round decided (the next round's "previous"; read from the server
+    # only by a loop's first round), and the loop's writer of it (`statuswriter`).
     status: KVTopologyStatus | None = None
-    written: dict[str, Any] | None = None  # in its wire form (`api.dump`)
-    unwritten: KVTopologyStatus | None = None
-    version: str = ""  # the resourceVersion the next status write is conditional on
-    writer: asyncio.Task[None] | None = None
-    write_failures: int = 0  # status writes failed in a row
-    failure_logged: str = ""  # the last failure logged (a repeat is not logged again)
-    refusal_told: str = ""  # the last permanent refusal an Event said
+    writer: StatusWriter | None = None
     swept: object | None = None  # the namespace's claim version its strays were swept at
     spec: KVTopologySpec | None = None  # the spec the last round read (`poke_pods`)
     spec_read: tuple[str, int] = ("", -1)  # (uid, generation) `spec` was read at
@@ -1043,8 +1028,9 @@ class Reconciler:
                 log.warning("%s/%s: the status cannot be read, starting afresh: %s", *key, exc)
                 previous, ignored = KVTopologyStatus(), [".status"]
             # Nothing counts as written yet: a loop's first status is always written.
-            loop.written = None
-            loop.version = str(body["metadata"].get("resourceVersion") or "")
+            self._writer_of(key, loop).start_from(
+                str(body["metadata"].get("resourceVersion") or ""), loop.uid
+            )
         try:
             # Read once per generation of the object (the spec does not change without one).
             if loop.spec is not None and loop.spec_read == (uid, generation):
@@ -1233,119 +1219,33 @@ class Reconciler:
         return acted, plan.wake_in_s
 
     def _write_status(self, key: TopologyKey, loop: _Loop, status: KVTopologyStatus) -> None:
-        """Hands the round's status to the loop's writer, off the round's path: one write
-        in flight at a time, at most one per `status_interval_s`, and a status decided
-        meanwhile replaces any still waiting (only the newest is written); the interval grows
-        with the number of engine lines (`status_pause`). The writer puts it in its wire
-        form when it is about to write it, and writes nothing when that is what the server
-        was last known to hold: a round that finds the writer pacing costs nothing here
-        (a rollout's rounds decide a status each, a 2,000-engine topology's is written
-        once per 4 s). The status
-        subresource has one writer, the leading replica's loop: each write (a merge patch
-        of the whole status) is conditional on the resourceVersion of the loop's own last
-        write (at first, of the body its first round read), so a write a replaced leader
-        still had in flight is refused once the new one wrote, and one that landed first is
-        overwritten. A refused write is tried again on the version the watch delivered last.
-        A loop's first status is always written. A write that fails (403, 429, an admission
-        webhook, a timeout) is retried, newest first, after `retry_s`; the rounds' decisions
-        and timers never wait for it (`loop.memory`, `loop.status`)."""
-        loop.unwritten = status
-        if loop.writer is None or loop.writer.done():
-            loop.writer = asyncio.create_task(
-                self._writer(key, loop), name=f"kvtopo-status-{key[0]}/{key[1]}"
+        """Hands the round's status to the loop's writer (`statuswriter.StatusWriter`),
+        off the round's path; the rounds' decisions and timers never wait for it."""
+        self._writer_of(key, loop).write(status)
+
+    def _writer_of(self, key: TopologyKey, loop: _Loop) -> StatusWriter:
+        if loop.writer is None:
+            loop.writer = StatusWriter(
+                key,
+                writes=self.writes,
+                kube=self.kube,
+                events=self.events,
+                metrics=self.metrics,
+                pacing=self._pacing,
+                body=lambda: self.bodies(key),
+                gone=lambda: self.forget(key),
             )
-
-    async def _writer(self, key: TopologyKey, loop: _Loop) -> None:
-        namespace, name = key
-        while loop.unwritten is not None:
-            decided, loop.unwritten = loop.unwritten, None
-            status = dump(decided)
-            if status == loop.written:
-                continue
-            try:
-                try:
-                    version = await self.writes.patch_status(
-                        namespace, name, status, loop.version, loop.uid
-                    )
-                except StatusNotFound:
-                    if await self.kube.get_topology(namespace, name) is None:
-                        log.info("%s/%s: gone from the API server; forgetting it", *key)
-                        self.forget(key)
-                        return
-                    raise StatusWriteRefused(404, MISSING_STATUS_SUBRESOURCE) from None
-            except Fenced as exc:
-                # Not leading with a fresh lease (stopping, demoted, partitioned): nothing
-                # is written; the leader's loop writes the status it decides.
-                log.info("%s/%s: the status is not written: %s", *key, exc)
-                return
-            except Exception as exc:
-                loop.write_failures += 1
-                pause = min(
-                    self.settings.max_write_backoff_s,
-                    self.settings.retry_s * 2 ** min(loop.write_failures - 1, 16),
-                )
-                # One log line per kind of failure, not one per retry (a refusal lasts).
-                said = f"{type(exc).__name__}: {exc}"[:300]
-                log.log(
-                    logging.DEBUG if said == loop.failure_logged else logging.WARNING,
-                    "%s/%s: the status write failed (%d in a row; next try in %.1f s): %s",
-                    *key,
-                    loop.write_failures,
-                    pause,
-                    said,
-                )
-                loop.failure_logged = said
-                self.metrics.status_write_failures.inc()
-                await self._tell_refusal(key, loop, exc)
-                if loop.unwritten is None:
-                    loop.unwritten = decided
-                await asyncio.sleep(pause)  # backing off: a refusal may last
-                continue
-            loop.write_failures, loop.failure_logged = 0, ""
-            if version is None:
-                # The object changed since the version written last (its spec, or a
-                # write of a replaced leader) or is gone: asked of the API server itself
-                # (a watch that missed a deletion still holds the body), carry on from
-                # its latest version, with the newest status.
-                body = await self.kube.get_topology(namespace, name)
-                if body is None:  # deleted (maybe while the watch was away): forgotten
-                    log.info("%s/%s: gone from the API server; forgetting it", *key)
-                    self.forget(key)
-                    return
-                latest = str(body["metadata"].get("resourceVersion") or "")
-                if loop.unwritten is None:
-                    loop.unwritten = decided
-                if latest == loop.version:  # the watch has not caught up yet
-                    await asyncio.sleep(self.settings.retry_s)
-                loop.version = latest
-                continue
-            loop.written, loop.version = status, version
-            await asyncio.sleep(self.status_pause(status))  # pacing the writes
-
-    async def _tell_refusal(self, key: TopologyKey, loop: _Loop, exc: Exception) -> None:
-        """A write the API server refused for what it says (400, 413, 422: the next write
-        of the same kind will be refused too) is an Event (`StatusWriteRefused`), once per
-        refusal; a passing failure (a timeout, 429, 5xx) is only logged and counted."""
-        code = getattr(exc, "status", None)
-        if code not in (400, 404, 413, 422):
-            return
-        text = str(getattr(exc, "body", "") or exc)[:600]
-        if text == loop.refusal_told:
-            return
-        loop.refusal_told = text
-        body = self.bodies(key)
-        if body is None:
-            with contextlib.suppress(Exception):  # an Event is a courtesy: never stop for it
-                body = await self.kube.get_topology(*key)
-        if body is not None:
-            message = f"the API server refused the status (HTTP {code}): {text}"
-            self.events.record(body, Event("Warning", "StatusWriteRefused", message[:1024]))
+        return loop.writer
 
     def status_pause(self, status: Mapping[str, Any]) -> float:
         """How long the writer waits after writing `status` (see `Settings`)."""
-        lines = len(status.get("engines") or ())
-        per = max(1, self.settings.status_engines_per_interval)
-        return self.settings.status_interval_s * max(1.0, lines / per)
+        return status_pause(status, self._pacing())
+
+    def _pacing(self) -> Pacing:
+        s = self.settings
+        return Pacing(
+            s.status_interval_s, s.status_engines_per_interval, s.retry_s, s.max_write_backoff_s
+        )
 
     async def _set_gates(
         self,
