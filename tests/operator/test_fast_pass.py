@@ -640,8 +640,9 @@ def test_a_round_s_act_drops_only_the_halves_held_as_they_are_now() -> None:
     read), and an eviction of a peer it no longer holds; a half held at another
     incarnation, held but unhealthy, or held while being evicted is still made, as the
     decision asked."""
+    from kvtopo_operator.calls import WorkerPart as _WorkerPart
+    from kvtopo_operator.calls import still_lacking as _still_lacking
     from kvtopo_operator.model import Eviction, Handshake
-    from kvtopo_operator.reconcile import _still_lacking, _WorkerPart
 
     def half(peer: str, incarnation: str = "i1") -> Handshake:
         return Handshake("p0", "127.0.0.1:9000", peer, "127.0.0.1:1", "decode", "", incarnation)
