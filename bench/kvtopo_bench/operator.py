@@ -347,10 +347,10 @@ class _TouchedPods(PodStore):
         self.latest: dict[str, EnginePod] = {}
         self.touched: set[str] = set()
 
-    def upsert(self, pod: EnginePod) -> bool:
+    def put(self, pod: EnginePod) -> tuple[bool, EnginePod | None]:
         self.latest[pod.uid] = pod
         self.touched.add(pod.uid)
-        return super().upsert(pod)
+        return super().put(pod)
 
     def remove(self, namespace: str, uid: str) -> bool:
         self.latest.pop(uid, None)
