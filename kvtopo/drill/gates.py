@@ -36,10 +36,11 @@ class GateChange:
     deleting: bool
 
 
-def gate_of(pod: dict[str, Any]) -> tuple[str, str, str]:
-    """The pod's kv-connected condition: (status, reason, message); ("", "", "") for none."""
+def gate_of(pod: dict[str, Any], condition: str = KV_CONNECTED_GATE) -> tuple[str, str, str]:
+    """The pod's kv-connected condition (or `condition`): (status, reason, message); ("",
+    "", "") for none."""
     for cond in (pod.get("status") or {}).get("conditions") or ():
-        if cond.get("type") == KV_CONNECTED_GATE:
+        if cond.get("type") == condition:
             return (
                 str(cond.get("status") or ""),
                 str(cond.get("reason") or ""),
@@ -58,9 +59,11 @@ class GateWatch:
         *,
         clock: Callable[[], float] = time.monotonic,
         watch_timeout_s: int = 30,
+        condition: str = KV_CONNECTED_GATE,
     ) -> None:
         self.api = api
         self.namespace = namespace
+        self.condition = condition  # the pod condition followed (the gate, or e.g. Ready)
         self.clock = clock
         self.watch_timeout_s = watch_timeout_s
         self.changes: list[GateChange] = []
@@ -125,7 +128,7 @@ class GateWatch:
     def _saw(self, pod: dict[str, Any], *, deleted: bool = False) -> None:
         meta = pod.get("metadata") or {}
         uid = str(meta.get("uid") or "")
-        status, reason, message = ("", "", "") if deleted else gate_of(pod)
+        status, reason, message = ("", "", "") if deleted else gate_of(pod, self.condition)
         with self._lock:
             last = self._last.get(uid)
             if last is not None and (last.status, last.reason, last.message) == (

@@ -13,8 +13,10 @@ with `kubectl apply`. Shown, in order (the tests share one installation):
    KV over NIXL between pods;
 4. `kubectl rollout restart` of the decode Deployment under a request stream: 0 lost, 0
    failed;
-5. deleting the leader pod moves the Lease to the other replica;
-6. `helm uninstall` leaves nothing of the operator behind.
+5. `helm upgrade` with a changed operator value under a request stream: the operator pods
+   roll, and no gate turns False, no engine pod leaves Ready, no request fails;
+6. deleting the leader pod moves the Lease to the other replica;
+7. `helm uninstall` leaves nothing of the operator behind.
 
 The last test of the session (`test_cluster_down_puts_the_machine_back`, ordered last by
 tests/node/conftest.py) stops the cluster and compares the machine with its snapshot.
@@ -35,6 +37,8 @@ from kvtopo.cluster.deadlines import wait_until
 from kvtopo.cluster.host_state import HostSnapshot
 from kvtopo.cluster.local_cluster import LocalCluster
 from kvtopo.cluster.real_node import NODE_NAME, POD_SUBNET
+from kvtopo.drill.gates import GateWatch
+from kvtopo_operator.kube import ClusterApi
 from tests.helm.chart import CHART, Helm
 from tests.node.podtraffic import PodRouter, RequestStream, pod_ready
 
@@ -261,6 +265,47 @@ def test_rollout_restart_of_decode_under_traffic_loses_nothing(install: Install)
     assert ledger.duplicates == 0
     decodes_used = {pair[1] for pair in stream.pairs_seen}
     assert decodes_used & before and decodes_used - before, "traffic ran on old and new engines"
+
+
+def test_helm_upgrade_under_traffic_changes_no_gate_and_fails_no_request(
+    install: Install,
+) -> None:
+    """`helm upgrade` with a changed operator value: the operator Deployment rolls (a new
+    replica stands by, the leader gets SIGTERM and hands the Lease over) while a 4 req/s
+    stream flows. Fail-static: no gate turns False, every engine pod stays Ready (both
+    watched), and no request fails. On 7314fe4 the leader's SIGTERM turned every gate
+    False (`NotSelected`) until a new round ran."""
+    cluster = install.cluster
+    api = ClusterApi(cluster.kubeconfig)
+    engines = {p["metadata"]["name"] for p in install.pods("kvtopo.dev/role")}
+    assert engines and all(pod_ready(p) for p in install.pods("kvtopo.dev/role"))
+    booked_before = len(install.router.ledger.booked)
+    with (
+        GateWatch(api, NAMESPACE) as gates,
+        GateWatch(api, NAMESPACE, condition="Ready") as ready,
+        RequestStream(install.router, rate_per_s=4) as stream,
+    ):
+        wait_until(lambda: len(install.router.ledger.booked) >= booked_before + 8, 60, "traffic")
+        install.helm.run(
+            "upgrade", RELEASE, str(CHART), "--namespace", NAMESPACE, "--reuse-values",
+            "--set", "operator.resyncSeconds=3", "--wait", "--timeout", "240s", timeout=270,
+        )  # fmt: skip
+        cluster.kubectl(
+            "rollout", "status", "deployment/kvtopo-operator", "-n", NAMESPACE,
+            "--timeout=240s", timeout=260,
+        )  # fmt: skip
+        wait_until(install.topology_ready, 120, "the KVTopology Ready under the new leader")
+        served = len(install.router.ledger.booked)
+        wait_until(lambda: len(install.router.ledger.booked) >= served + 8, 60, "traffic after")
+    assert stream.errors == []
+    assert gates.drops(pods=engines) == [], gates.drops(pods=engines)
+    assert ready.drops(pods=engines) == [], ready.drops(pods=engines)
+    ledger = install.router.ledger
+    assert install.router.settle() == [], "lost: booked, never ended on both sides"
+    assert ledger.failed() == []
+    args = get_json(cluster, "deployment", "kvtopo-operator", "-n", NAMESPACE)
+    container = args["spec"]["template"]["spec"]["containers"][0]
+    assert "--resync-seconds=3" in container["args"], "the upgrade reached the operator"
 
 
 def test_deleting_the_leader_pod_moves_the_lease(install: Install) -> None:
