@@ -105,3 +105,25 @@ def test_a_gate_held_up_by_a_control_plane_fault_is_reported_apart() -> None:
     assert report["gated_engines"] == 2 and report["gated_during_control_fault"] == 1
     assert report["engine_up_to_gate_max_s"] == 0.4
     assert invariants_hold(report)
+
+
+def test_a_gate_dropped_while_its_engine_was_connected_breaks_the_invariant() -> None:
+    """`gate_drops_while_connected`: a gate that turned False while its engine held a
+    partner (in the last sample before the drop) and was neither going away nor impaired."""
+    ledger = ledger_with_samples()
+    prefill, decode = next(iter(PAIR))
+    ledger.gate_dropped(10.5, "d0", decode, "decode", "NotSelected: no KVTopology selects it")
+    assert invariants_hold(ledger.report()) is False
+    report = ledger.report()
+    assert report["gate_drops"] == 1 and report["gate_drops_while_connected"] == 1
+    assert report["gate_drop_list"][0]["cause"].startswith("NotSelected")
+    # Going away, impaired, or with no partner then: a drop, but not of a connected engine.
+    calm = ledger_with_samples()
+    calm.going_away(decode, 10.0)
+    calm.gate_dropped(10.5, "d0", decode, "decode", "EngineNotUsable: being deleted")
+    calm.impair(prefill, 20.0, 30.0)
+    calm.gate_dropped(25.0, "p0", prefill, "prefill", "EngineNotUsable: frozen")
+    calm.gate_dropped(50.0, "d9", "D9", "decode", "NoPartner")
+    report = calm.report()
+    assert report["gate_drops"] == 3 and report["gate_drops_while_connected"] == 0
+    assert invariants_hold(report)

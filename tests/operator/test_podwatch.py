@@ -371,3 +371,30 @@ async def test_the_loops_see_the_pods_of_the_store_and_wait_for_its_first_list(
         assert handlers._state["views"]["ns"] == {}
     finally:
         watch.stop()
+
+
+def test_a_gated_pod_that_leaves_the_watch_with_its_gate_true_is_remembered() -> None:
+    """A pod whose role label is removed is reported DELETED by the filtered watch while it
+    runs on: with its gate True (and not being deleted) it is remembered until the operator
+    settles it or it comes back; a pod really being deleted, or with its gate False, is not."""
+    gated = {"readinessGates": [{"conditionType": "kvtopo.dev/kv-connected"}]}
+    ok = {"type": "kvtopo.dev/kv-connected", "status": "True", "reason": "KVConnected"}
+
+    def engine(name: str, gate: dict[str, str] | None, **meta: Any) -> EnginePod:
+        raw = pod_json(name, ready=True, **meta)
+        raw["spec"].update(gated)
+        if gate is not None:
+            raw["status"]["conditions"].append(gate)
+        return decode_pod(json.dumps(raw).encode())
+
+    store = PodStore()
+    store.replace("ns", [])
+    left = engine("d0", ok)
+    assert store.depart(left) and [p.uid for p in store.departed("ns")] == ["u-d0"]
+    assert not store.depart(engine("d1", {**ok, "status": "False"}))
+    assert not store.depart(engine("d2", ok, deletionTimestamp="2026-01-01T00:00:00Z"))
+    store.upsert(left)  # back in the watch (labelled again)
+    assert store.departed("ns") == []
+    store.depart(left)
+    store.settle("ns", left.uid)
+    assert store.departed("ns") == []
