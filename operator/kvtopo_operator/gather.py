@@ -150,10 +150,15 @@ class WorkerViews:
         reads_per_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[], None] = lambda: None,
+        sharing: Callable[[], int] = lambda: 0,
     ) -> None:
         self._read = read
         self._max_age_s = max_age_s
         self._reads_per_s = reads_per_s
+        # How many workers share the re-read budget with this topology's (its namespace's
+        # engines): the budget is the namespace's, so 100 topologies of 10 engines re-read
+        # as often as one of 1,000 (each of its own budget re-read 5 times as much).
+        self._sharing = sharing
         self._clock = clock
         self._on_change = on_change
         self._entries: dict[str, _Entry] = {}  # by pod name
@@ -219,7 +224,7 @@ class WorkerViews:
             del self._entries[name]
         await self._read_due(usable.values(), concurrency, timeout_s, wait_s)
         now = self._clock()
-        age = self.refresh_age(len(usable))
+        age = self.refresh_age(max(len(usable), self._sharing()))
         if now - self._arrived_at < self._max_age_s:
             age *= ARRIVALS_STRETCH  # the arrivals first (`ARRIVALS_STRETCH`)
         old = now - age

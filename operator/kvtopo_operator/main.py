@@ -94,7 +94,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--state-reads-per-second",
         type=float,
         default=100.0,
-        help="at most this many periodic worker-state re-reads a second per topology: in a "
+        help="at most this many periodic worker-state re-reads a second per namespace (its "
+        "topologies share it): in a "
         "topology of more than --resync-seconds x this workers, each is re-read every "
         "workers / this seconds instead (10 s at 1,000); 0: no bound",
     )

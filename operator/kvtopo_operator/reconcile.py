@@ -103,7 +103,8 @@ OWNER_CHECK_S = 5.0  # how often a topology claiming this one's pods is asked af
 class Settings:
     resync_s: float = 2.0  # worker state is polled at least this often
     # ... unless the topology is so large that this would take more re-reads a second than
-    # this (per topology): a worker's state then goes unread for up to workers / this
+    # this (per namespace, its topologies sharing it): a worker's state then goes unread
+    # for up to workers / this
     # (10 s at 1,000 workers, 20 s at 2,000). New, moved and failed workers are read at
     # once, and whatever the operator changes by its own calls it knows without a read; the
     # re-reads only look for drift (a failure a worker reports, a restart in place). At 250
@@ -305,6 +306,7 @@ class Reconciler:
                 max_age_s=0.9 * self.settings.resync_s,
                 reads_per_s=self.settings.state_reads_per_s,
                 on_change=changed,
+                sharing=lambda: self._namespace_engines(key[0]),
             )
             loop = _Loop(task=task, views=views, poke=poke, arrived=arrived)
             if self.settings.prefetch_interval_s < math.inf:
@@ -436,6 +438,12 @@ class Reconciler:
         if index is None or index.created != me.created or claim.specs.get(me.name) != spec:
             return all_pods, others, *owned_pods(me, others, all_pods), key
         return all_pods, others, claim.owned[me.name], dict(claim.claimed[me.name]), key
+
+    def _namespace_engines(self, namespace: str) -> int:
+        """The engine pods of the namespace as its last claim counted them (0: none yet):
+        the namespace's topologies share one budget of state re-reads."""
+        held = self._claims.get(namespace)
+        return len(held[1]) if held is not None else 0
 
     def _pods_now(self, namespace: str, port: int) -> tuple[PodView, ...]:
         """The namespace's pods: those its claim was made of while they have not changed
