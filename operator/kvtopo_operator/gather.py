@@ -159,6 +159,7 @@ class WorkerViews:
         # engines): the budget is the namespace's, so 100 topologies of 10 engines re-read
         # as often as one of 1,000 (each of its own budget re-read 5 times as much).
         self._sharing = sharing
+        self._workers = 0  # the usable workers the last gather looked at
         self._clock = clock
         self._on_change = on_change
         self._entries: dict[str, _Entry] = {}  # by pod name
@@ -224,6 +225,7 @@ class WorkerViews:
             del self._entries[name]
         await self._read_due(usable.values(), concurrency, timeout_s, wait_s)
         now = self._clock()
+        self._workers = len(usable)
         age = self.refresh_age(max(len(usable), self._sharing()))
         if now - self._arrived_at < self._max_age_s:
             age *= ARRIVALS_STRETCH  # the arrivals first (`ARRIVALS_STRETCH`)
@@ -365,6 +367,15 @@ class WorkerViews:
         if view is known:
             self.unchanged += 1
         return _Entry(pod.endpoint, view, started)
+
+    def idle_wake_s(self) -> float:
+        """How long a loop with nothing to do may wait before its next round, which starts
+        the re-reads due: the resync period (`max_age_s` is 0.9 of it), or half the re-read
+        age where the namespace's budget stretches it (a round finds nothing to re-read
+        until then: 100 topologies of 10 engines each ran a round every 2 s for re-reads
+        due every 10 s)."""
+        resync = self._max_age_s / 0.9
+        return max(resync, self.refresh_age(max(self._workers, self._sharing())) / 2)
 
     def refresh_age(self, workers: int) -> float:
         """How old a view of one of `workers` workers gets before it is re-read: the

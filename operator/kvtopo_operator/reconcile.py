@@ -625,7 +625,9 @@ class Reconciler:
                 gap = min(self.settings.max_gap_s, time.process_time() - cpu_began)
                 loop.failed_rounds = 0
                 loop.succeeded = loop.round_ended = time.monotonic()
-                delay = self.settings.retry_s if acted else self.settings.resync_s
+                # Nothing to do: the next round is for the re-reads, which a namespace's
+                # budget may space out further than the resync period (`idle_wake_s`).
+                delay = self.settings.retry_s if acted else loop.views.idle_wake_s()
                 if wake_in is not None:  # an eviction falls due before the next resync
                     delay = min(delay, max(0.05, wake_in))
             except asyncio.CancelledError:
@@ -1017,19 +1019,16 @@ class Reconciler:
         # second of pure Python): the Lease renewals, the pod watch and the other loops go
         # on meanwhile. Only this loop touches its memory, and it waits for the plan.
         try:
-            plan, decide_cpu = await asyncio.to_thread(
-                _timed_evaluate,
-                Observed(
-                    generation=generation,
-                    spec=spec,
-                    pods=pods,
-                    workers=workers,
-                    previous=previous,
-                    claimed=claimed,
-                    memory=loop.memory,
-                ),
-                now,
+            observed = Observed(
+                generation=generation,
+                spec=spec,
+                pods=pods,
+                workers=workers,
+                previous=previous,
+                claimed=claimed,
+                memory=loop.memory,
             )
+            plan, decide_cpu = await asyncio.to_thread(_timed_evaluate, observed, now)
             if admitting is not None:  # its calls go on; only their start is waited for
                 await admitting
         finally:  # the round failed or the loop stopped meanwhile: so does the pairing
