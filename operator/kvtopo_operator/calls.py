@@ -71,7 +71,7 @@ class Calls:
     outcome: Outcome = field(default_factory=lambda: Outcome(False, [], [], [], {}))
     # A worker's part of a later plan, made by its task as soon as its calls out end (pod
     # name -> endpoint and part): at most one per worker, the latest round's (a pass's
-    # part joins it). See `_act`.
+    # part joins it). See `WorkerCalls.act`.
     queued: dict[str, tuple[str, WorkerPart]] = field(default_factory=dict)
 
     def cancel(self) -> None:

@@ -37,7 +37,7 @@ from kvtopo_operator.api import (
     KVTopologyStatus,
     read_tolerant,
 )
-from kvtopo_operator.calls import Calls, Outcome, WorkerCalls
+from kvtopo_operator.calls import Calls, WorkerCalls
 from kvtopo_operator.events import EventRecorder
 from kvtopo_operator.fence import Fence, Fenced, FencedWrites
 from kvtopo_operator.gate import (
@@ -149,7 +149,7 @@ class Settings:
     # round decides (`_admit_gathered`, by `logic.admissions` under the last round's
     # decision), not after it: in a rollout's surge a 2,000-engine round decides for a
     # share of a second, and the surge's decodes are those waiting. The round's own plan
-    # then finds their halves made (or queued behind the calls out: `_act`).
+    # then finds their halves made (or queued behind the calls out: `calls.WorkerCalls.act`).
     admit_while_deciding: bool = True
     # A worker whose pod became usable is read as soon as the pod watch says so, at most
     # this often per topology (`Reconciler._prefetch`; math.inf: off), not when the next
@@ -226,7 +226,9 @@ class _Loop:
     ignored: list[str] = field(default_factory=list)  # unknown fields last reported
     failing: dict[Handshake, FailingHandshake] = field(default_factory=dict)
     memory: Memory = field(default_factory=Memory)  # see logic.Memory
-    calls: Calls = field(default_factory=Calls)  # worker calls still out (see `_act`)
+    calls: Calls = field(
+        default_factory=Calls
+    )  # worker calls still out (see `calls.WorkerCalls.act`)
     # When a round last ended, well or not (from the loop's start until its first), and
     # when one last succeeded (None: never); monotonic. See `Reconciler.stuck`.
     round_ended: float = field(default_factory=time.monotonic)
@@ -677,7 +679,7 @@ class Reconciler:
         assert decided is not None and decided.me.spec is not None
         spec = decided.me.spec
         plan = Plan(handshakes, (), KVTopologyStatus(), (), 0, 0)
-        await self._act(
+        await self.worker_calls.act(
             plan,
             loop.views,
             asyncio.Semaphore(spec.handshake.max_concurrent),
@@ -701,7 +703,7 @@ class Reconciler:
         of a second under load): an engine that comes up meanwhile, or whose read ends
         meanwhile, is read and paired then (`_arrivals`), not after the round. A pass's
         own calls are not waited for (what they end with is the next round's), and its
-        part for a worker whose calls are out is queued behind them (`_act`). Returns once
+        part for a worker whose calls are out is queued behind them (`calls.WorkerCalls.act`). Returns once
         the round's calls are done and no pass is under way. Also for the rest of the pause
         between rounds (`acting`: that pause; `clear=False`: what arrived since the fast
         pass began is the passes')."""
@@ -909,7 +911,7 @@ class Reconciler:
             if not handshakes:
                 return
             self.metrics.arrival_handshakes.inc(len(handshakes))
-            await self._act(
+            await self.worker_calls.act(
                 Plan(handshakes, (), KVTopologyStatus(), (), 0, 0),
                 loop.views,
                 sem,
@@ -1053,7 +1055,7 @@ class Reconciler:
             if late:
                 plan = dataclasses.replace(plan, handshakes=plan.handshakes + late)
         acting = asyncio.ensure_future(
-            self._act(
+            self.worker_calls.act(
                 plan,
                 loop.views,
                 sem,
@@ -1235,35 +1237,6 @@ class Reconciler:
         for event in events:
             self.events.record(body, event)
         log.error("%s/%s: %s", *key, problems)
-
-    async def _act(
-        self,
-        plan: Plan,
-        views: WorkerViews,
-        sem: asyncio.Semaphore,
-        call_timeout: float,
-        now: datetime,
-        failing_before: set[Handshake] | None = None,
-        *,
-        calls: Calls | None = None,
-        wait_s: float | None = None,
-        on_late: Callable[[], None] = lambda: None,
-        take: bool = True,
-    ) -> Outcome:
-        """Makes the plan's handshakes and evictions and sets its idle TTLs, one task per
-        worker (`calls.WorkerCalls.act`)."""
-        return await self.worker_calls.act(
-            plan,
-            views,
-            sem,
-            call_timeout,
-            now,
-            failing_before,
-            calls=calls,
-            wait_s=wait_s,
-            on_late=on_late,
-            take=take,
-        )
 
     def _observe(
         self, key: TopologyKey, loop: _Loop, plan: Plan, pods: tuple[PodView, ...], seconds: float

@@ -17,10 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
-import subprocess
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -38,6 +35,7 @@ from kvtopo.localkeys import Credentials
 from kvtopo_operator.kube import ClusterApi, LeaseClient, LeaseRecord
 from kvtopo_operator.leader import ElectionConfig, LeaderElector
 from tests.cluster.kube import apply, create_namespace, get_json
+from tests.e2e.replicas import Replica, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 LEASE = "kvtopo-operator"
@@ -238,42 +236,6 @@ async def test_a_leader_that_stops_releases_and_the_standby_takes_over_at_once(
 
 
 # --- two operator processes -----------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-@dataclass
-class Replica:
-    identity: str
-    port: int
-    log: Path
-    proc: subprocess.Popen[bytes]
-
-    def metrics(self) -> dict[str, float]:
-        """The operator's /metrics samples ({} while it does not serve)."""
-        assert self.proc.poll() is None, f"{self.identity} exited:\n{log_tail(self.log, 40)}"
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=2) as r:
-                text = r.read().decode()
-        except OSError:
-            return {}
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
-
-    def leading(self) -> float | None:
-        return self.metrics().get("kvtopo_operator_leader")
-
-    def reconciles(self) -> float:
-        return self.metrics().get("kvtopo_operator_reconcile_seconds_count", 0.0)
 
 
 @dataclass

@@ -2,7 +2,7 @@
 each batch of adds (only to a worker that reports one) and the idle TTL (`PUT /v1/settings`,
 only where a worker reports another value), with the outcomes kept in the worker views.
 
-`Reconciler._act` built through its real constructor, with a recording worker client."""
+`Reconciler.worker_calls.act` built through its real constructor, with a recording worker client."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ async def act(
     seen = await views.gather(pods, concurrency=4, timeout_s=1.0)
     obs = Observed(3, SPEC, tuple(pods), seen, KVTopologyStatus())
     plan = evaluate(obs, T0)
-    await reconciler._act(plan, views, asyncio.Semaphore(4), 7.0, T0)
+    await reconciler.worker_calls.act(plan, views, asyncio.Semaphore(4), 7.0, T0)
     return plan
 
 
