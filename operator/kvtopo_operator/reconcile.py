@@ -703,8 +703,9 @@ class Reconciler:
         of a second under load): an engine that comes up meanwhile, or whose read ends
         meanwhile, is read and paired then (`_arrivals`), not after the round. A pass's
         own calls are not waited for (what they end with is the next round's), and its
-        part for a worker whose calls are out is queued behind them (`calls.WorkerCalls.act`). Returns once
-        the round's calls are done and no pass is under way. Also for the rest of the pause
+        part for a worker whose calls are out is queued behind them
+        (`calls.WorkerCalls.act`). Returns once the round's calls are done and no pass is
+        under way. Also for the rest of the pause
         between rounds (`acting`: that pause; `clear=False`: what arrived since the fast
         pass began is the passes')."""
         if clear:
