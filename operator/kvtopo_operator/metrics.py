@@ -132,6 +132,13 @@ class OperatorMetrics:
             "missed.",
             registry=self.registry,
         )
+        self.quiet_rounds = Counter(
+            "kvtopo_operator_quiet_rounds",
+            "Rounds that found nothing changed since a round with nothing to do (the same "
+            "claim, spec and worker views, no call out, no timer running) and skipped the "
+            "decision: their work was the periodic re-reads.",
+            registry=self.registry,
+        )
         self.writes = Counter(
             "kvtopo_operator_writes",
             "Writes this replica made, by kind: status (a KVTopology's), gate (a pod's "

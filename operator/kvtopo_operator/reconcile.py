@@ -186,6 +186,7 @@ def _timed_evaluate(obs: Observed, now: datetime) -> tuple[Plan, float]:
 # A round this large or this long is logged (INFO) with where its time went.
 LOUD_ROUND_HANDSHAKES = 1000
 LOUD_ROUND_S = 1.0
+QUIET_FULL_ROUND_S = 30.0  # a quiet topology still decides afresh this often
 # The passes while a round acts (`Reconciler._passes_while`) start at most this often.
 PASS_INTERVAL_S = 0.05
 
@@ -239,6 +240,10 @@ class _Loop:
     writer: StatusWriter | None = None
     swept: object | None = None  # the namespace's claim version its strays were swept at
     spec: KVTopologySpec | None = None  # the spec the last round read (`poke_pods`)
+    # What the last full round decided from, when it had nothing to do (`_quiet_signature`),
+    # and when it ran: a round that finds the same skips its decision.
+    quiet: tuple[object, ...] | None = None
+    quiet_since: float = 0.0
     spec_read: tuple[str, int] = ("", -1)  # (uid, generation) `spec` was read at
     ignored_spec: list[str] = field(default_factory=list)  # what reading it ignored
 
@@ -1009,6 +1014,12 @@ class Reconciler:
         )
         self.metrics.state_reads.inc(loop.views.reads - reads)
         self.metrics.state_unchanged.inc(loop.views.unchanged - unchanged)
+        quiet = self._quiet_signature(loop, generation, shared, spec, workers)
+        if quiet is not None and loop.quiet == quiet and self._nothing_pending(loop):
+            # Nothing changed since a round that had nothing to do and no timer running:
+            # its decision stands. The round was for the re-reads (started by the gather).
+            self.metrics.quiet_rounds.inc()
+            return False, None
         gathered = time.monotonic()
         now = self.clock()
         admitting = (
@@ -1149,7 +1160,39 @@ class Reconciler:
         if self._oldest(me, others):
             await self._sweep_departed(namespace, sem, now)
         self._observe(key, loop, plan, pods, time.monotonic() - started)
+        still = not (acted or plan.handshakes or plan.evictions or plan.idle_ttls or changes)
+        loop.quiet = quiet if still and plan.wake_in_s is None and not loop.failing else None
+        loop.quiet_since = time.monotonic()
         return acted, plan.wake_in_s
+
+    def _quiet_signature(
+        self,
+        loop: _Loop,
+        generation: int,
+        shared: object | None,
+        spec: KVTopologySpec,
+        workers: Mapping[str, WorkerView | WorkerUnreachable],
+    ) -> tuple[object, ...] | None:
+        """What a round decides from, by identity: the object's generation, the namespace's
+        claim (its version: pods, nodes, topologies), the spec and every worker's view (a
+        view is a new object whenever its worker said something new). None when it cannot
+        be told (no claim version)."""
+        if shared is None:
+            return None
+        return (generation, shared, id(spec), tuple((n, id(v)) for n, v in workers.items()))
+
+    def _nothing_pending(self, loop: _Loop) -> bool:
+        """No call out, none that ended unseen, no handshake failing, and a full round not
+        too long ago (`QUIET_FULL_ROUND_S`: time-kept parts of the status, such as how long
+        evicted engines are listed, move on)."""
+        out = loop.calls.outcome
+        return (
+            not loop.calls.out
+            and not loop.calls.queued
+            and not (out.acted or out.made or out.failed or out.events or out.failures)
+            and not loop.failing
+            and time.monotonic() - loop.quiet_since < QUIET_FULL_ROUND_S
+        )
 
     def _write_status(self, key: TopologyKey, loop: _Loop, status: KVTopologyStatus) -> None:
         """Hands the round's status to the loop's writer (`statuswriter.StatusWriter`),

@@ -20,7 +20,7 @@ import pytest
 from kvtopo_operator.api import KV_CONNECTED_GATE, KVTopologySpec, dump
 from kvtopo_operator.kube import KubeClient
 from kvtopo_operator.metrics import OperatorMetrics
-from kvtopo_operator.model import PodView
+from kvtopo_operator.model import PodView, WorkerView
 from kvtopo_operator.reconcile import Reconciler, Settings
 from kvtopo_operator.workers import WorkerClient
 from tests.operator.fakes import FakeKube, HungCalls, RecordingWorkers
@@ -449,3 +449,41 @@ async def test_a_loop_stopped_as_its_poke_arrives_stops_at_every_step_of_the_eve
 
     lost = [steps for steps in range(10) if await goes_on(steps)]
     assert lost == [], f"the old loop went on when stopped {lost} steps after its poke"
+
+
+async def test_a_round_that_finds_nothing_changed_keeps_the_last_decision() -> None:
+    """A topology with nothing to do decides once: the rounds after it (for the periodic
+    re-reads) find the same claim, spec and worker views and skip the decision
+    (`kvtopo_operator_quiet_rounds`); a worker that says something new brings a full round
+    that acts on it (its lost peer is added again)."""
+    pods = [pod("p0", "prefill"), pod("d0", "decode")]
+    kube = FakeKube({"llama": topology_body()})
+    workers = RecordingWorkers.for_pods(pods)
+    reconciler = Reconciler(
+        kube=cast(KubeClient, kube),
+        workers=cast(WorkerClient, workers),
+        pods=lambda namespace, port: pods,
+        pods_version=lambda namespace: 1,
+        metrics=OperatorMetrics(),
+        settings=Settings(resync_s=30.0, retry_s=0.01, state_reads_per_s=0),
+    )
+    quiet = reconciler.metrics.quiet_rounds
+    try:
+        reconciler.ensure(KEY)
+        await until("the pair", lambda: workers.peers_of(pods[1].endpoint) == {"P0"})
+        loop = reconciler._loops[KEY]
+        await until("a quiet round's signature", lambda: loop.quiet is not None)
+        for _ in range(3):
+            loop.poke.set()
+            before = quiet._value.get()
+            await until("a quiet round", lambda b=before: quiet._value.get() > b)
+        calls = len(workers.calls)
+        view = workers.views[pods[1].endpoint]
+        assert isinstance(view, WorkerView)
+        workers.views[pods[1].endpoint] = dataclasses.replace(view, peers=frozenset())
+        loop.views.mark_dirty("d0")  # as a failed call or a re-read would
+        loop.poke.set()
+        await until("P0 added again", lambda: workers.peers_of(pods[1].endpoint) == {"P0"})
+        assert ("change_peers", pods[1].endpoint) in workers.calls[calls:]
+    finally:
+        await reconciler.stop()
