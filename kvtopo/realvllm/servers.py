@@ -35,7 +35,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kvtopo import ports
 
 HOST = "127.0.0.1"
 POD_ENGINE_PORT = 8000  # an engine pod's vLLM port (the router's --service-discovery-port)
@@ -95,43 +96,9 @@ def missing_reason() -> str | None:
     return None
 
 
-_HANDED_OUT: set[tuple[str, int]] = set()
-
-
-def _ephemeral_low() -> int:
-    """The lowest port the kernel hands out for outgoing connections and bind(0)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
 def free_port(host: str = HOST) -> int:
-    """A port free at `host` now, for a server that binds it later (a vLLM server's control
-    API binds its port a minute or more after it is chosen).
-
-    Chosen below the kernel's ephemeral range: a port bind(0) returns comes from that range,
-    and so do the ports of every outgoing connection and of every socket the servers bind
-    to port 0 meanwhile, so it can be taken before the server binds it. A side-by-side run
-    lost both control ports of a pair that way ("address already in use") after an hour of
-    traffic. Never the same port twice in one process."""
-    high = _ephemeral_low() - 1
-    low = max(1024, high - 12000)
-    rng = secrets.SystemRandom()
-    for _ in range(200):
-        port = rng.randint(low, high)
-        if (host, port) in _HANDED_OUT:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-        _HANDED_OUT.add((host, port))
-        return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a crowded range
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A port free at `host` now, for a server that binds it later (`kvtopo.ports`)."""
+    return ports.free_port(host)
 
 
 def cache_root() -> Path:

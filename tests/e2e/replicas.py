@@ -6,7 +6,6 @@ Shared by the fail-static tests and the leader-election tests on the real API se
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import urllib.request
 from dataclasses import dataclass
@@ -16,16 +15,10 @@ from kvtopo import launch
 from kvtopo.cluster.local_cluster import LocalCluster
 from kvtopo.cluster.processes import log_tail
 from kvtopo.localkeys import Credentials
+from kvtopo.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 LEASE = "kvtopo-operator"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass

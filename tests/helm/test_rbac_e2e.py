@@ -23,7 +23,6 @@ from __future__ import annotations
 import base64
 import json
 import re
-import socket
 import subprocess
 import time
 import urllib.request
@@ -40,6 +39,7 @@ from kvtopo.cluster.deadlines import wait_until
 from kvtopo.cluster.local_cluster import LocalCluster
 from kvtopo.drill import manifests
 from kvtopo.localkeys import OPERATOR_KEY, OPERATOR_PUBLIC, Credentials
+from kvtopo.ports import free_port
 from tests.cluster.kube import apply, create_namespace, get_json
 from tests.e2e.harness import OperatorHarness
 from tests.helm.chart import CHART, Helm, binary, can_i, parse, rules_set
@@ -61,13 +61,6 @@ AUDIT_TIMEOUT_S = 30
 TEST_USER_AGENT = "kubectl/"
 
 Grant = tuple[str, str, str, str]  # (apiGroup, resource[/subresource], resourceName or *, verb)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass

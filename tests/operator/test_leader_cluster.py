@@ -32,10 +32,11 @@ from kvtopo.cluster.local_cluster import LocalCluster
 from kvtopo.cluster.processes import log_tail
 from kvtopo.drill import manifests
 from kvtopo.localkeys import Credentials
+from kvtopo.ports import free_port
 from kvtopo_operator.kube import ClusterApi, LeaseClient, LeaseRecord
 from kvtopo_operator.leader import ElectionConfig, LeaderElector
 from tests.cluster.kube import apply, create_namespace, get_json
-from tests.e2e.replicas import Replica, free_port
+from tests.e2e.replicas import Replica
 
 ROOT = Path(__file__).resolve().parents[2]
 LEASE = "kvtopo-operator"

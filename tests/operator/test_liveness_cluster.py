@@ -28,6 +28,7 @@ from kvtopo.cluster.local_cluster import LocalCluster
 from kvtopo.cluster.processes import log_tail
 from kvtopo.drill import manifests
 from kvtopo.localkeys import Credentials
+from kvtopo.ports import free_port
 from tests.cluster.kube import (
     CONTROL_PORT,
     apply,
@@ -39,13 +40,6 @@ from tests.cluster.kube import (
 
 ROOT = Path(__file__).resolve().parents[2]
 STUCK_AFTER_S = 3
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def healthz(port: int) -> tuple[int, Any]:

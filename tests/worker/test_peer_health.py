@@ -6,7 +6,6 @@ again with no manual restart."""
 from __future__ import annotations
 
 import signal
-import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from kvtopo.ports import free_port
 from tests.worker.workers import WorkerProcess, start_worker
 
 pytestmark = pytest.mark.nixl
@@ -34,12 +34,6 @@ OPTS = (
     "--progress-thread",
     "off",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(what: str, probe: Callable[[], _T | None], timeout: float = 10) -> _T:
