@@ -429,6 +429,20 @@ def containerd_images(address: Path) -> set[str]:
     return {line.strip() for line in ctr(address, "images", "list", "--quiet").splitlines()}
 
 
+PUBLISHED = "ghcr.io/kvtopo"
+"""Where the chart and the examples name kvtopo's images (`image.repository`'s default)."""
+
+
+def published_names(version: str | None = None) -> dict[str, str]:
+    """The names the chart's defaults and the examples give the operator and worker images:
+    `ghcr.io/kvtopo/<name>:<the chart's appVersion>`."""
+    if version is None:
+        chart = (repo_root() / "helm" / "kvtopo" / "Chart.yaml").read_text()
+        m = re.search(r'^appVersion:\s*"?([^"\s]+)"?', chart, re.M)
+        version = m.group(1) if m else "0.0.0"
+    return {name: f"{PUBLISHED}/{name}:{version}" for name in ("operator", "worker")}
+
+
 def load_images(
     builder: ImageBuilder,
     address: Path,
@@ -437,7 +451,10 @@ def load_images(
     progress: Progress = _quiet,
 ) -> list[str]:
     """Copy the images of ``names`` a containerd (at ``address``) lacks into it, and drop the
-    other tags of those repositories there; returns the refs loaded."""
+    other tags of those repositories there; returns the refs loaded. The operator and worker
+    images are tagged there under their published names too (`published_names`), as `kind
+    load` does: `helm install kvtopo helm/kvtopo` with the chart's defaults, and the
+    examples, run what was built, with no registry."""
     present = containerd_images(address)
     loaded: list[str] = []
     for name in names:
@@ -475,6 +492,9 @@ def load_images(
             ctr(address, "images", "remove", *stale)
         loaded.append(ref)
         progress(f"loaded {ref} in {time.monotonic() - t0:.0f} s")
+    for name, alias in published_names().items():
+        if name in images.refs and name in set(names):
+            ctr(address, "images", "tag", "--force", images.refs[name], alias)
     return loaded
 
 

@@ -35,6 +35,7 @@ import yaml
 
 from kvtopo.cluster.deadlines import wait_until
 from kvtopo.cluster.host_state import HostSnapshot
+from kvtopo.cluster.images import published_names
 from kvtopo.cluster.local_cluster import LocalCluster
 from kvtopo.cluster.real_node import NODE_NAME, POD_SUBNET
 from kvtopo.drill.gates import GateWatch
@@ -130,13 +131,11 @@ class Install:
 def install(cluster_c: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Install:
     assert cluster_c.images is not None
     helm = Helm(tmp_path_factory.mktemp("helm-home"), cluster_c.kubeconfig)
-    operator = cluster_c.images.operator
-    repository, _, tag = operator.rpartition(":")
+    # The chart's defaults, no --set: the node holds the image just built under the chart's
+    # default name too (`kvtopo.cluster.images.published_names`), as `kind load` would.
     helm.run(
         "install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--create-namespace",
-        "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
-        "--set", "image.pullPolicy=Never", "--wait", "--timeout", f"{int(INSTALL_TIMEOUT_S)}s",
-        timeout=INSTALL_TIMEOUT_S + 30,
+        "--wait", "--timeout", f"{int(INSTALL_TIMEOUT_S)}s", timeout=INSTALL_TIMEOUT_S + 30,
     )  # fmt: skip
     return Install(cluster_c, helm)
 
@@ -148,6 +147,8 @@ def test_helm_install_runs_two_operator_pods_on_the_real_node_one_leading(
     assert len(operators) == 2
     for pod in operators:
         assert pod["spec"]["nodeName"] == NODE_NAME
+        # The chart's default image, installed with no --set: the one built from docker/.
+        assert pod["spec"]["containers"][0]["image"] == published_names()["operator"]
         assert pod_ready(pod), pod["metadata"]["name"]
         statuses = pod["status"]["containerStatuses"]
         assert all(s["ready"] and s["restartCount"] == 0 for s in statuses)
