@@ -165,6 +165,7 @@ def test_every_make_target_the_docs_name_exists() -> None:
     assert not problems, "\n".join(sorted(set(problems)))
 
 
+VALUE_NAME = re.compile(r"(?:^|[\s=,])([a-z][A-Za-z0-9]*(?:\.[A-Za-z][A-Za-z0-9]*)+)")
 FILE_SUFFIXES = {"key", "pem", "py", "Dockerfile", "yaml", "json", "md", "sh", "txt", "toml"}
 
 
