@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from kvtopo.cluster.binaries import cache_root, find_binary
 
@@ -505,6 +505,21 @@ def main(argv: list[str] | None = None) -> int:
         "docker/*.Dockerfile and uv.lock; print their references as JSON.",
     )
     parser.add_argument("--prune", action="store_true", help="drop older tags afterwards")
+    parser.add_argument(
+        "--push",
+        metavar="REGISTRY",
+        help="then push the operator and worker images to REGISTRY/kvtopo/<name>:<the chart's "
+        "appVersion> (e.g. registry.example.com/team; buildah's own credentials, `buildah "
+        "login`): the chart's image.repository is then REGISTRY/kvtopo/operator",
+    )
+    parser.add_argument(
+        "--save",
+        metavar="DIR",
+        type=Path,
+        help="then write the operator and worker images to DIR/<name>.tar (docker-archive, "
+        "named as the chart and the examples name them): for `kind load image-archive`, "
+        "`ctr -n k8s.io images import` on a node, or `docker load`",
+    )
     args = parser.parse_args(argv)
 
     def say(line: str) -> None:
@@ -522,7 +537,29 @@ def main(argv: list[str] | None = None) -> int:
         for ref in builder.prune(images):
             say(f"removed older {ref}")
     say(f"ready in {time.monotonic() - t0:.1f} s")
-    sys.stdout.write(json.dumps({"images": images.to_json(), "built_s": builder.timings}) + "\n")
+    published = published_names()
+    out: dict[str, Any] = {"images": images.to_json(), "built_s": builder.timings}
+    try:
+        if args.push:
+            out["pushed"] = {}
+            for name, alias in published.items():
+                target = f"{args.push.rstrip('/')}/kvtopo/{alias.rsplit('/', 1)[1]}"
+                say(f"pushing {images.refs[name]} to {target}")
+                builder.buildah("push", images.refs[name], f"docker://{target}")
+                out["pushed"][name] = target
+        if args.save:
+            args.save.mkdir(parents=True, exist_ok=True)
+            out["saved"] = {}
+            for name, alias in published.items():
+                archive = args.save / f"{name}.tar"
+                archive.unlink(missing_ok=True)
+                say(f"saving {images.refs[name]} as {alias} to {archive}")
+                builder.buildah("push", images.refs[name], f"docker-archive:{archive}:{alias}")
+                out["saved"][name] = str(archive)
+    except ImageBuildError as error:
+        say(f"error: {error}")
+        return 1
+    sys.stdout.write(json.dumps(out) + "\n")
     return 0
 
 

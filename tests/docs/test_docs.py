@@ -287,3 +287,28 @@ def test_the_vllm_settings_table_says_each_default_as_the_connector_takes_it(
     assert "off" in rows["lazy_handshake"] and "peer token" in rows["lazy_handshake"], rows[
         "lazy_handshake"
     ]
+
+
+def test_every_event_reason_the_operator_records_is_in_the_install_guide() -> None:
+    """docs/install.md lists every Event reason the operator records (7314fe4's README list
+    lacked PeerUnhealthy and StatusWriteRefused)."""
+    reasons = {
+        # recorded under a reason chosen at run time (`logic`): an unusable engine's reason,
+        # the Conflict condition, the handshakes failing past the deadline, a bad spec
+        "EndpointRefused",
+        "IdentityMismatch",
+        "DuplicateEngineId",
+        "WorkerAnswerRefused",
+        "WorkerUnreachable",
+        "Conflict",
+        "HandshakeFailed",
+        "InvalidSpec",
+        "PeerUnhealthy",
+    }
+    for source in (ROOT / "operator" / "kvtopo_operator").glob("*.py"):
+        reasons |= set(
+            re.findall(r'Event\(\s*"(?:Warning|Normal)",\s*"([A-Za-z]+)"', source.read_text(), re.S)
+        )
+    doc = (ROOT / "docs" / "install.md").read_text()
+    missing = sorted(r for r in reasons if f"`{r}`" not in doc)
+    assert not missing, f"docs/install.md does not name the Events {missing}"
