@@ -57,6 +57,8 @@ FIGURES: list[tuple[str, str, str, str]] = [
     ("docs/drill.md", "docs/drill-report.json", "requests_total", "{:,}"),
     ("docs/drill.md", "docs/drill-report.json", "verified_bytes", "{:,}"),
     ("docs/vllm.md", "docs/drill-vllm-server.json", "requests_total", "{:,}"),
+    ("docs/vllm.md", "docs/drill-vllm-server-3prompts.json", "requests_total", "{:,}"),
+    ("docs/drill.md", "docs/drill-vllm-server.json", "requests_total", "{:,}"),
 ]
 
 
