@@ -54,6 +54,18 @@ FIGURES: list[tuple[str, str, str, str]] = [
         "{:.2f} s",
     ),
     ("README.md", "docs/drill-report.json", "requests_total", "{:,}"),
+    (
+        "README.md",
+        "bench/results/operator.json",
+        "sizes[64x2000].ready_to_connected_p99_s",
+        "{:.3f} s",
+    ),
+    (
+        "README.md",
+        "bench/results/operator.json",
+        "sizes[64x2000].rollout_vs_control_plane_only",
+        "{:.2f}x",
+    ),
     ("docs/drill.md", "docs/drill-report.json", "requests_total", "{:,}"),
     ("docs/drill.md", "docs/drill-report.json", "verified_bytes", "{:,}"),
     ("docs/vllm.md", "docs/drill-vllm-server.json", "requests_total", "{:,}"),
