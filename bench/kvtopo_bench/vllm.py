@@ -57,7 +57,6 @@ import os
 import secrets
 import select
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -70,6 +69,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtopo.localkeys import ControlClient, Credentials
+from kvtopo.ports import free_port
 
 ENGINE_MODULE = "kvtopo_worker.vllm.engine"
 BLOCK_SIZE = 32  # vLLM's CPU attention backend (which NixlPushConnector's worker loads) needs n*32
@@ -127,9 +127,7 @@ QUICK = Sizes(small_requests=12, large_requests=12, rounds=2, replaced_limit_s=2
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()
 
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100

@@ -29,7 +29,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -40,6 +39,7 @@ from types import TracebackType
 from typing import Any, Literal, cast
 from urllib.parse import quote
 
+from kvtopo import ports
 from kvtopo.cluster import components, real_node
 from kvtopo.cluster.admin_api import AdminApi
 from kvtopo.cluster.binaries import ControlPlaneBinaries, cache_root
@@ -226,12 +226,10 @@ def stop_cluster(directory: Path, progress: Progress = _quiet) -> bool:
 
 
 def _free_loopback_ports(count: int) -> list[int]:
-    """Ports free on 127.0.0.1 right now (all held open together so they differ)."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in sockets:
-            sock.bind((components.LOOPBACK, 0))
-        return [sock.getsockname()[1] for sock in sockets]
+    """Ports free on 127.0.0.1 now, all different, for the components that bind them next:
+    chosen below the ephemeral range (`kvtopo.ports`), so nothing connecting out or binding
+    port 0 meanwhile takes one first."""
+    return [ports.free_port(components.LOOPBACK) for _ in range(count)]
 
 
 def _in_use_by_live_process(path: Path) -> bool:

@@ -13,7 +13,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,17 +23,12 @@ from typing import Any
 import pytest
 
 from kvtopo.localkeys import ControlClient, Credentials
+from kvtopo.ports import free_port
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.nixl
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
