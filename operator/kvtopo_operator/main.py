@@ -102,7 +102,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--watch-nodes",
         action="store_true",
-        help="watch the cluster's Nodes (needs get, list and watch on nodes: the chart's "
+        help="watch the cluster's Nodes (needs list and watch on nodes: the chart's "
         "nodes.watch): an engine on a node whose Ready is not True is lost from the node's "
         "transition, gated or not; without it, the pod's own Ready tells",
     )

@@ -11,7 +11,7 @@ flip changes nothing, and its engine, unreachable, read as "cannot tell": its pe
 for good. With the watch, an engine on a node whose Ready is not True is lost from the
 node's own transition, gated or not (`handlers._pod_source` sets the pod's `lost_since`).
 
-Optional (`--watch-nodes`; the chart's `nodes.watch`, a ClusterRole to get, list and watch
+Optional (`--watch-nodes`; the chart's `nodes.watch`, a ClusterRole to list and watch
 nodes): without it, the pod's Ready alone tells, as before. The store changes only on the
 event loop; a change pokes the loops of the namespaces with pods on that node.
 """

@@ -91,6 +91,9 @@ def handler(state: State) -> type[BaseHTTPRequestHandler]:
         def do_GET(self) -> None:
             if self.path == "/v1/state":
                 self._send(200, state.answer())
+            elif self.path == "/debug/reads":  # the test's count of `/v1/state` answers
+                with state.lock:
+                    self._send(200, {"reads": state.reads})
             elif self.path == "/healthz":
                 self._send(200, {"ok": True})
             else:

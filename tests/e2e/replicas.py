@@ -49,6 +49,14 @@ class Replica:
     def reconciles(self) -> float:
         return self.metrics().get("kvtopo_operator_reconcile_seconds_count", 0.0)
 
+    def rounds(self) -> float:
+        """Every round this replica ran: full ones and quiet ones (nothing changed since a
+        round with nothing to do, whose decision stands)."""
+        m = self.metrics()
+        return m.get("kvtopo_operator_reconcile_seconds_count", 0.0) + m.get(
+            "kvtopo_operator_quiet_rounds_total", 0.0
+        )
+
     def writes(self) -> float:
         """Every write this replica made to the API server or to a worker."""
         return sum(

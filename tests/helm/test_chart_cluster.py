@@ -4,11 +4,11 @@ Covers: both renders (default values, and the values file that sets every option
 server-side dry run; `helm install` makes the operator Deployment Available on kwok's fake
 nodes (two replicas, leader election) and prints NOTES that tell the user what to do next;
 `kubectl auth can-i` as the chart's ServiceAccount shows exactly the granted permissions,
-namespace-scoped (nothing on Secrets, pod writes, nodes or other namespaces; the one Lease)
-and, after `helm upgrade` to cluster scope with peering (one replica, no leader election)
-and other changed values, cluster-wide reads of pods and KVTopologies but still
-no Secrets; the upgrade rolls the Deployment and keeps the generated operator key; and
-`helm uninstall` leaves nothing behind but the CRD that Helm's CRD policy keeps.
+namespace-scoped (nothing on Secrets, pod writes or other namespaces; the one Lease; nodes
+listed and watched only) and, after `helm upgrade` to cluster scope with peering (one
+replica, no leader election) and other changed values, cluster-wide reads of pods and
+KVTopologies but still no Secrets; the upgrade rolls the Deployment and keeps the generated
+operator key; and `helm uninstall` leaves nothing behind but the CRD that Helm's CRD policy keeps.
 """
 
 from __future__ import annotations
@@ -178,6 +178,8 @@ NAMESPACED_GRANTS = {
     "kvtopologies.kvtopo.dev/status": {"patch"},
     "events": {"create"},
 }
+# The Node watch (nodes.watch, on by default): cluster-scoped, read-only, seen from anywhere.
+NODE_GRANTS = {"nodes": {"list", "watch"}}
 # Leader election, in the release namespace: create any Lease, read and write only its own.
 LEASE_GRANTS = {
     "leases.coordination.k8s.io": {"create"},
@@ -223,8 +225,8 @@ def test_install_grants_exactly_the_namespaced_permissions(
         assert 'Lease "kvt-kvtopo-operator"' in notes
 
         sa = f"system:serviceaccount:{ns}:kvt-kvtopo"
-        assert granted_resources(cluster, sa, ns) == NAMESPACED_GRANTS | LEASE_GRANTS
-        assert granted_resources(cluster, sa, other) == {}, "nothing in another namespace"
+        assert granted_resources(cluster, sa, ns) == NAMESPACED_GRANTS | LEASE_GRANTS | NODE_GRANTS
+        assert granted_resources(cluster, sa, other) == NODE_GRANTS, "nothing in another namespace"
         n = ["-n", ns]
         for verb in ("list", "watch"):
             assert can_i(cluster, sa, verb, "pods", *n)
@@ -259,7 +261,8 @@ def test_install_grants_exactly_the_namespaced_permissions(
             ("list", "pods", "-A"),
             ("list", "kvtopologies.kvtopo.dev", "-A"),
             ("get", "nodes"),
-            ("list", "nodes"),
+            ("patch", "nodes"),
+            ("delete", "nodes"),
             ("list", "namespaces"),
             ("list", "customresourcedefinitions"),
             ("get", "configmaps", *n),
@@ -354,7 +357,9 @@ def test_upgrade_and_uninstall(cluster: LocalCluster, helm: Helm, release: tuple
     assert not can_i(cluster, sa, "list", "secrets", "-A")
     assert not can_i(cluster, sa, "get", "secrets", "-n", ns)
     assert not can_i(cluster, sa, "create", "pods", "-A")
-    assert not can_i(cluster, sa, "list", "nodes")
+    assert can_i(cluster, sa, "list", "nodes")  # the Node watch (nodes.watch)
+    assert not can_i(cluster, sa, "get", "nodes")
+    assert not can_i(cluster, sa, "patch", "nodes")
     assert "revision: 2" in helm.run("status", name, "-n", ns).stdout.lower()
 
     selector = f"app.kubernetes.io/instance={name}"

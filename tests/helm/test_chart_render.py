@@ -412,7 +412,7 @@ def _has_path(tree: Any, keys: list[str]) -> bool:
 def test_namespace_scope_grants_roles_only_in_engine_namespaces(helm: Helm) -> None:
     docs = render(helm, {"engineNamespaces": ["llm-a", "llm-b"]}, namespace="ops")
     # Cluster-wide only the Node watch's read of nodes (`test_the_node_watch_reads_nodes_only`).
-    assert [r["metadata"]["name"] for r in objects(docs, "ClusterRole")] == ["kvtopo-nodes"]
+    assert [r["metadata"]["name"] for r in objects(docs, "ClusterRole")] == ["ops-kvtopo-nodes"]
     roles = [r for r in objects(docs, "Role") if r["metadata"]["name"] == "kvtopo-operator"]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["llm-a", "llm-b"]
     for role in roles:
@@ -444,7 +444,7 @@ def test_the_node_watch_reads_nodes_only_and_can_be_turned_off(helm: Helm) -> No
         role = next(
             r for r in objects(docs, "ClusterRole") if r["metadata"]["name"].endswith("-nodes")
         )
-        assert rules_set(role["rules"]) == {("", "nodes", "*", v) for v in ("get", "list", "watch")}
+        assert rules_set(role["rules"]) == {("", "nodes", "*", v) for v in ("list", "watch")}
         binding = next(
             b
             for b in objects(docs, "ClusterRoleBinding")
@@ -452,6 +452,17 @@ def test_the_node_watch_reads_nodes_only_and_can_be_turned_off(helm: Helm) -> No
         )
         assert binding["subjects"][0]["name"] == "kvtopo"
         assert "--watch-nodes" in container(docs)["args"]
+    # Cluster-scoped names carry the release namespace: one release name in two namespaces
+    # (a drill's and a user's) do not collide.
+    names = {
+        ns: {
+            o["metadata"]["name"]
+            for o in render(helm, {}, namespace=ns)
+            if o and o["kind"].startswith("Cluster")
+        }
+        for ns in ("kvtopo-system", "kvtopo-drill")
+    }
+    assert names["kvtopo-system"] and not names["kvtopo-system"] & names["kvtopo-drill"]
     off = render(helm, {"nodes": {"watch": False}})
     assert not objects(off, "ClusterRole") and "--watch-nodes" not in container(off)["args"]
 

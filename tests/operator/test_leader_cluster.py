@@ -319,8 +319,8 @@ def test_two_operator_replicas_only_the_lease_holder_reconciles(operators: Opera
         30,
     )
     ops.wait("the leader to reconcile generation 1", lambda: ops.observed_generation() == 1, 30)
-    ops.wait("a few reconciles by the leader", lambda: leader.reconciles() >= 3, 30)
-    assert standby.reconciles() == 0.0, "the standby ran a reconcile"
+    ops.wait("a few rounds by the leader", lambda: leader.rounds() >= 3, 30)
+    assert standby.rounds() == 0.0, "the standby ran a round"
     assert standby.leading() == 0.0 and ops.holder() == leader.identity
 
     # The leader dies without a word (no release): the standby takes over within a lease
@@ -334,7 +334,7 @@ def test_two_operator_replicas_only_the_lease_holder_reconciles(operators: Opera
     assert took <= FAST.lease_duration_s + FAST.retry_period_s + 2 * MARGIN_S + 1, took
     # It starts a loop for the topology it knew as a standby, at once: a spec change is
     # reconciled by it now.
-    ops.wait("the new leader to reconcile", lambda: standby.reconciles() >= 1, 10)
+    ops.wait("the new leader to reconcile", lambda: standby.rounds() >= 1, 10)
     ops.cluster.kubectl(
         "patch",
         "kvt",

@@ -49,6 +49,11 @@ class Pokes:
     def poke_namespace(self, namespace: str) -> None:
         self.namespaces.append(namespace)
 
+    def poke_pods(self, namespace: str, pods: object) -> None:
+        """A change of some pods pokes the loops whose selectors match them (here: noted by
+        namespace, as `poke_namespace`)."""
+        self.namespaces.append(namespace)
+
 
 UNTIL_S = 30.0  # the real API server, on a loaded machine
 
