@@ -428,3 +428,86 @@ def test_an_abort_while_waiting_for_remote_kv_holds_the_blocks_until_no_write_ca
     assert recv["freed"] is True and not events(got, "failed_recving"), got
     state = decode.state()
     assert state["free_blocks"] == decode.free_blocks and not state["pending_push_work"], state
+
+
+class Stranger:
+    """An HTTP server on loopback that holds no credential and records what reaches it (a
+    request's `remote_host`/`remote_port` may name it): (method, path, body bytes)."""
+
+    def __init__(self) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        seen: list[tuple[str, str, int]] = []
+        self.seen = seen
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *_: Any) -> None:
+                return
+
+            def _any(self) -> None:
+                n = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(n) if n else b""
+                seen.append((self.command, self.path, len(body)))
+                self.send_response(404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def do_GET(self) -> None:
+                self._any()
+
+            def do_POST(self) -> None:
+                self._any()
+
+            def do_PUT(self) -> None:
+                self._any()
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_request_cannot_move_a_held_prefill_to_another_endpoint_or_process(
+    engines: Engines,
+) -> None:
+    """Issue 55, defect 1: a request whose kv_transfer_params name a held, healthy prefill's
+    engine id with a stranger's endpoint and a made-up incarnation fails alone: the decode
+    never dials the stranger (nothing of it, its metadata least of all, reaches it), keeps
+    the prefill it holds, and the next honest request uses that prefill. A public address
+    is never dialled at all."""
+    prefill, decode = engines.pair("steal", registration_timeout=2, transfer_timeout=2)
+    prefill.add("r1", 50, 1, {"do_remote_decode": True})
+    decode.add("d1", 50, 2, prefill_params(prefill, "r1"))
+    assert verified(decode.wait(["d1"])["d1"]) > 0
+    prefill.wait(["r1"])
+    assert decode.state()["peers"] == ["p-steal"]
+    stranger = Stranger()
+    try:
+        crafted = {
+            "do_remote_prefill": True,
+            "remote_engine_id": prefill.engine_id,
+            "remote_request_id": "made-up",
+            "remote_host": "127.0.0.1",
+            "remote_port": stranger.port,
+            "kvtopo_incarnation": "made-up-incarnation",
+        }
+        decode.add("x1", 50, 2, crafted)
+        outcome = failed_once(decode.wait(["x1"], timeout=30)["x1"])
+        assert stranger.seen == [], f"the stranger was dialled: {stranger.seen}"
+        assert "held" in outcome["message"], outcome
+        # A public address (the request's choice) is refused before any dial.
+        decode.add("x2", 50, 2, {**crafted, "remote_host": "203.0.113.7", "remote_port": 80})
+        outcome = failed_once(decode.wait(["x2"], timeout=30)["x2"])
+        assert "lazy_peer_networks" in outcome["message"], outcome
+    finally:
+        stranger.close()
+    # The prefill held is the one used: the next honest request is served by it.
+    assert decode.state()["peers"] == ["p-steal"]
+    prefill.add("r2", 50, 1, {"do_remote_decode": True})
+    decode.add("d2", 50, 2, prefill_params(prefill, "r2"))
+    assert verified(decode.wait(["d2"])["d2"]) > 0
+    prefill.wait(["r2"])

@@ -940,6 +940,51 @@ def test_an_introduction_adds_both_sides_and_refuses_an_id_a_live_process_holds(
             node.server.stop()
 
 
+def test_a_request_never_moves_a_held_healthy_peer_and_dials_only_allowed_networks() -> None:
+    """Issue 55, defect 1 (the initiating side): a lazy handshake's endpoint and incarnation
+    are a request's word. A peer held healthy is re-checked where it proved itself, and
+    while it answers there no other endpoint is dialled; once it is gone from there, the
+    request's endpoint may be tried. A peer the operator paired is not moved at all, and
+    only `introduction_networks` are dialled."""
+    peer = TokenSource(value="peer-secret")
+    p = make_node("pre-1", "prefill", peer_token=peer, incarnation="p-inc")
+    other = make_node("pre-1", "prefill", peer_token=peer, incarnation="other-inc")
+    d = make_node("dec-1", "decode", peer_token=peer, incarnation="d-inc")
+    d2 = make_node("dec-2", "decode", peer_token=peer, incarnation="d2-inc")
+    try:
+        assert d.server.introduce("pre-1", p.server.endpoint, "prefill")[0] == 200
+        status, answer = d.server.introduce("pre-1", other.server.endpoint, "prefill", "x")
+        assert status == 409 and "held live at" in str(answer), answer
+        assert d.registry.incarnation("pre-1") == "p-inc"
+        assert other.registry.engine_ids() == [], "the other endpoint was introduced to"
+        # Outside the allowed networks: refused before any dial.
+        status, answer = d.server.introduce("pre-9", "203.0.113.7:80", "prefill")
+        assert status == 403 and "lazy_peer_networks" in str(answer), answer
+        # Paired by the operator (not through an introduction): a request does not move it.
+        assert d2.server.add_peer("pre-1", p.server.endpoint, "prefill")[0] == 200
+        status, answer = d2.server.introduce("pre-1", other.server.endpoint, "prefill")
+        assert status == 409 and "operator paired" in str(answer), answer
+        # The process held is gone from where it proved itself: the request's endpoint is
+        # tried, and the engine's new process there is added in the old one's place.
+        p.server.stop()
+        status, answer = d.server.introduce("pre-1", other.server.endpoint, "prefill")
+        assert status == 200, answer
+        assert d.registry.incarnation("pre-1") == "other-inc"
+    finally:
+        for node in (p, other, d, d2):
+            if node.server.loop is not None and not node.server.loop.is_closed():
+                node.server.stop()
+    with pytest.raises(ValueError):
+        ControlServer(
+            engine=d.server.engine,
+            registry=EngineRegistry(remove_agent=lambda _: None),
+            transport=FakeTransport(agent_name="x"),
+            operator_keys=OPERATOR_KEYS,
+            metrics=WorkerMetrics(),
+            introduction_networks=["not-a-network"],
+        )
+
+
 def test_an_engine_paired_by_the_operator_only_refuses_introductions() -> None:
     """Lazy handshakes are the vLLM connector's, without an operator: an engine that pairs
     through the operator only adds nobody who merely holds the peer credential."""

@@ -130,6 +130,19 @@ FROM_HEADER = "KVTopo-From"  # a ticketed peer request: the fetching engine's id
 INCARNATION_HEADER = "KVTopo-Incarnation"  # and its incarnation (both base64url, UTF-8)
 MAX_INTRODUCED_RANKS = 64
 MAX_INTRO_BYTES = 1 << 20  # as much as the server takes in (client_max_size)
+# Where a lazy handshake may dial by default: a request names the endpoint (its
+# `kv_transfer_params`), so only the private, shared-address, loopback and unique-local
+# networks pods live on; never a public address, nor link-local (cloud metadata services).
+DEFAULT_INTRODUCTION_NETWORKS = (
+    "10.0.0.0/8",
+    "172.16.0.0/12",
+    "192.168.0.0/16",
+    "100.64.0.0/10",
+    "127.0.0.0/8",
+    "fc00::/7",
+    "::1/128",
+)
+MAX_INTRODUCED_AT = 4096  # endpoints remembered for lazily added peers (pruned to the held)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -228,6 +241,7 @@ class ControlServer:
         handshake_timeout_s: float = 5.0,
         request_counts: StateExtras | None = None,
         introductions: bool = False,
+        introduction_networks: Sequence[str] = DEFAULT_INTRODUCTION_NETWORKS,
     ) -> None:
         """`operator_keys`: the operator's public key(s), which the admin routes' calls must
         be signed for (`kvtopo_worker.signing`; None: no operator drives this engine, its
@@ -236,13 +250,21 @@ class ControlServer:
         /v1/introductions`), for engines that pair without an operator (the vLLM
         connector's `lazy_handshake`), signed with `peer_token`, the one credential engines
         share (required then, refused otherwise); off, only the operator adds peers, peers
-        fetch metadata with the operator's tickets, and an introduction is refused (403)."""
+        fetch metadata with the operator's tickets, and an introduction is refused (403).
+        `introduction_networks`: the CIDRs a lazy handshake may dial (the endpoint is a
+        request's choice); ValueError for one that does not parse."""
         if introductions and peer_token is None:
             raise ValueError("lazy handshakes (introductions) need the peer token")
         if operator_keys is None and not introductions:
             raise ValueError("an engine needs the operator's public key or lazy handshakes")
         self.engine = engine
         self.introductions = introductions
+        self.introduction_networks = [
+            ipaddress.ip_network(n.strip(), strict=False) for n in introduction_networks
+        ]
+        # Lazily added peers: the endpoint each proved itself at (a request never moves a
+        # held peer elsewhere; see `_introduce`).
+        self._introduced_at: dict[str, str] = {}
         self.registry = registry
         # One transport per local TP rank; a peer's rank r is added to ours.
         self.transports: list[PeerTransport] = (
@@ -1062,10 +1084,27 @@ class ControlServer:
     async def _introduce(
         self, engine_id: str, endpoint: str, role: Role, incarnation: str, timeout_s: float
     ) -> tuple[int, PeerResult | ErrorBody]:
+        """A lazy handshake a request asked for. The request's word (`endpoint`,
+        `incarnation`) is untrusted: the endpoint must be in `introduction_networks`, and a
+        peer held healthy is never replaced on it. Such a peer is re-checked where it proved
+        itself (its metadata fetched there, nothing of ours sent): the request fails while
+        the process held still answers there; where it is gone (no answer, or another
+        process of the engine there), the request's endpoint is tried. A peer the operator
+        added is the operator's to change."""
         try:
             peer = parse_endpoint(endpoint)
         except EndpointError as exc:
             raise MalformedMessage(f"endpoint refused: {exc}") from None
+        if not any(peer.ip in net for net in self.introduction_networks):
+            nets = ", ".join(map(str, self.introduction_networks))
+            msg = (
+                f"a request names {endpoint} for engine {engine_id}: outside the networks lazy "
+                f"handshakes may dial (lazy_peer_networks: {nets})"
+            )
+            return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 403)
+        refused = await self._held_elsewhere(engine_id, endpoint, incarnation, timeout_s)
+        if refused is not None:
+            return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, refused, 409)
         try:
             resp = await self._signed(
                 peer, "POST", "/v1/introductions", self._introduction(), timeout_s
@@ -1090,8 +1129,45 @@ class ControlServer:
         if incarnation and metas[0].incarnation != incarnation:
             msg = f"{endpoint} is incarnation {metas[0].incarnation!r}, not {incarnation!r}"
             return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 409)
-        return await self._add_peer(
+        status, answer = await self._add_peer(
             engine_id, endpoint, role, incarnation=metas[0].incarnation, given=metas
+        )
+        if status == 200:
+            self._introduced_at[engine_id] = endpoint
+            if len(self._introduced_at) > MAX_INTRODUCED_AT:
+                held = set(self.registry.engine_ids())
+                self._introduced_at = {e: at for e, at in self._introduced_at.items() if e in held}
+        return status, answer
+
+    async def _held_elsewhere(
+        self, engine_id: str, endpoint: str, incarnation: str, timeout_s: float
+    ) -> str | None:
+        """Why a request may not introduce us to `engine_id` at `endpoint` (as
+        `incarnation`), or None when it may: the engine is held, healthy, and either the
+        operator added it or the process held still serves it where it proved itself."""
+        held = self.registry.incarnation(engine_id)
+        health = self.registry.health(engine_id)
+        if held is None or (health is not None and health[0] in UNHEALTHY):
+            return None
+        at = self._introduced_at.get(engine_id)
+        if at is None:
+            return (
+                f"engine {engine_id} is held (incarnation {held}) as the operator paired it; "
+                f"a request naming {endpoint} does not change it"
+            )
+        if at == endpoint:
+            return None  # the same place: its answer tells (and must prove the incarnation)
+        try:
+            raw = await self._fetch_metadata(parse_endpoint(at), 0, timeout_s)
+            there = decode_metadata(raw, self.engine.compat_hash)
+        except (ProtocolError, aiohttp.ClientError, TimeoutError, ValueError, EndpointError):
+            return None  # the process held is gone from where it was: the request may try
+        if there.engine_id != engine_id or there.incarnation != held:
+            return None
+        wanted = f" as incarnation {incarnation}" if incarnation else ""
+        return (
+            f"engine {engine_id} is held live at {at} (incarnation {held}); a request naming "
+            f"{endpoint}{wanted} does not move it"
         )
 
     async def _post_introduction(self, request: web.Request) -> web.Response:

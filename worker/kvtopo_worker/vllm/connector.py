@@ -36,12 +36,16 @@ for; default $KVTOPO_OPERATOR_KEY_FILE), `peer_token_file` (the token engines th
 lazily share; default $KVTOPO_PEER_TOKEN_FILE), `token_file` (the client token of the test
 engine's traffic routes; default $KVTOPO_TOKEN_FILE), `registration_timeout_s`,
 `kv_lease_s`, `transfer_timeout_s`, `handshake_timeout_s`, `idle_ttl_s`, `lazy_handshake`
-(default: on when there is a peer token), `model_id` (part of the compatibility hash;
-default: the served model name). An engine needs the operator key, the peer token, or both.
+(default: on when there is a peer token), `lazy_peer_networks` (the CIDRs a lazy handshake
+may dial, a list or a comma-separated string; default the private, shared-address, loopback
+and unique-local networks: a request names the endpoint, so its `kv_transfer_params` are
+untrusted), `model_id` (part of the compatibility hash; default: the served model name). An
+engine needs the operator key, the peer token, or both.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import os
@@ -60,7 +64,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
-from kvtopo_worker.agent import ControlServer, LocalEngine
+from kvtopo_worker.agent import DEFAULT_INTRODUCTION_NETWORKS, ControlServer, LocalEngine
 from kvtopo_worker.credentials import TokenSource
 from kvtopo_worker.metrics import WorkerMetrics
 from kvtopo_worker.protocol import (
@@ -175,6 +179,7 @@ class _Settings:
     handshake_timeout_s: float
     idle_ttl_s: float
     lazy_handshake: bool
+    lazy_peer_networks: tuple[str, ...]
     tp_size: int
     block_size: int
     model_id: str
@@ -184,6 +189,21 @@ class _Settings:
     def endpoint(self) -> str:
         host = self.control_host
         return f"[{host}]:{self.control_port}" if ":" in host else f"{host}:{self.control_port}"
+
+
+def _networks(said: object) -> tuple[str, ...]:
+    """`lazy_peer_networks` as given (a list, or one comma-separated string), each a CIDR
+    (ValueError naming the setting for one that is not); the default when not given."""
+    if said is None or said == "":
+        return DEFAULT_INTRODUCTION_NETWORKS
+    items = said.split(",") if isinstance(said, str) else list(said)  # type: ignore[call-overload]
+    nets: list[str] = []
+    for item in items:
+        try:
+            nets.append(str(ipaddress.ip_network(str(item).strip(), strict=False)))
+        except ValueError as exc:
+            raise ValueError(f"KVTopoConnector: lazy_peer_networks: {exc}") from None
+    return tuple(nets)
 
 
 def _settings(vllm_config: VllmConfig) -> _Settings:
@@ -240,6 +260,7 @@ def _settings(vllm_config: VllmConfig) -> _Settings:
             if extra.get("lazy_handshake") is None
             else bool(extra["lazy_handshake"])
         ),
+        lazy_peer_networks=_networks(extra.get("lazy_peer_networks")),
         tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
         block_size=int(vllm_config.cache_config.block_size),
         model_id=str(extra.get("model_id") or _served_name(vllm_config)),
@@ -508,6 +529,7 @@ class _EngineHost:
                 handshake_timeout_s=self.s.handshake_timeout_s,
                 request_counts=traffic.request_counts if traffic is not None else None,
                 introductions=self.s.lazy_handshake,
+                introduction_networks=self.s.lazy_peer_networks,
             )
             if traffic is not None:
                 traffic.add_routes(server.app)
