@@ -20,10 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from kvtopo.localkeys import ControlClient, Credentials
 from kvtopo.ports import free_port
+from kvtopo_worker.protocol import Introduction
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.nixl
@@ -439,7 +441,8 @@ class Stranger:
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         seen: list[tuple[str, str, int]] = []
-        self.seen = seen
+        bodies: list[bytes] = []
+        self.seen, self.bodies = seen, bodies
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *_: Any) -> None:
@@ -449,6 +452,7 @@ class Stranger:
                 n = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(n) if n else b""
                 seen.append((self.command, self.path, len(body)))
+                bodies.append(body)
                 self.send_response(404)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
@@ -503,6 +507,13 @@ def test_a_request_cannot_move_a_held_prefill_to_another_endpoint_or_process(
         decode.add("x2", 50, 2, {**crafted, "remote_host": "203.0.113.7", "remote_port": 80})
         outcome = failed_once(decode.wait(["x2"], timeout=30)["x2"])
         assert "lazy_peer_networks" in outcome["message"], outcome
+        # An engine it does not hold, at the stranger: the decode opens with a hello (no
+        # metadata) and stops there, the stranger proving no peer credential.
+        decode.add("x3", 50, 2, {**crafted, "remote_engine_id": "p-unknown"})
+        failed_once(decode.wait(["x3"], timeout=30)["x3"])
+        assert [s[:2] for s in stranger.seen] == [("POST", "/v1/introductions")], stranger.seen
+        hello = msgspec.msgpack.decode(stranger.bodies[0], type=Introduction)
+        assert hello.engine_id == decode.engine_id and hello.ranks == [], hello
     finally:
         stranger.close()
     # The prefill held is the one used: the next honest request is served by it.

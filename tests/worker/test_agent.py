@@ -37,6 +37,7 @@ from kvtopo_worker.protocol import (
     CompatInfo,
     EngineMetadata,
     Envelope,
+    Introduction,
     PodIdentity,
     compat_hash,
     encode_metadata,
@@ -856,19 +857,25 @@ def test_the_state_is_not_sent_again_while_only_its_request_counters_move() -> N
 
 class _Spy:
     """An endpoint a request's parameters point at (an API client chose it): it records
-    every request that reaches it and answers 401."""
+    every request that reaches it (headers and body; `bodies`: the bodies alone) and
+    answers 401, or `status` with `answer`."""
 
-    def __init__(self) -> None:
+    def __init__(self, status: int = 401, answer: bytes = b"") -> None:
         self.seen: list[bytes] = []
+        self.bodies: list[bytes] = []
         spy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def _record(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
-                spy.seen.append(bytes(self.headers) + self.rfile.read(length))
-                self.send_response(401)
-                self.send_header("Content-Length", "0")
+                body = self.rfile.read(length)
+                spy.seen.append(bytes(self.headers) + body)
+                spy.bodies.append(body)
+                self.send_response(status)
+                self.send_header("Content-Type", "application/msgpack")
+                self.send_header("Content-Length", str(len(answer)))
                 self.end_headers()
+                self.wfile.write(answer)
 
             def do_GET(self) -> None:
                 self._record()
@@ -913,6 +920,39 @@ def test_a_lazy_handshake_sends_no_credential_where_a_request_points() -> None:
     finally:
         spy.close()
         d.server.stop()
+
+
+def test_a_stranger_answering_an_introduction_gets_no_metadata_and_adds_nothing() -> None:
+    """Issue 55, defects 1 and 2: a stranger a request named, holding no peer credential,
+    answers the introduction with a well-formed one of a real engine's (its id, its
+    metadata). The answer carries no proof of the credential: the decode adds nothing,
+    and the stranger got only the hello, which carries no metadata (metadata opens the
+    engine's KV memory to whoever holds it)."""
+    peer = TokenSource(value="peer-secret")
+    p = make_node("pre-1", "prefill", peer_token=peer, incarnation="p-inc")
+    d = make_node("dec-1", "decode", peer_token=peer, incarnation="d-inc")
+    forged = msgspec.msgpack.encode(
+        Introduction(
+            engine_id="pre-1",
+            role="prefill",
+            ranks=[encode_metadata(p.server.engine.metadata)],
+        )
+    )
+    spy = _Spy(200, forged)
+    try:
+        status, answer = d.server.introduce("pre-1", spy.endpoint, "prefill")
+        assert status == 502 and "proof" in str(answer), answer
+        assert d.registry.engine_ids() == []
+        assert len(spy.bodies) == 1, "more than the hello reached the stranger"
+        hello = msgspec.msgpack.decode(spy.bodies[0], type=Introduction)
+        assert hello.engine_id == "dec-1" and hello.ranks == [], hello
+        # The engine itself proves the credential: the pair is made.
+        assert d.server.introduce("pre-1", p.server.endpoint, "prefill")[0] == 200
+        assert p.registry.engine_ids() == ["dec-1"] and d.registry.engine_ids() == ["pre-1"]
+    finally:
+        spy.close()
+        for node in (p, d):
+            node.server.stop()
 
 
 def test_an_introduction_adds_both_sides_and_refuses_an_id_a_live_process_holds() -> None:

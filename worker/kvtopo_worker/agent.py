@@ -63,12 +63,15 @@ from aiohttp import web
 from prometheus_client import generate_latest
 
 from kvtopo_worker.credentials import (
+    PEER_PROOF_HEADER,
     PEER_SCHEME,
     PeerRequestGuard,
     TokenError,
     TokenSource,
     bearer_token,
+    peer_answer_proof,
     sign_peer_request,
+    verify_peer_answer,
 )
 from kvtopo_worker.endpoints import Endpoint, EndpointError, parse_endpoint
 from kvtopo_worker.http import read_bounded
@@ -222,6 +225,23 @@ def _json(obj: object, status: int = 200) -> web.Response:
     )
 
 
+# A request signed with the peer credential: the token that verified it, and its header.
+_PROOF_KEY = web.RequestKey("kvtopo_peer_proof", tuple[str, str])
+
+
+async def _prove_answer(request: web.Request, response: web.StreamResponse) -> None:
+    """The answer to a request signed with the peer credential carries its proof
+    (`credentials.peer_answer_proof`): the side that dialled checks it came from a holder of
+    the credential, for its request."""
+    signed = request.get(_PROOF_KEY)
+    if signed is None or not isinstance(response, web.Response):
+        return
+    body = response.body
+    if isinstance(body, bytes | bytearray):
+        token, header = signed
+        response.headers[PEER_PROOF_HEADER] = peer_answer_proof(token, header, bytes(body))
+
+
 class ControlServer:
     """The control API of one engine (all its TP ranks), on a background thread with its
     own loop."""
@@ -296,6 +316,7 @@ class ControlServer:
             max_workers=1, thread_name_prefix="kvtopo-nixl"
         )
         self.app = web.Application(middlewares=[self._auth_middleware], client_max_size=1 << 20)
+        self.app.on_response_prepare.append(_prove_answer)
         self.app.router.add_get("/healthz", self._healthz)
         self.app.router.add_get("/metrics", self._metrics)
         self.app.router.add_get("/v1/metadata", self._get_metadata)
@@ -477,6 +498,13 @@ class ControlServer:
                     "a stale time or a nonce used before)",
                 )
             self.metrics.authenticated_total.labels("peer", which).inc()
+            token = (
+                self._peer_guard.source.current()
+                if which == "current"
+                else self._peer_guard.source.previous()
+            )
+            if token is not None:
+                request[_PROOF_KEY] = (token, header)
             return None
         if request.path == "/v1/metadata":
             try:
@@ -977,7 +1005,17 @@ class ControlServer:
                 allow_redirects=False,
             )
         elif self.peer_token is not None:
-            resp = await self._signed(endpoint, "GET", path, b"", total)
+            resp, token, header = await self._signed(endpoint, "GET", path, b"", total)
+            async with resp:
+                if resp.status == 200:
+                    data = await read_bounded(resp.content, MAX_METADATA_BYTES)
+                    if len(data) > MAX_METADATA_BYTES:
+                        raise ValueError(f"peer metadata exceeds {MAX_METADATA_BYTES} bytes")
+                    return self._proven(endpoint, resp, token, header, data)
+                text = (await read_bounded(resp.content, MAX_ERROR_BODY_BYTES)).decode(
+                    "utf-8", "replace"
+                )[:MAX_ERROR_BODY_BYTES]
+                raise ValueError(f"peer answered HTTP {resp.status}: {text}")
         else:
             raise SignatureError(
                 "no ticket to fetch the peer's metadata with: the operator gives one with "
@@ -997,10 +1035,11 @@ class ControlServer:
 
     async def _signed(
         self, endpoint: Endpoint, method: str, path: str, body: bytes, timeout_s: float
-    ) -> aiohttp.ClientResponse:
+    ) -> tuple[aiohttp.ClientResponse, str, str]:
         """A request to a peer signed with the peer credential (never sent itself); a peer
         not yet given the rotated token is asked again, signed with the previous one. No
-        redirect is followed. The caller releases the answer."""
+        redirect is followed. The answer, and the token and header that signed the request
+        (`_proven` checks the answer with them). The caller releases the answer."""
         if self._session is None:
             self._session = aiohttp.ClientSession()
         if self.peer_token is None:
@@ -1020,8 +1059,23 @@ class ControlServer:
             if resp.status == 401 and i + 1 < len(tokens):
                 resp.release()
                 continue
-            return resp
+            return resp, token, header
         raise ValueError("no credential to try")
+
+    @staticmethod
+    def _proven(
+        endpoint: Endpoint, resp: aiohttp.ClientResponse, token: str, header: str, data: bytes
+    ) -> bytes:
+        """`data`, the answer to a signed peer request, once its proof verifies; otherwise
+        SignatureError: the endpoint does not hold the peer credential (a stranger a request
+        named), and nothing it said is used."""
+        proof = resp.headers.get(PEER_PROOF_HEADER, "")
+        if not verify_peer_answer(token, header, data, proof):
+            raise SignatureError(
+                f"{endpoint}'s answer carries no valid proof of the peer credential "
+                f"({PEER_PROOF_HEADER}): not an engine that shares it"
+            )
+        return data
 
     # --- introductions (lazy handshakes, no operator) ----------------------------------------
 
@@ -1046,22 +1100,30 @@ class ControlServer:
             fut.cancel()
             return 504, ErrorBody(error="timeout", message=f"no handshake within {timeout:g} s")
 
-    def _introduction(self) -> bytes:
+    def _introduction(self, *, hello: bool = False) -> bytes:
+        """Our introduction; a `hello` names the engine only (no metadata: what an
+        introduction opens with, before the peer proved itself)."""
         return msgspec.msgpack.encode(
             Introduction(
                 engine_id=self.engine.engine_id,
                 role=self.engine.role,
-                ranks=list(self._metadata_bytes),
+                ranks=[] if hello else list(self._metadata_bytes),
             )
         )
 
-    def _decode_introduction(self, data: bytes) -> tuple[Introduction, list[EngineMetadata]]:
+    def _decode_introduction(
+        self, data: bytes, *, hello: bool = False
+    ) -> tuple[Introduction, list[EngineMetadata]]:
         """The peer's introduction and its ranks' metadata, checked (MalformedMessage,
-        IncompatibleEngine)."""
+        IncompatibleEngine); with `hello`, one without metadata is taken too (no ranks)."""
         try:
             intro = msgspec.msgpack.decode(data, type=Introduction)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise MalformedMessage(f"bad introduction: {exc}") from None
+        if hello and not intro.ranks:
+            if not 0 < len(intro.engine_id) <= MAX_ID_LEN:
+                raise MalformedMessage(f"engine_id must be 1..{MAX_ID_LEN} characters")
+            return intro, []
         if not 0 < len(intro.ranks) <= MAX_INTRODUCED_RANKS:
             raise MalformedMessage(f"an introduction names 1..{MAX_INTRODUCED_RANKS} ranks")
         metas = [decode_metadata(raw, self.engine.compat_hash) for raw in intro.ranks]
@@ -1105,30 +1167,28 @@ class ControlServer:
         refused = await self._held_elsewhere(engine_id, endpoint, incarnation, timeout_s)
         if refused is not None:
             return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, refused, 409)
+        # First a hello (our name, no metadata): the answer must prove the peer credential
+        # (a stranger a request named learns nothing of use), then our metadata.
         try:
-            resp = await self._signed(
-                peer, "POST", "/v1/introductions", self._introduction(), timeout_s
-            )
-            async with resp:
-                if resp.status != 200:
-                    text = (await read_bounded(resp.content, MAX_ERROR_BODY_BYTES)).decode(
-                        "utf-8", "replace"
-                    )
-                    msg = f"{endpoint} answered the introduction HTTP {resp.status}: {text}"
-                    return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 502)
-                data = await read_bounded(resp.content, MAX_INTRO_BYTES)
+            data = await self._exchange(peer, self._introduction(hello=True), timeout_s)
             intro, metas = self._decode_introduction(data)
+            if intro.engine_id != engine_id or not plays(intro.role, role):
+                msg = f"{endpoint} is {intro.role} engine {intro.engine_id}, not {role} {engine_id}"
+                return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 409)
+            if incarnation and metas[0].incarnation != incarnation:
+                msg = f"{endpoint} is incarnation {metas[0].incarnation!r}, not {incarnation!r}"
+                return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 409)
+            data = await self._exchange(peer, self._introduction(), timeout_s)
+            intro, metas_now = self._decode_introduction(data)
         except ProtocolError as exc:
             return self._handshake_failed(engine_id, exc.failure_type, exc.message, 502)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             msg = f"introducing ourselves to {endpoint}: {type(exc).__name__}: {exc}"
             return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 502)
-        if intro.engine_id != engine_id or not plays(intro.role, role):
-            msg = f"{endpoint} is {intro.role} engine {intro.engine_id}, not {role} {engine_id}"
+        if intro.engine_id != engine_id or metas_now[0].incarnation != metas[0].incarnation:
+            msg = f"{endpoint} changed its identity between the hello and the introduction"
             return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 409)
-        if incarnation and metas[0].incarnation != incarnation:
-            msg = f"{endpoint} is incarnation {metas[0].incarnation!r}, not {incarnation!r}"
-            return self._handshake_failed(engine_id, FailureType.HANDSHAKE_FAILED, msg, 409)
+        metas = metas_now
         status, answer = await self._add_peer(
             engine_id, endpoint, role, incarnation=metas[0].incarnation, given=metas
         )
@@ -1138,6 +1198,20 @@ class ControlServer:
                 held = set(self.registry.engine_ids())
                 self._introduced_at = {e: at for e, at in self._introduced_at.items() if e in held}
         return status, answer
+
+    async def _exchange(self, peer: Endpoint, body: bytes, timeout_s: float) -> bytes:
+        """POSTs an introduction to `peer`, signed with the peer credential; its answer once
+        the answer's proof verifies (SignatureError otherwise; ValueError for an answer
+        other than 200, quoting a bounded prefix of it)."""
+        resp, token, header = await self._signed(peer, "POST", "/v1/introductions", body, timeout_s)
+        async with resp:
+            if resp.status != 200:
+                text = (await read_bounded(resp.content, MAX_ERROR_BODY_BYTES)).decode(
+                    "utf-8", "replace"
+                )
+                raise ValueError(f"{peer} answered the introduction HTTP {resp.status}: {text}")
+            data = await read_bounded(resp.content, MAX_INTRO_BYTES)
+            return self._proven(peer, resp, token, header, data)
 
     async def _held_elsewhere(
         self, engine_id: str, endpoint: str, incarnation: str, timeout_s: float
@@ -1178,11 +1252,13 @@ class ControlServer:
                 "introductions_off",
                 "this engine pairs through the operator only (lazy handshakes are off)",
             )
-        intro, metas = self._decode_introduction(await request.read())
+        intro, metas = self._decode_introduction(await request.read(), hello=True)
         if intro.engine_id == self.engine.engine_id or not pairs_with(intro.role, self.engine.role):
             raise MalformedMessage("an engine introduces itself to an engine of the other role")
         if intro.engine_id in self.operator_evicted:
             return _error(403, "evicted", f"engine {intro.engine_id} was evicted by the operator")
+        if not metas:  # a hello: our introduction (proven, see `_prove_answer`), nothing added
+            return web.Response(body=self._introduction(), content_type="application/msgpack")
         held = self.registry.incarnation(intro.engine_id)
         health = self.registry.health(intro.engine_id)
         unhealthy = health is not None and health[0] in UNHEALTHY

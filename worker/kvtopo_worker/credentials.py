@@ -218,6 +218,30 @@ def sign_peer_request(
     return f"{PEER_SCHEME} ts={ts},nonce={nonce},mac={mac}"
 
 
+PEER_PROOF_HEADER = "KVTopo-Peer-Proof"  # the answer's proof, on answers to signed requests
+
+
+def peer_answer_proof(token: str, request_header: str, body: bytes) -> str:
+    """What the answer to a signed peer request carries (`PEER_PROOF_HEADER`): an HMAC with
+    the peer credential over the request's signature (which names the endpoint dialled, the
+    time and a nonce) and the answer's body. It proves the answer comes from a holder of
+    the credential at that endpoint, for that request: a stranger a request named cannot
+    make one, and a relay cannot reuse one (the request's signature names the stranger's
+    endpoint, which the engine relayed to refuses). "" for a header that is not a
+    signature."""
+    parsed = _parse_peer_header(request_header)
+    if parsed is None:
+        return ""
+    text = "\n".join(["kvtopo-peer-answer-v1", parsed[2], hashlib.sha256(body).hexdigest()])
+    return hmac.new(token.encode(), text.encode(), hashlib.sha256).hexdigest()
+
+
+def verify_peer_answer(token: str, request_header: str, body: bytes, proof: str) -> bool:
+    """True when `proof` is `peer_answer_proof` of this answer to this request."""
+    want = peer_answer_proof(token, request_header, body)
+    return bool(want) and hmac.compare_digest(want, proof.strip())
+
+
 def _parse_peer_header(header: str) -> tuple[int, str, str] | None:
     if not header.startswith(PEER_SCHEME + " "):
         return None

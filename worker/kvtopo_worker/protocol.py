@@ -494,9 +494,12 @@ def decode_notification(data: bytes) -> Notification:
 
 class Introduction(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """`POST /v1/introductions` (msgpack), and its answer: an engine that handshakes lazily
-    (no operator) introduces itself to the peer a request names, with the metadata envelope
-    of each of its TP ranks; the peer adds it and answers its own. The request is signed
-    with the peer credential (`credentials.sign_peer_request`), which is never sent."""
+    (no operator) introduces itself to the peer a request names in two steps. First a hello
+    (`ranks` empty): the peer answers its own introduction and adds nothing. Once that
+    answer proved the peer credential (`credentials.peer_answer_proof`, in the
+    `KVTopo-Peer-Proof` header), the introduction with the metadata envelope of each of its
+    TP ranks: the peer adds it and answers its own again. Requests are signed with the peer
+    credential (`credentials.sign_peer_request`), which is never sent."""
 
     engine_id: str
     role: Role
