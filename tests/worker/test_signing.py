@@ -16,7 +16,14 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from kvtopo_worker.credentials import TokenError
+from kvtopo_worker.credentials import (
+    PEER_SIGNATURE_WINDOW_S,
+    NonceStoreFull,
+    PeerRequestGuard,
+    TokenError,
+    TokenSource,
+    sign_peer_request,
+)
 from kvtopo_worker.signing import (
     MAX_HEADER_FIELD,
     SCHEME,
@@ -608,3 +615,42 @@ def test_the_key_ids_are_computed_when_a_key_file_is_loaded_not_on_every_call(
     for _ in range(10):
         assert fixed.current()[0][0] == key_id(NEW.public_key())
     assert len(computed) == before
+
+
+def test_a_flood_of_tickets_never_reopens_the_replay_of_an_operator_call() -> None:
+    """Issue 55, defect 6: one store held the nonces of operator calls and tickets alike,
+    evicting the oldest when full, so 100,000 ticket fetches pushed a captured call's nonce
+    out and the call replayed. Each kind of signed request now has its own store, and a
+    full one refuses (NonceStoreFull, a 503) rather than forget an unexpired nonce."""
+    public = PublicKeys(keys=[OLD.public_key()])
+    a = CallGuard({"operator": public}, pod_uid="uid-a", clock=lambda: NOW, nonce_capacity=20)
+    call = signed(operator(), a)
+    assert a.accepts("operator", call, *CALL[:2], [A], BODY) == "current"
+    ticket = operator().ticket(challenge_of(a), "dec-1", "inc-1")
+    for _ in range(20):
+        header = ticket_authorization(ticket, "GET", META, A, now=NOW)
+        assert a.accepts_ticket(header, "dec-1", "inc-1", "GET", META, [A], b"") == "current"
+    header = ticket_authorization(ticket, "GET", META, A, now=NOW)
+    with pytest.raises(NonceStoreFull, match="ticket"):
+        a.accepts_ticket(header, "dec-1", "inc-1", "GET", META, [A], b"")
+    assert a.accepts("operator", call, *CALL[:2], [A], BODY) is None, "the call replayed"
+    # Operator calls still go through beside the full ticket store.
+    assert a.accepts("operator", signed(operator(), a), *CALL[:2], [A], BODY) == "current"
+    # Past twice the window the old nonces expire and tickets are taken again.
+    later = NOW + 2 * SIGNATURE_WINDOW_S + 1
+    b = CallGuard({"operator": public}, pod_uid="uid-a", clock=lambda: later, nonce_capacity=20)
+    assert b.accepts("operator", signed(operator(), b, now=later), *CALL[:2], [A], BODY)
+
+
+def test_a_full_peer_nonce_store_refuses_instead_of_forgetting() -> None:
+    clock = [NOW]
+    guard = PeerRequestGuard(TokenSource(value="peer-secret"), lambda: clock[0], nonce_capacity=3)
+    headers = [sign_peer_request("peer-secret", "GET", META, A, now=NOW) for _ in range(4)]
+    for h in headers[:3]:
+        assert guard.accepts(h, "GET", META, [A], b"") == "current"
+    with pytest.raises(NonceStoreFull):
+        guard.accepts(headers[3], "GET", META, [A], b"")
+    assert guard.accepts(headers[0], "GET", META, [A], b"") is None  # still refused: replay
+    clock[0] = NOW + 2 * PEER_SIGNATURE_WINDOW_S + 1
+    fresh = sign_peer_request("peer-secret", "GET", META, A, now=clock[0])
+    assert guard.accepts(fresh, "GET", META, [A], b"") == "current"

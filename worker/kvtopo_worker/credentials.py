@@ -218,6 +218,44 @@ def sign_peer_request(
     return f"{PEER_SCHEME} ts={ts},nonce={nonce},mac={mac}"
 
 
+class NonceStoreFull(TokenError):
+    """The nonces of one kind of signed request fill their store, none of them expired: the
+    request is refused (503) rather than one forgotten, which would let its request be
+    replayed. A TokenError, so every path that refuses an unusable credential refuses
+    this the same way."""
+
+
+class NonceStore:
+    """The nonces of one kind of signed request seen within `keep_s`, each taken once:
+    bounded by `capacity`; full of unexpired entries it refuses (`NonceStoreFull`) instead
+    of evicting. One store per kind (operator calls, tickets, peer requests): a flood of one
+    kind cannot push another's nonce out."""
+
+    def __init__(self, keep_s: float, capacity: int = MAX_NONCES_KEPT, kind: str = "") -> None:
+        self.keep_s = keep_s
+        self.capacity = capacity
+        self.kind = kind
+        self._seen: OrderedDict[str, float] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def fresh(self, nonce: str, now: float) -> bool:
+        """True (and kept) for a nonce not seen within `keep_s`; False for one seen;
+        NonceStoreFull when there is no room without forgetting an unexpired one."""
+        while self._seen and next(iter(self._seen.values())) < now - self.keep_s:
+            self._seen.popitem(last=False)
+        if nonce in self._seen:
+            return False
+        if len(self._seen) >= self.capacity:
+            raise NonceStoreFull(
+                f"{self.capacity} {self.kind or 'signed'} requests within {self.keep_s:g} s: "
+                "their nonces fill the store; refused until the oldest expire (retry shortly)"
+            )
+        self._seen[nonce] = now
+        return True
+
+
 PEER_PROOF_HEADER = "KVTopo-Peer-Proof"  # the answer's proof, on answers to signed requests
 
 
@@ -264,10 +302,15 @@ class PeerRequestGuard:
     credential's current and previous token, the endpoint this server answers at, the time
     window, and that its nonce was not seen before (bounded memory)."""
 
-    def __init__(self, source: TokenSource, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        source: TokenSource,
+        clock: Callable[[], float] = time.time,
+        nonce_capacity: int = MAX_NONCES_KEPT,
+    ) -> None:
         self.source = source
         self._clock = clock
-        self._seen: OrderedDict[str, float] = OrderedDict()
+        self._nonces = NonceStore(2 * PEER_SIGNATURE_WINDOW_S, nonce_capacity, "peer")
 
     def accepts(
         self, header: str, method: str, path: str, targets: Sequence[str], body: bytes
@@ -294,11 +337,4 @@ class PeerRequestGuard:
         return None
 
     def _fresh(self, nonce: str, now: float) -> bool:
-        while self._seen and next(iter(self._seen.values())) < now - 2 * PEER_SIGNATURE_WINDOW_S:
-            self._seen.popitem(last=False)
-        if nonce in self._seen:
-            return False
-        self._seen[nonce] = now
-        if len(self._seen) > MAX_NONCES_KEPT:
-            self._seen.popitem(last=False)
-        return True
+        return self._nonces.fresh(nonce, now)

@@ -58,7 +58,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from kvtopo_worker.credentials import TokenError
+from kvtopo_worker.credentials import NonceStore, TokenError
 
 SCHEME = "KVTopo-Sig"
 TICKET_SCHEME = "KVTopo-Ticket"
@@ -491,7 +491,11 @@ class CallGuard:
         incarnation: str = "",
         engine_key: EngineKey | None = None,
         clock: Callable[[], float] = time.time,
+        nonce_capacity: int = MAX_NONCES_KEPT,
     ) -> None:
+        """`nonce_capacity`: how many nonces each kind of signed request (each caller
+        role's calls, the tickets) keeps within twice the time window; a kind whose store is
+        full is refused (`credentials.NonceStoreFull`, 503), never another's forgotten."""
         unknown = set(callers) - set(ROLES)
         if unknown:
             raise ValueError(f"unknown caller roles {sorted(unknown)}")
@@ -501,7 +505,15 @@ class CallGuard:
         self.key = engine_key or EngineKey()
         self._clock = clock
         self._keys: dict[tuple[str, str], bytes] = {}  # (role, kid) -> call key
-        self._seen: OrderedDict[str, float] = OrderedDict()
+        # One nonce store per kind of signed request (scheme, role): a flood of tickets
+        # cannot push an operator call's nonce out and reopen its replay.
+        self._nonces = {
+            (scheme, role): NonceStore(2 * SIGNATURE_WINDOW_S, nonce_capacity, f"{role} {kind}")
+            for scheme, role, kind in (
+                *((SCHEME, r, "call") for r in ROLES),
+                (TICKET_SCHEME, "peer", "ticket"),
+            )
+        }
 
     def _role_keys(self, role: str) -> list[tuple[str, bytes]]:
         """[(kid, call key)] for `role`, current first; KeyFileError while its file is bad."""
@@ -628,20 +640,10 @@ class CallGuard:
             for target in targets:
                 expected = _mac(key, scheme, role, method, path, target, body, ts, nonce)
                 if hmac.compare_digest(expected, mac):
-                    if not self._fresh(nonce, now):
+                    if not self._nonces[(scheme, role)].fresh(nonce, now):
                         return None
                     return "current" if i == 0 else "previous"
         return None
-
-    def _fresh(self, nonce: str, now: float) -> bool:
-        while self._seen and next(iter(self._seen.values())) < now - 2 * SIGNATURE_WINDOW_S:
-            self._seen.popitem(last=False)
-        if nonce in self._seen:
-            return False
-        self._seen[nonce] = now
-        if len(self._seen) > MAX_NONCES_KEPT:
-            self._seen.popitem(last=False)
-        return True
 
 
 class CallerKey:
