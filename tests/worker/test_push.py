@@ -552,3 +552,33 @@ def test_the_writer_lock_test_catches_a_lockless_read(clock: FakeClock) -> None:
             _deliver_waits_for_lock(conn, broken, transport)
     finally:
         conn.stop()
+
+
+@pytest.mark.parametrize("ending", ["evicted", "timed-out"])
+def test_registrations_parked_for_a_prefill_that_never_greets_are_freed(
+    transport: FakeTransport, registry: EngineRegistry, clock: FakeClock, ending: str
+) -> None:
+    """Issue 55, defect 8: registrations wait (parked) for the prefill agent's greeting; a
+    prefill that never greets left them held for ever (20,000 after all had ended and the
+    prefill was evicted). They leave with the prefill's agents, or with their requests."""
+    decode = make_connector(
+        "decode", transport, registry, clock, registration_timeout_s=5.0, greet_peers=True
+    )
+    try:
+        add_engine(transport, registry, PREFILL)
+        for i in range(100):
+            decode.request_receive(f"r{i}", PREFILL, [i % 8])
+        decode.flush_registrations()  # type: ignore[attr-defined]  # what the writer runs
+        assert decode.parked() == 100  # type: ignore[attr-defined]
+        assert all(msg.startswith(b"PUSH_HELLO") for _, msg in transport.sent), transport.sent
+        if ending == "evicted":
+            registry.evict(PREFILL, "operator")
+        else:
+            clock.advance(6.0)
+            decode.progress_once()
+            assert len(decode.get_finished().failed) == 100
+            clock.advance(1.0)
+            decode.progress_once()
+        assert decode.parked() == 0  # type: ignore[attr-defined]
+    finally:
+        decode.stop()

@@ -67,6 +67,7 @@ class DecodePush(PushConnector):
         self._heard: set[str] = set()  # prefill agents that greeted us (they hold our agent)
         # Registrations waiting for their prefill agent's greeting, by prefill engine.
         self._parked: dict[str, list[PushRegistration]] = {}
+        self._parked_pruned = 0.0
 
     def _thread_targets(self) -> list[tuple[str, Callable[[], None]]]:
         return [("writer", self._writer_loop), *super()._thread_targets()]
@@ -87,9 +88,13 @@ class DecodePush(PushConnector):
             signal_event(self._wake)
 
     def agents_removed(self, engine_id: str, agents: Mapping[int, str]) -> None:
+        """The engine's agents left (evicted, replaced): it no longer greets us, and the
+        registrations parked for its greeting are dropped (their requests end at their
+        deadline, as any never sent)."""
         agent = agents.get(self.tp_rank)
         with self._state_lock:
             self._heard.discard(agent or "")
+            self._parked.pop(engine_id, None)
 
     # --- transitions -----------------------------------------------------------------------
 
@@ -351,6 +356,14 @@ class DecodePush(PushConnector):
         cancels: list[tuple[str, _Recv]] = []
         given_up: list[tuple[str, _Recv]] = []
         with self._state_lock:
+            if self._parked and now - self._parked_pruned >= 1.0:
+                # Parked registrations of requests that ended meanwhile (once a second).
+                self._parked_pruned = now
+                self._parked = {
+                    e: kept
+                    for e, regs in self._parked.items()
+                    if (kept := [r for r in regs if r.request_id in self._recv])
+                }
             for rid, rec in list(self._recv.items()):
                 if rec.deadline > now:
                     continue
@@ -383,6 +396,12 @@ class DecodePush(PushConnector):
                 rec.cancel_reason,
                 f"{self._why_given_up(rec)}; the prefill engine did not answer the cancel",
             )
+
+    def parked(self) -> int:
+        """Registrations waiting for their prefill agent's greeting (`/v1/state`-free
+        introspection for tests and the bench)."""
+        with self._state_lock:
+            return sum(len(regs) for regs in self._parked.values())
 
     def _load(self) -> str:
         with self._state_lock:
