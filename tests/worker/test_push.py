@@ -582,3 +582,18 @@ def test_registrations_parked_for_a_prefill_that_never_greets_are_freed(
         assert decode.parked() == 0  # type: ignore[attr-defined]
     finally:
         decode.stop()
+
+
+def test_a_stopped_kv_both_connector_takes_no_request(
+    transport: FakeTransport, registry: EngineRegistry, clock: FakeClock
+) -> None:
+    """Issue 55, defect 8: after stop(), a kv_both connector still took requests on either
+    half, and they never ended. Now both halves refuse, as a prefill's or a decode's does."""
+    both = make_connector("both", transport, registry, clock, registration_timeout_s=5.0)
+    add_engine(transport, registry, PREFILL)
+    both.stop()
+    with pytest.raises(RuntimeError, match="stopped"):
+        both.request_send("s1", [1])
+    with pytest.raises(RuntimeError, match="stopped"):
+        both.request_receive("r1", PREFILL, [2])
+    assert both.in_flight() == 0

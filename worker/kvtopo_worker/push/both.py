@@ -59,8 +59,12 @@ class BothPush(PushConnector):
         self.receiving._wake_threads()  # the shared wake event, and the writer's queue
 
     def _stop_pending(self, why: str) -> None:
-        self.sending._stop_pending(why)
-        self.receiving._stop_pending(why)
+        # The halves are stopped too: neither takes a request after the engine stopped
+        # (one taken then would never end).
+        for half in (self.sending, self.receiving):
+            with half._state_lock:
+                half._stopped = True
+            half._stop_pending(why)
 
     # --- registry events and greetings ---------------------------------------------------
 
