@@ -240,7 +240,9 @@ other role in its topology. A worker that reports more is Failed with the reason
 pairing never works on it (600,000 peers once cost 45 s of a round and 1.2 GiB)."""
 MAX_ETAG = 128
 """The longest ETag kept; a longer one is cut, so it never matches and the next read is whole."""
-KEEPALIVE_S = 60.0  # how long an idle connection to a worker is kept for its next call
+# An idle connection to a worker is kept this long for its next call: under the workers'
+# own keep-alive (10 s, `kvtopo_worker.serving`), so the operator lets go first.
+KEEPALIVE_S = 8.0
 CLOCK_SLACK_S = 5.0  # a worker's clock this far from ours is skew (logged; signed against)
 
 

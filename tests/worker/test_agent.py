@@ -43,6 +43,7 @@ from kvtopo_worker.protocol import (
     encode_metadata,
 )
 from kvtopo_worker.registry import EngineRegistry
+from kvtopo_worker.serving import ServerLimits
 from kvtopo_worker.signing import (
     CallerKey,
     PrivateKeys,
@@ -90,6 +91,7 @@ def make_node(
     incarnation: str = "",
     introductions: bool | None = None,
     port: int = 0,
+    limits: ServerLimits | None = None,
 ) -> Node:
     """An in-process worker control API over a fake transport, with the traffic routes
     (`EngineTraffic`, no engine behind them). `operator_keys`: the operator public keys it
@@ -125,6 +127,7 @@ def make_node(
         metrics=WorkerMetrics(),
         introductions=peer_token is not None if introductions is None else introductions,
         port=port,
+        limits=limits,
     )
     traffic = EngineTraffic()
     traffic.add_routes(server.app)
@@ -1072,3 +1075,74 @@ def test_kv_both_engines_pair_with_each_other_and_with_either_role() -> None:
     finally:
         for node in (a, b, p, p2):
             node.server.stop()
+
+
+def _wait(probe: Any, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not probe():
+        assert time.monotonic() < deadline, f"timed out after {seconds} s waiting for {what}"
+        time.sleep(0.05)
+
+
+def _status_line(sock: socket.socket, seconds: float) -> bytes:
+    sock.settimeout(seconds)
+    data = b""
+    while b"\r\n" not in data:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return data.split(b"\r\n", 1)[0]
+
+
+def test_idle_silent_slow_and_oversized_clients_cannot_exhaust_the_control_api() -> None:
+    """Issue 55, defect 7: under aiohttp's defaults (keep-alive 3,630 s, no head or body
+    deadline, no connection cap) 2,154 idle connections used up a prefill's descriptors and
+    the operator's calls timed out; a `Content-Length: 2000000` with a 10 KB body stayed
+    open until the client gave up. Now: a cap per source and in all, a head deadline, a body
+    deadline, Content-Length checked first, and a short keep-alive."""
+    limits = ServerLimits(
+        max_connections=40, max_per_source=16, head_s=1.0, body_s=1.0, keepalive_s=1.0
+    )
+    node = make_node("pre-cap", "prefill", limits=limits)
+    conns = node.server.connections
+    host, port = "127.0.0.1", node.server.port
+    flood: list[socket.socket] = []
+    try:
+        for _ in range(100):  # idle connections from one source
+            flood.append(socket.create_connection((host, port), source_address=("127.0.0.2", 0)))
+        _wait(lambda: conns.refused >= 84, 5, "84 connections refused")
+        assert conns.by_source.get("127.0.0.2", 0) <= 16
+        # Another source is served meanwhile.
+        assert send("GET", node.url + "/healthz", None, {})[0] == 200
+        # The silent ones are closed at the head deadline.
+        _wait(lambda: "127.0.0.2" not in conns.by_source, 5, "the silent connections closed")
+        # A body that does not arrive in time: 408; one announced too large: 413 at once.
+        with socket.create_connection((host, port)) as slow:
+            slow.sendall(
+                b"PUT /v1/settings HTTP/1.1\r\nHost: x\r\nContent-Length: 500000\r\n\r\n"
+                + b"x" * 10_000
+            )
+            assert b" 408 " in _status_line(slow, 5)
+        with socket.create_connection((host, port)) as huge:
+            huge.sendall(
+                b"PUT /v1/settings HTTP/1.1\r\nHost: x\r\nContent-Length: 2000000\r\n\r\n"
+                + b"x" * 10_000
+            )
+            assert b" 413 " in _status_line(huge, 2)
+        # An idle keep-alive connection is closed after keepalive_s.
+        with socket.create_connection((host, port)) as kept:
+            kept.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert b" 200 " in _status_line(kept, 2)
+            kept.settimeout(5)
+            started = time.monotonic()
+            while kept.recv(4096):
+                pass
+            assert time.monotonic() - started < 4
+        refused = node.server.metrics.connections_refused_total
+        assert refused.labels("per_source")._value.get() >= 84
+        assert refused.labels("head_timeout")._value.get() >= 1
+    finally:
+        for sock in flood:
+            sock.close()
+        node.server.stop()

@@ -108,6 +108,7 @@ from kvtopo_worker.protocol import (
     tag_matches,
 )
 from kvtopo_worker.registry import AgentConflict, EngineRegistry
+from kvtopo_worker.serving import ConnectionCap, ServerLimits
 from kvtopo_worker.signing import (
     SCHEME,
     SIGNATURE_WINDOW_S,
@@ -132,7 +133,8 @@ MAX_METADATA_BYTES = 4 << 20
 FROM_HEADER = "KVTopo-From"  # a ticketed peer request: the fetching engine's id
 INCARNATION_HEADER = "KVTopo-Incarnation"  # and its incarnation (both base64url, UTF-8)
 MAX_INTRODUCED_RANKS = 64
-MAX_INTRO_BYTES = 1 << 20  # as much as the server takes in (client_max_size)
+MAX_BODY_BYTES = 1 << 20  # the largest request body the control API takes (client_max_size)
+MAX_INTRO_BYTES = MAX_BODY_BYTES  # as much as the server takes in
 # Where a lazy handshake may dial by default: a request names the endpoint (its
 # `kv_transfer_params`), so only the private, shared-address, loopback and unique-local
 # networks pods live on; never a public address, nor link-local (cloud metadata services).
@@ -262,6 +264,7 @@ class ControlServer:
         request_counts: StateExtras | None = None,
         introductions: bool = False,
         introduction_networks: Sequence[str] = DEFAULT_INTRODUCTION_NETWORKS,
+        limits: ServerLimits | None = None,
     ) -> None:
         """`operator_keys`: the operator's public key(s), which the admin routes' calls must
         be signed for (`kvtopo_worker.signing`; None: no operator drives this engine, its
@@ -272,7 +275,8 @@ class ControlServer:
         share (required then, refused otherwise); off, only the operator adds peers, peers
         fetch metadata with the operator's tickets, and an introduction is refused (403).
         `introduction_networks`: the CIDRs a lazy handshake may dial (the endpoint is a
-        request's choice); ValueError for one that does not parse."""
+        request's choice); ValueError for one that does not parse. `limits`: the server's
+        connection, deadline and keep-alive bounds (`kvtopo_worker.serving`)."""
         if introductions and peer_token is None:
             raise ValueError("lazy handshakes (introductions) need the peer token")
         if operator_keys is None and not introductions:
@@ -315,7 +319,14 @@ class ControlServer:
         self.nixl_executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="kvtopo-nixl"
         )
-        self.app = web.Application(middlewares=[self._auth_middleware], client_max_size=1 << 20)
+        self.limits = limits or ServerLimits()
+        self.connections = ConnectionCap(
+            self.limits, lambda why: metrics.connections_refused_total.labels(why).inc()
+        )
+        self._listener: asyncio.Server | None = None
+        self.app = web.Application(
+            middlewares=[self._auth_middleware], client_max_size=MAX_BODY_BYTES
+        )
         self.app.on_response_prepare.append(_prove_answer)
         self.app.router.add_get("/healthz", self._healthz)
         self.app.router.add_get("/metrics", self._metrics)
@@ -369,19 +380,26 @@ class ControlServer:
         loop.close()
 
     async def _start_site(self) -> None:
-        self._runner = web.AppRunner(self.app, access_log=None)
+        self._runner = web.AppRunner(
+            self.app, access_log=None, keepalive_timeout=self.limits.keepalive_s
+        )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
+        server = self._runner.server
+        assert server is not None
+        # The listener itself (not a TCPSite): its protocols are capped (`ConnectionCap`).
+        self._listener = await asyncio.get_running_loop().create_server(
+            self.connections.wrap(server), self.host, self.port, reuse_address=True
+        )
         if self.port == 0:
-            server = site._server
-            sockets = getattr(server, "sockets", None) or []
-            self.port = int(sockets[0].getsockname()[1])
+            self.port = int(self._listener.sockets[0].getsockname()[1])
 
     async def _cleanup(self) -> None:
         if self._session is not None:
             await self._session.close()
+        if self._listener is not None:
+            self._listener.close()
         if self._runner is not None:
+            await self._runner.shutdown()
             await self._runner.cleanup()
 
     def stop(self) -> None:
@@ -394,6 +412,19 @@ class ControlServer:
 
     @web.middleware
     async def _auth_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        self.connections.seen(request.transport)
+        length = request.content_length or 0
+        if length > MAX_BODY_BYTES:  # refused before any byte of it is awaited
+            self.metrics.reject("control")
+            return _error(413, "too_large", f"a body is at most {MAX_BODY_BYTES} bytes")
+        if request.can_read_body:  # the whole body within the deadline (cached for handlers)
+            try:
+                await asyncio.wait_for(request.read(), self.limits.body_s)
+            except TimeoutError:
+                self.metrics.reject("control")
+                return _error(
+                    408, "body_timeout", f"the body did not arrive within {self.limits.body_s:g} s"
+                )
         kind = route_kind(request.path)
         refused: web.Response | None = None
         if kind == "peer":

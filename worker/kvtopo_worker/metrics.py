@@ -47,6 +47,13 @@ class WorkerMetrics:
             ["source"],
             registry=self.registry,
         )
+        self.connections_refused_total = Counter(
+            "kvtopo_worker_control_connections_refused",
+            "Control API connections closed by its bounds: over the total or per-source cap, "
+            "or no request head within the deadline.",
+            ["why"],
+            registry=self.registry,
+        )
         self.duplicate_outcomes_total = Counter(
             "kvtopo_worker_duplicate_outcomes",
             "Second outcomes for an already ended request (dropped; must stay 0).",
