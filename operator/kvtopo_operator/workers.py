@@ -240,9 +240,10 @@ other role in its topology. A worker that reports more is Failed with the reason
 pairing never works on it (600,000 peers once cost 45 s of a round and 1.2 GiB)."""
 MAX_ETAG = 128
 """The longest ETag kept; a longer one is cut, so it never matches and the next read is whole."""
-# An idle connection to a worker is kept this long for its next call: under the workers'
-# own keep-alive (10 s, `kvtopo_worker.serving`), so the operator lets go first.
-KEEPALIVE_S = 8.0
+# An idle connection to a worker is kept this long for its next call: longer than a
+# 2,000-worker topology leaves between two re-reads of one worker (20 s), and under the
+# workers' own keep-alive (60 s, `kvtopo_worker.serving`), so the operator lets go first.
+KEEPALIVE_S = 45.0
 CLOCK_SLACK_S = 5.0  # a worker's clock this far from ours is skew (logged; signed against)
 
 

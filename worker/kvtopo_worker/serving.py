@@ -5,7 +5,8 @@ protocol factory: a connection past the total or per-source cap is closed at onc
 and one that has not sent a complete request head within `head_s` is closed (a slow or
 silent client: each held a descriptor for an hour under aiohttp's defaults, and 2,154 idle
 connections used up a prefill's descriptors while the operator's calls timed out). Idle
-keep-alive connections close after `keepalive_s` (aiohttp's `keepalive_timeout`); a body
+keep-alive connections close after `keepalive_s` (aiohttp's `keepalive_timeout`, 3,630 s by
+default, 60 s here); a body
 must arrive within `body_s` and fit the server's `client_max_size`, checked on the
 `Content-Length` before anything is awaited (`kvtopo_worker.agent`'s middleware).
 
@@ -29,7 +30,11 @@ class ServerLimits:
     max_per_source: int = 128  # from one source address
     head_s: float = 10.0  # a connection's first request head must be complete within this
     body_s: float = 30.0  # a request's body must arrive within this
-    keepalive_s: float = 10.0  # an idle keep-alive connection is closed after this
+    # An idle keep-alive connection is closed after this: longer than the operator keeps
+    # one (45 s, so it lets go first) and than it leaves between two re-reads of one worker
+    # of a 2,000-engine topology (20 s; shorter made nearly every re-read connect afresh).
+    # Idle connections are bounded by the caps, and silent ones by `head_s`.
+    keepalive_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not 0 < self.max_per_source <= self.max_connections:
