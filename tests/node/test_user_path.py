@@ -350,15 +350,25 @@ def test_helm_uninstall_leaves_nothing_of_the_operator(install: Install) -> None
         lease = cluster.kubectl("get", "lease", LEASE, "-n", NAMESPACE, check=False)
         if lease.returncode == 0:
             named.append(f"Lease/{LEASE}")
+        # Cluster-scoped objects of this release (a release of the same name in another
+        # namespace, the drill's, keeps its own).
         cluster_wide = get_json(cluster, "clusterroles,clusterrolebindings")["items"]
         named += [
             f"{i['kind']}/{i['metadata']['name']}"
             for i in cluster_wide
-            if i["metadata"]["name"].startswith(RELEASE)
+            if (i["metadata"].get("annotations") or {}).get("meta.helm.sh/release-namespace")
+            == NAMESPACE
+            or i["metadata"]["name"].startswith(f"{NAMESPACE}-{RELEASE}")
         ]
         return named
 
-    wait_until(lambda: leftovers() == [], 120, "nothing of the release left")
+    last: list[list[str]] = [[]]
+
+    def gone() -> bool:
+        last[0] = leftovers()
+        return last[0] == []
+
+    wait_until(gone, 120, "nothing of the release left", describe_last=lambda: f"left: {last[0]}")
     assert leftovers() == []
 
 
