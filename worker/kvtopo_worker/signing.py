@@ -58,13 +58,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from kvtopo_worker.credentials import NonceStore, TokenError
+from kvtopo_worker.credentials import MAX_NONCES_KEPT, NonceStore, TokenError
 
 SCHEME = "KVTopo-Sig"
 TICKET_SCHEME = "KVTopo-Ticket"
 ROLES = ("operator", "client")
 SIGNATURE_WINDOW_S = 60.0  # how far a signature's time may be from the receiver's clock
-MAX_NONCES_KEPT = 100_000
 MAX_KEY_FILE_BYTES = 64 << 10
 MAX_HEADER_FIELD = 512
 _SALT = b"kvtopo call key v1"
