@@ -11,6 +11,11 @@ quiet for each kind), P is attacked:
 - `garbage_flood`: the same agent sends garbage notifications.
 - `paired_flood`: a second decode H that P holds registers requests nobody prefilled, as
   fast as its control API takes them; P keeps them (bounded per peer) until their lease.
+- `nixl_paired_flood`: a decode P added as the operator would (a NIXL agent in this process
+  whose metadata P fetched) sends valid sealed `PUSH_CANCEL`s for requests P never had, as
+  fast as NIXL takes them (100,000 and more); P handles a budget of each sender's
+  notifications per pass and answers such cancels within a rate. P's RSS growth is
+  reported too (target <= 50 MB).
 - `huge_handshake`: D is told to add a "prefill" whose metadata (served by a process of
   its own, to any request) claims 2^24 blocks, again and again; D must refuse it at once,
   off the data path's lock.
@@ -34,11 +39,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from kvtopo import launch
 from kvtopo.localkeys import ControlClient, Credentials
 
 DELAY_TARGET_S = 0.100
-KINDS = ("stranger_flood", "garbage_flood", "paired_flood", "huge_handshake")
+KINDS = ("stranger_flood", "garbage_flood", "paired_flood", "nixl_paired_flood", "huge_handshake")
+RSS_GROWTH_TARGET_MB = 50.0  # the prefill's, under the NIXL-level paired flood
 
 
 class _Worker:
@@ -80,6 +88,15 @@ class _Worker:
 
     def stop(self) -> None:
         launch.stop_process(self.started.proc, 5)
+
+
+def _rss_mb(pid: int) -> float:
+    """A process's resident set (MiB), from /proc."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -147,10 +164,13 @@ class _Attack:
         self._agent = ""
         self._server: Any = None
         self.refused = 0  # huge_handshake: adds answered as refused
+        self.answers = 0  # nixl_paired_flood: P's answers the rogue received
 
     def start(self) -> None:
         if self.kind == "huge_handshake":
             self._rogue, self._server = _huge_peer(self.p)
+        elif self.kind == "nixl_paired_flood":
+            self._rogue, self._server, self._agent = _paired_rogue(self.p)
         elif self.kind != "paired_flood":
             self._rogue, self._agent = _rogue_agent(self.p)
         self._thread.start()
@@ -166,7 +186,7 @@ class _Attack:
             self._server.server_close()
 
     def _run(self) -> None:
-        from kvtopo_worker.protocol import PushRegistration, encode_notification
+        from kvtopo_worker.protocol import PushCancel, PushRegistration, encode_notification
 
         i = 0
         while not self._stop.is_set():
@@ -182,6 +202,15 @@ class _Attack:
                 body = {"endpoint": f"{host}:{port}", "role": "prefill"}
                 status, _ = self.d.call("PUT", "/v1/peers/huge", body)
                 self.refused += status != 200
+            elif self.kind == "nixl_paired_flood":
+                cancel = PushCancel(
+                    request_id=f"flood-{i}",
+                    decode_engine_id="rogue",
+                    prefill_engine_id=self.p.engine_id,
+                )
+                self._rogue.send_notif(self._agent, encode_notification(cancel))
+                if i % 64 == 0:
+                    self.answers += len(self._rogue.get_notifs())
             elif self.kind == "garbage_flood":
                 self._rogue.send_notif(self._agent, secrets.token_bytes(512))
             else:
@@ -199,33 +228,32 @@ class _Attack:
             self.sent += 1
 
 
-def _huge_peer(p: _Worker) -> tuple[Any, Any]:
-    """A NIXL agent of its own and a control endpoint serving its metadata as a prefill
-    of 2^24 blocks (P's metadata, its identity and size changed), answered to any GET."""
+def served_peer(
+    raw_metadata: bytes,
+    compat_hash: str,
+    engine_id: str,
+    role: str,
+    num_blocks: int | None = None,
+) -> tuple[Any, Any]:
+    """A NIXL agent in this process and a control endpoint (loopback, any port) that serves
+    its metadata as engine `engine_id` of `role`, to any GET: what an engine that fetches
+    it (told to by the operator) adds. Its KV geometry and compatibility are those of the
+    engine whose metadata `raw_metadata` is; `num_blocks` overrides the block count it
+    claims. Returns (the agent's transport, the HTTP server); the caller closes both."""
     import http.server
 
-    import msgspec
     import torch
 
-    from kvtopo_worker.protocol import decode_metadata
+    from kvtopo_worker.protocol import decode_metadata, encode_metadata
     from kvtopo_worker.transport import NixlTransport
 
-    _, state = p.call("GET", "/v1/state")
-    raw = p.metadata()
-    meta = decode_metadata(raw, state["compat_hash"])
-    rogue = NixlTransport("kvtopo-bench-huge", progress_thread=False)
+    meta = decode_metadata(raw_metadata, compat_hash)
+    rogue = NixlTransport(f"kvtopo-bench-{engine_id}", progress_thread=False)
     rogue.register_kv_cache(torch.zeros((4, meta.block_len), dtype=torch.uint8))
-    own = rogue.describe(engine_id="huge", role="prefill", compat=meta.compat)
-    envelope = msgspec.msgpack.decode(raw)
-    envelope["payload"].update(
-        engine_id="huge",
-        agent_name=own.agent_name,
-        agent_metadata=own.agent_metadata,
-        kv_addr=own.kv_addr,
-        num_blocks=1 << 24,
-        notif_key=own.notif_key,
-    )
-    payload = msgspec.msgpack.encode(envelope)
+    own = rogue.describe(engine_id=engine_id, role=role, compat=meta.compat)  # type: ignore[arg-type]
+    if num_blocks is not None:
+        own = msgspec.structs.replace(own, num_blocks=num_blocks)
+    payload = encode_metadata(own)
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -240,6 +268,31 @@ def _huge_peer(p: _Worker) -> tuple[Any, Any]:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return rogue, server
+
+
+def _huge_peer(p: _Worker) -> tuple[Any, Any]:
+    """A prefill of its own that claims 2^24 blocks (see `served_peer`)."""
+    _, state = p.call("GET", "/v1/state")
+    return served_peer(p.metadata(), state["compat_hash"], "huge", "prefill", 1 << 24)
+
+
+def _paired_rogue(p: _Worker) -> tuple[Any, Any, str]:
+    """A decode of its own that P adds as the operator would (`PUT /v1/peers/rogue`), and
+    that added P's agent: its notifications to P are sealed with their pair key, valid.
+    Returns (its transport, its metadata server, P's agent name)."""
+    from kvtopo_worker.protocol import decode_metadata
+
+    _, state = p.call("GET", "/v1/state")
+    raw = p.metadata()
+    rogue, server = served_peer(raw, state["compat_hash"], "rogue", "decode")
+    host, port = server.server_address[:2]
+    status, body = p.call(
+        "PUT", "/v1/peers/rogue", {"endpoint": f"{host}:{port}", "role": "decode"}
+    )
+    if status != 200:
+        raise RuntimeError(f"P did not add the rogue decode: {status} {body!r}")
+    agent = rogue.add_remote_peer(decode_metadata(raw, state["compat_hash"]))
+    return rogue, server, agent
 
 
 def _rogue_agent(p: _Worker) -> tuple[Any, str]:
@@ -305,6 +358,7 @@ def run(
         for kind in KINDS:
             attack = _Attack(kind, p, h, d)
             attack.start()
+            rss_before = rss_peak = _rss_mb(p.started.proc.pid)
             try:
                 for step, hostile in enumerate((False, True, True, False)):
                     phase = f"{kind}:{'hostile' if hostile else 'quiet'}"
@@ -313,6 +367,7 @@ def run(
                     deadline = time.monotonic() + phase_s
                     while time.monotonic() < deadline:
                         time.sleep(0.05)  # the phase's length; the victim measures itself
+                        rss_peak = max(rss_peak, _rss_mb(p.started.proc.pid))
                     log(f"  {kind} step {step + 1}/4 ({phase}) done")
             finally:
                 attack.on.clear()
@@ -332,13 +387,20 @@ def run(
                 + victim.failed.get(f"{kind}:hostile", 0),
                 "hostile_messages": attack.sent,
                 "refused_adds": attack.refused,
+                "prefill_rss_growth_mb": round(rss_peak - rss_before, 1),
                 "within_target": delay <= DELAY_TARGET_S,
             }
+            if kind == "nixl_paired_flood":
+                cases[kind]["answers_received"] = attack.answers
+                cases[kind]["within_target"] = (
+                    delay <= DELAY_TARGET_S and rss_peak - rss_before <= RSS_GROWTH_TARGET_MB
+                )
             c = cases[kind]
             log(
                 f"{kind}: another pair's p99 {c['quiet_p99_ms']} ms quiet, "
                 f"{c['hostile_p99_ms']} ms under {attack.sent} hostile messages "
-                f"(+{c['delay_p99_ms']} ms; target <= {1000 * DELAY_TARGET_S:.0f} ms)"
+                f"(+{c['delay_p99_ms']} ms; target <= {1000 * DELAY_TARGET_S:.0f} ms); "
+                f"P's RSS +{c['prefill_rss_growth_mb']} MB"
             )
         victim.stop()
         if victim.error:
@@ -348,6 +410,7 @@ def run(
             "quick": quick,
             "phase_s": phase_s,
             "delay_target_ms": 1000 * DELAY_TARGET_S,
+            "rss_growth_target_mb": RSS_GROWTH_TARGET_MB,
             "cases": cases,
             "all_within_target": all(c["within_target"] for c in cases.values()),
         }

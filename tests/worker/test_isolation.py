@@ -239,3 +239,65 @@ def test_registrations_from_an_agent_nobody_added_are_not_kept(
         assert grown < 64, f"the prefill kept {grown:.0f} MB of a stranger's registrations"
     finally:
         rogue.close()
+
+
+def test_a_paired_decode_s_cancel_flood_is_neither_answered_nor_kept_per_message(
+    started: list[WorkerProcess], token_file: Path, tmp_path: Path
+) -> None:
+    """Issue 55, defect 3: a decode the operator paired with P (a NIXL agent in the test
+    process whose metadata P fetched) sends 100,000 valid sealed PUSH_CANCELs for requests
+    P never had. P answers them within its per-agent rate (the decode's deadline ends an
+    unanswered one), keeps a bounded number of tombstones and of queued notifications
+    (beyond them the flooder's own messages are dropped and counted), and another pair's
+    request sent in the middle of the flood is written."""
+    from kvtopo_bench.isolation import served_peer
+    from kvtopo_worker.protocol import PushCancel, decode_metadata
+    from kvtopo_worker.push.prefill import COURTESY_ANSWERS_BURST, COURTESY_ANSWERS_PER_S
+
+    p = start(started, "prefill", token_file, tmp_path)
+    d = start(started, "decode", token_file, tmp_path)
+    connect(d, p)
+    connect(p, d)
+    raw, compat = p.raw_metadata(), p.state()["compat_hash"]
+    rogue, server = served_peer(raw, compat, "rogue", "decode")
+    try:
+        host, port = server.server_address[:2]
+        status, body = p.call(
+            "PUT", "/v1/peers/rogue", {"endpoint": f"{host}:{port}", "role": "decode"}
+        )
+        assert status == 200, body
+        p_agent = rogue.add_remote_peer(decode_metadata(raw, compat))
+        before = _rss_mb(p)
+        n, answers = 100_000, 0
+        started_at = time.monotonic()
+        for i in range(n):
+            cancel = PushCancel(
+                request_id=f"flood-{i}", decode_engine_id="rogue", prefill_engine_id=p.engine_id
+            )
+            rogue.send_notif(p_agent, encode_notification(cancel))
+            if i % 256 == 0:
+                answers += len(rogue.get_notifs())
+            if i == n // 2:  # another pair's request, behind half the flood
+                assert d.submit("victim", p, 2) == 202
+                assert p.submit("victim", d, 2) == 202
+        grown = 0.0
+
+        def handled() -> bool:
+            nonlocal answers, grown
+            answers += len(rogue.get_notifs())
+            grown = max(grown, _rss_mb(p) - before)
+            # Each cancel was answered, left unanswered (its rate spent), or dropped
+            # unhandled (the sender's queue was full).
+            dropped = p.rejected("unanswered_courtesy") + p.rejected("notification_backlog")
+            return answers + dropped >= n
+
+        wait_until(handled, 120, "the prefill to take the flood in")
+        elapsed = time.monotonic() - started_at
+        allowed = COURTESY_ANSWERS_BURST + COURTESY_ANSWERS_PER_S * elapsed
+        assert answers <= allowed + 10, f"{answers} answers to the flood in {elapsed:.1f} s"
+        assert grown <= 50, f"the prefill grew {grown:.0f} MB under the flood"
+        assert outcome(d, "victim")["status"] == "done"
+    finally:
+        server.shutdown()
+        server.server_close()
+        rogue.close()

@@ -11,6 +11,7 @@ import pytest
 
 from kvtopo_worker.protocol import (
     FailureType,
+    PushCancel,
     PushDone,
     PushFail,
     PushRegistration,
@@ -441,6 +442,8 @@ def test_x1_stress_eviction_churn_never_fails_a_present_engine(
     for rid in sent_ids:
         transport.deliver(f"agent-{PREFILL}", _done(rid))
     decode.progress_once()
+    while decode.queued_notifications():  # a sender's notifications, a budget per pass
+        decode.progress_once()
     second = decode.get_finished()
     ended = failed + second.done_receiving + [f.request_id for f in second.failed]
     assert sorted(ended) == sorted(ids)
@@ -597,3 +600,54 @@ def test_a_stopped_kv_both_connector_takes_no_request(
     with pytest.raises(RuntimeError, match="stopped"):
         both.request_receive("r1", PREFILL, [2])
     assert both.in_flight() == 0
+
+
+def _cancel(rid: str, decode: str) -> bytes:
+    return encode_notification(
+        PushCancel(request_id=rid, decode_engine_id=decode, prefill_engine_id=PREFILL)
+    )
+
+
+def test_a_flooding_decode_waits_its_turn_behind_another_decode_s_registration(
+    prefill: PushConnector, registry: EngineRegistry, transport: FakeTransport
+) -> None:
+    """Issue 55, defect 3: a paired decode's burst of valid cancels is handled a budget per
+    pass; another decode's registration, queued behind 10,000 of them, is written in the
+    first pass, before the flooder's hundredth cancel is answered."""
+    flooder = add_engine(transport, registry, "decode-flooder")
+    honest = add_engine(transport, registry, DECODE)
+    for i in range(10_000):
+        transport.deliver(flooder, _cancel(f"nothing-{i}", "decode-flooder"))
+    prefill.request_send("r1", [0, 1])
+    _register(transport, honest, "r1", [7, 8])
+    answered_before_write: list[int] = []
+    original = transport.write_blocks
+
+    def write_blocks(*args: object, **kwargs: object) -> object:
+        answered_before_write.append(sum(1 for a, _ in transport.sent if a == flooder))
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    transport.write_blocks = write_blocks  # type: ignore[method-assign]
+    prefill.progress_once()
+    assert answered_before_write, "the other decode's registration waited for the flood"
+    assert answered_before_write[0] < 100, answered_before_write
+    assert prefill.queued_notifications() > 9_000  # the flood waits in its own queue
+    while prefill.queued_notifications():
+        prefill.progress_once()
+    answers = sum(1 for a, _ in transport.sent if a == flooder)
+    # Cancels that found nothing get rate-limited answers (the decode's deadline ends them).
+    assert answers <= 300, answers
+    assert prefill.metrics.rejected_total.labels("unanswered_courtesy")._value.get() > 9_000
+
+
+def test_a_sender_s_backlog_is_bounded_and_the_rest_counted(
+    prefill: PushConnector, registry: EngineRegistry, transport: FakeTransport
+) -> None:
+    from kvtopo_worker.push.core import MAX_QUEUED_PER_SENDER
+
+    flooder = add_engine(transport, registry, "decode-flooder")
+    for i in range(MAX_QUEUED_PER_SENDER + 500):
+        transport.deliver(flooder, _cancel(f"nothing-{i}", "decode-flooder"))
+    prefill.progress_once()
+    assert prefill.queued_notifications() <= MAX_QUEUED_PER_SENDER
+    assert prefill.metrics.rejected_total.labels("notification_backlog")._value.get() >= 500

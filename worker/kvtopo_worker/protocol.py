@@ -405,8 +405,10 @@ class PushFail(msgspec.Struct, frozen=True, kw_only=True):
 
 class PushCancel(msgspec.Struct, frozen=True, kw_only=True):
     """Decode rank -> prefill rank: 'I give request R up; do not start its WRITE'. The
-    prefill always answers: PUSH_FAIL when no WRITE of R can land any more, PUSH_DONE when
-    R's WRITE has landed, nothing yet while it is in flight (its end answers)."""
+    prefill answers: PUSH_FAIL when no WRITE of R can land any more, PUSH_DONE when R's
+    WRITE has landed, nothing yet while it is in flight (its end answers). A cancel that
+    found nothing of R is answered within a per-agent rate (a flood of them is not); the
+    decode's own deadline ends a request left unanswered."""
 
     request_id: str
     decode_engine_id: str

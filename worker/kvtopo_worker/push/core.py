@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +37,15 @@ from kvtopo_worker.registry import EngineRegistry
 from kvtopo_worker.transport import KVTransport, TransportError
 
 log = logging.getLogger("kvtopo_worker.push")
+
+# The notification path's per-sender budget: each pass handles at most this many
+# notifications of one sender agent (the rest wait in that agent's queue, handled in later
+# passes), so another agent's registration waits for at most this many of a flooder's
+# messages, never for the flood.
+NOTIFS_PER_SENDER_PER_PASS = 32
+# What one sender agent may have waiting; beyond it its notifications are dropped and
+# counted (an honest peer sends one registration or cancel per request it holds, far fewer).
+MAX_QUEUED_PER_SENDER = 16384
 
 
 @dataclass(frozen=True)
@@ -168,6 +177,11 @@ class PushConnector:
         self.requests_failed = 0
         self._next_deadline_check = 0.0
         self._missing_agents: set[tuple[str, str]] = set()  # unknown to NIXL at the last check
+        # Notifications taken from NIXL, not handled yet: per sender agent, in arrival order
+        # (only the progress thread touches it). Senders are agents the transport holds a
+        # pair key for, so their number is bounded by the peers held.
+        self._inbox: dict[str, deque[bytes]] = {}
+        self._last_warning: dict[str, float] = {}
         # Label lookups cost a lock and a dict probe per call: bind the children once.
         self._requests_total = {
             o: self.metrics.requests_total.labels(o) for o in ("done", "failed")
@@ -451,33 +465,87 @@ class PushConnector:
                 self._wake.clear()
 
     def progress_once(self) -> str:
-        """One pass: notifications (in the order they came), the half's own work (matches
+        """One pass: notifications (each sender's in the order they came, at most
+        `NOTIFS_PER_SENDER_PER_PASS` of one sender per pass), the half's own work (matches
         and WRITE polls on a prefill), deadlines.
 
-        Returns the load that paces the next pass: "transferring", "waiting" or "idle".
+        Returns the load that paces the next pass: "transferring", "waiting" or "idle"
+        (notifications still queued count as "transferring": the next pass comes at once).
         """
-        notifs = self.transport.get_notifs()
-        for agent_name, data in notifs:
-            try:
-                msg = decode_notification(data)
-            except MalformedMessage as exc:
-                self.metrics.reject("notification")
-                log.warning("dropped malformed notification from %s: %s", agent_name, exc.message)
-                continue
-            try:
-                if isinstance(msg, PushHello):
-                    self._on_hello(agent_name, msg)
-                else:
-                    self._on_message(agent_name, msg)
-            except Exception:  # nothing a peer sends may stop the pass
-                self.metrics.reject("notification")
-                log.exception("handling a notification from %s", agent_name)
+        self._take_notifications()
+        backlog = self._handle_notifications()
         self._progress_side()
         now = self._clock()
         if now >= self._next_deadline_check:
             self._next_deadline_check = now + self.config.deadline_check_s
             self._expire(now)
-        return self._load()
+        return "transferring" if backlog else self._load()
+
+    def _take_notifications(self) -> None:
+        """Moves what NIXL holds for us into the senders' queues; a sender's beyond
+        `MAX_QUEUED_PER_SENDER` are dropped and counted."""
+        inbox = self._inbox
+        for agent_name, data in self.transport.get_notifs():
+            queued = inbox.get(agent_name)
+            if queued is None:
+                queued = inbox[agent_name] = deque()
+            elif len(queued) >= MAX_QUEUED_PER_SENDER:
+                self.metrics.reject("notification_backlog")
+                self._warn_limited(
+                    "backlog",
+                    "agent %s has %d notifications waiting: dropping more",
+                    agent_name,
+                    len(queued),
+                )
+                continue
+            queued.append(data)
+
+    def _handle_notifications(self) -> bool:
+        """One round over the senders with something queued, each handled up to its budget;
+        whether any still has notifications waiting."""
+        inbox = self._inbox
+        for agent_name in list(inbox):
+            queued = inbox[agent_name]
+            for _ in range(min(len(queued), NOTIFS_PER_SENDER_PER_PASS)):
+                self._handle_notification(agent_name, queued.popleft())
+            if not queued:
+                del inbox[agent_name]
+        return bool(inbox)
+
+    def _handle_notification(self, agent_name: str, data: bytes) -> None:
+        try:
+            msg = decode_notification(data)
+        except MalformedMessage as exc:
+            self.metrics.reject("notification")
+            self._warn_limited(
+                "malformed",
+                "dropped malformed notification from %s: %s",
+                agent_name,
+                exc.message,
+            )
+            return
+        try:
+            if isinstance(msg, PushHello):
+                self._on_hello(agent_name, msg)
+            else:
+                self._on_message(agent_name, msg)
+        except Exception:  # nothing a peer sends may stop the pass
+            self.metrics.reject("notification")
+            log.exception("handling a notification from %s", agent_name)
+
+    def queued_notifications(self) -> int:
+        """Notifications taken from NIXL and not handled yet (all senders)."""
+        return sum(len(q) for q in list(self._inbox.values()))
+
+    def _warn_limited(self, kind: str, message: str, *args: object) -> None:
+        """A warning about what a peer sent, logged at most once a second per `kind` (a
+        flood is counted in the metrics, not written to the log once per message)."""
+        now = time.monotonic()
+        if now - self._last_warning.get(kind, -1e9) < 1.0:
+            log.debug(message, *args)
+            return
+        self._last_warning[kind] = now
+        log.warning(message, *args)
 
     def _on_message(self, agent_name: str, msg: Notification) -> None:
         """One decoded notification (not a greeting) from `agent_name`, in arrival order;

@@ -67,7 +67,13 @@ from kvtopo_worker.transport import TransportError, XferHandle, XferState
 
 log = logging.getLogger("kvtopo_worker.push")
 
-TOMBSTONES_PER_PEER = 65536  # cancels that came first, kept per decode agent at most
+TOMBSTONES_PER_PEER = 4096  # cancels that came first, kept per decode agent at most
+# Answers nobody honest waits on (a cancel that found nothing; a registration for a request
+# this prefill never had, at its lease's end) are rate-limited per decode agent: a decode
+# that gets none ends such a request by its own deadline. A flood of them costs the
+# flooder, not a NIXL answer per message.
+COURTESY_ANSWERS_PER_S = 100.0
+COURTESY_ANSWERS_BURST = 256.0
 
 
 @dataclass
@@ -137,6 +143,8 @@ class PrefillPush(PushConnector):
         self._aliases: dict[str, set[str]] = {}
         self._alias_of: dict[str, str] = {}
         self._called: dict[str, dict[str, str]] = {}
+        # Per decode agent: the courtesy answers it may still get (tokens, when counted).
+        self._courtesy: dict[str, tuple[float, float]] = {}
 
     # --- names: our request ids, and the aliases a decode may use -------------------------
 
@@ -203,6 +211,8 @@ class PrefillPush(PushConnector):
         self._drop(agent, rid)
         self._kept[(agent, rid)] = keep
         heapq.heappush(self._deadlines, (keep.deadline, next(self._seq), agent, rid, keep))
+        if len(self._deadlines) > 4 * (len(self._kept) + len(self._sends)) + 4096:
+            self._compact_deadlines()
         self._kept_by_rid.setdefault(rid, set()).add(agent)
         rids = self._kept_by_agent.setdefault(agent, {})
         rids[rid] = None
@@ -212,6 +222,34 @@ class PrefillPush(PushConnector):
             oldest = next(r for r in rids if self._kept[(agent, r)].phase is Held.TOMBSTONE)
             self._drop(agent, oldest)
             self.metrics.reject("tombstone_overflow")
+
+    def _live(self, entry: tuple[float, int, str, str, _Send | _Keep]) -> bool:
+        """Whether a deadline entry still stands for its record (call under the state lock)."""
+        deadline, _, agent, rid, record = entry
+        if record.deadline != deadline:
+            return False
+        if isinstance(record, _Send):
+            return self._sends.get(rid) is record
+        return self._kept.get((agent, rid)) is record
+
+    def _compact_deadlines(self) -> None:
+        """Drops the entries of records that left or moved on (call under the state lock):
+        a stream of tombstones replacing each other must not grow the heap by one entry per
+        message for a whole lease."""
+        self._deadlines[:] = [e for e in self._deadlines if self._live(e)]
+        heapq.heapify(self._deadlines)
+
+    def _courtesy_allowed(self, agent: str) -> bool:
+        """Whether `agent` may get one more courtesy answer now (its token bucket)."""
+        now = self._clock()
+        with self._state_lock:
+            tokens, since = self._courtesy.get(agent, (COURTESY_ANSWERS_BURST, now))
+            tokens = min(COURTESY_ANSWERS_BURST, tokens + (now - since) * COURTESY_ANSWERS_PER_S)
+            allowed = tokens >= 1.0
+            self._courtesy[agent] = (tokens - 1.0 if allowed else tokens, now)
+        if not allowed:
+            self.metrics.reject("unanswered_courtesy")
+        return allowed
 
     def _drop(self, agent: str, rid: str) -> _Keep | None:
         keep = self._kept.pop((agent, rid), None)
@@ -374,6 +412,7 @@ class PrefillPush(PushConnector):
         if agent is None:
             return
         with self._state_lock:
+            self._courtesy.pop(agent, None)
             rids = list(self._kept_by_agent.get(agent, {}))
             for rid in rids:
                 self._held_step(agent, rid, HeldEvent.SENDER_GONE)
@@ -411,7 +450,8 @@ class PrefillPush(PushConnector):
             or msg.decode_tp_rank != self.tp_rank
         ):
             self.metrics.reject("notification")
-            log.warning(
+            self._warn_limited(
+                "registration",
                 "registration of %s from agent %s (not %s's current agent of rank %d) dropped",
                 msg.request_id,
                 agent,
@@ -514,12 +554,15 @@ class PrefillPush(PushConnector):
             or msg.decode_tp_rank != self.tp_rank
         ):
             self.metrics.reject("notification")
-            log.warning("cancel of %s from agent %s dropped", msg.request_id, agent)
+            self._warn_limited(
+                "cancel", "cancel of %s from agent %s dropped", msg.request_id, agent
+            )
             return
         name = msg.request_id  # what the decode calls the request
         why = "the decode engine gave the request up"
         failed_send: _Send | None = None
         resend: _Outcome | None = None
+        tombstone = False
         with self._state_lock:
             rid = self._resolve(name)
             if rid != name:
@@ -532,7 +575,8 @@ class PrefillPush(PushConnector):
                 resend = outcome
             else:
                 kept, _ = self._held_step(agent, rid, HeldEvent.CANCELLED)
-                if kept is None:  # nothing was kept: a tombstone refuses its registration
+                tombstone = kept is None
+                if tombstone:  # nothing was kept: a tombstone refuses its registration
                     self._put(
                         agent,
                         rid,
@@ -554,6 +598,8 @@ class PrefillPush(PushConnector):
             return
         if failed_send is not None:
             self._fail_send(rid, FailureType.REGISTRATION_TIMEOUT, why, None)
+        elif tombstone and not self._courtesy_allowed(agent):
+            return  # nothing of it was here: the decode's own deadline ends it
         self._answer(agent, engine, rid, FailureType.REGISTRATION_TIMEOUT, "cancelled")
 
     def _answer(
@@ -900,7 +946,8 @@ class PrefillPush(PushConnector):
         for agent, engine, rid in answers:
             # A registration for a request this prefill never had (within the lease).
             self.metrics.reject("orphan_registration")
-            self._answer(agent, engine, rid, FailureType.REMOTE_REJECTED, "unknown request")
+            if self._courtesy_allowed(agent):
+                self._answer(agent, engine, rid, FailureType.REMOTE_REJECTED, "unknown request")
 
     def _load(self) -> str:
         with self._state_lock:
