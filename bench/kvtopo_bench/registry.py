@@ -48,7 +48,7 @@ class NullTransport:
     def send_notif(self, agent_name: str, payload: bytes) -> None:
         return None
 
-    def get_notifs(self) -> list[tuple[str, bytes]]:
+    def get_notifs(self, room: object = None) -> list[tuple[str, bytes]]:
         return []
 
     def write_blocks(

@@ -83,10 +83,21 @@ class FakeTransport:
                 raise TransportError(f"agent {agent_name} removed", "not_found")
             self.sent.append((agent_name, payload))
 
-    def get_notifs(self) -> list[tuple[str, bytes]]:
+    def get_notifs(self, room: Callable[[str, int], int] | None = None) -> list[tuple[str, bytes]]:
         with self._lock:
             out, self.inbox = self.inbox, []
-        return out
+        if room is None:
+            return out
+        by_agent: dict[str, list[bytes]] = {}
+        for agent, payload in out:
+            by_agent.setdefault(agent, []).append(payload)
+        taken = {a: max(0, room(a, len(msgs))) for a, msgs in by_agent.items()}
+        kept: list[tuple[str, bytes]] = []
+        for agent, payload in out:
+            if taken[agent] > 0:
+                taken[agent] -= 1
+                kept.append((agent, payload))
+        return kept
 
     def deliver(self, agent_name: str, payload: bytes) -> None:
         with self._lock:

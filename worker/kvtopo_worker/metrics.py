@@ -27,6 +27,7 @@ class WorkerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._lock = threading.Lock()
+        self._unauthenticated_warned = -1e9  # when a forged notification was last logged
         self._failures: _Tally[str] = _Tally()
         self.last_failure: FailureRecord | None = None
         self.failures_total = Counter(
@@ -121,11 +122,11 @@ class WorkerMetrics:
         self.failures_total.labels(failure.value).inc()
         log.log(level, "kvtopo transfer failure: %s | context: %s", failure.value, dict(context))
 
-    def reject(self, source: str) -> None:
-        """Counts a malformed or unexpected message (it was dropped, nothing crashed)."""
+    def reject(self, source: str, count: int = 1) -> None:
+        """Counts `count` malformed or unexpected messages (dropped, nothing crashed)."""
         with self._lock:
-            self._failures[FailureType.MALFORMED_MESSAGE.value] += 1
-        self.rejected_total.labels(source).inc()
+            self._failures[FailureType.MALFORMED_MESSAGE.value] += count
+        self.rejected_total.labels(source).inc(count)
 
     def unauthenticated(self, agent_name: str, known: bool) -> None:
         """Counts a notification dropped because it did not open with its sender's key: a
@@ -134,7 +135,14 @@ class WorkerMetrics:
         counted apart, as `unknown_agent`, and is no failure."""
         if known:
             self.reject("unauthenticated")
-            log.warning("dropped a notification %s did not seal (forged or altered)", agent_name)
+            now = time.monotonic()
+            if now - self._unauthenticated_warned >= 1.0:  # a flood is counted, not logged
+                self._unauthenticated_warned = now
+                log.warning(
+                    "dropped a notification %s did not seal (forged or altered); more are "
+                    "counted in kvtopo_worker_rejected_messages{source=unauthenticated}",
+                    agent_name,
+                )
         else:
             self.rejected_total.labels("unknown_agent").inc()
 

@@ -123,6 +123,9 @@ def merge_blocks_default() -> bool:
     return env.strip().lower() in ("1", "true", "yes", "on")
 
 
+Room = Callable[[str, int], int]
+
+
 class KVTransport(Protocol):
     """What the push path needs from a transport (real NIXL or a unit-test fake)."""
 
@@ -130,7 +133,11 @@ class KVTransport(Protocol):
 
     def send_notif(self, agent_name: str, payload: bytes) -> None: ...
 
-    def get_notifs(self) -> list[tuple[str, bytes]]: ...
+    def get_notifs(self, room: Room | None = None) -> list[tuple[str, bytes]]:
+        """The notifications received since the last call, opened (authenticated), each
+        sender's in arrival order. `room(agent, n)`: of the `n` a sender has waiting, how
+        many to take; the rest are dropped unopened (a flooder's excess costs nothing)."""
+        ...
 
     def write_blocks(
         self,
@@ -584,14 +591,19 @@ class NixlTransport:
             except Exception as exc:
                 raise TransportError(f"send_notif to {agent_name}: {exc}", _classify(exc)) from exc
 
-    def get_notifs(self) -> list[tuple[str, bytes]]:
+    def get_notifs(self, room: Room | None = None) -> list[tuple[str, bytes]]:
         with self._lock:
             notifs = self._agent.get_new_notifs()
         out: list[tuple[str, bytes]] = []
-        for agent, msgs in notifs.items():
+        for agent, received in notifs.items():
             name = agent.decode() if isinstance(agent, bytes) else str(agent)
             with self._lock:
                 pair = self._pairs.get(name) or self._former_pairs.get(name)
+            msgs = received
+            if room is not None and pair is not None:
+                taken = room(name, len(received))
+                if taken < len(received):
+                    msgs = received[: max(0, taken)]
             for m in msgs:
                 payload = pair.open(bytes(m)) if pair is not None else None
                 if payload is None:

@@ -485,19 +485,26 @@ class PushConnector:
         """Moves what NIXL holds for us into the senders' queues; a sender's beyond
         `MAX_QUEUED_PER_SENDER` are dropped and counted."""
         inbox = self._inbox
-        for agent_name, data in self.transport.get_notifs():
+
+        def room(agent_name: str, waiting: int) -> int:
+            queued = inbox.get(agent_name)
+            free = MAX_QUEUED_PER_SENDER - (len(queued) if queued is not None else 0)
+            if waiting <= free:
+                return waiting
+            self.metrics.reject("notification_backlog", waiting - max(free, 0))
+            self._warn_limited(
+                "backlog",
+                "agent %s has %d notifications waiting here: %d more dropped",
+                agent_name,
+                MAX_QUEUED_PER_SENDER - free,
+                waiting - max(free, 0),
+            )
+            return max(free, 0)
+
+        for agent_name, data in self.transport.get_notifs(room):
             queued = inbox.get(agent_name)
             if queued is None:
                 queued = inbox[agent_name] = deque()
-            elif len(queued) >= MAX_QUEUED_PER_SENDER:
-                self.metrics.reject("notification_backlog")
-                self._warn_limited(
-                    "backlog",
-                    "agent %s has %d notifications waiting: dropping more",
-                    agent_name,
-                    len(queued),
-                )
-                continue
             queued.append(data)
 
     def _handle_notifications(self) -> bool:

@@ -129,6 +129,7 @@ class PrefillPush(PushConnector):
         self._kept_by_rid: dict[str, set[str]] = {}  # rid -> agents
         self._kept_by_agent: dict[str, dict[str, None]] = {}  # agent -> rids (ordered)
         self._held_blocks: dict[str, int] = {}  # agent -> blocks its HELD registrations name
+        self._tombstones: dict[str, dict[str, None]] = {}  # agent -> its tombstones (oldest first)
         self._in_flight: dict[str, _InFlight] = {}  # by the first request id of the WRITE
         self._outcomes: OrderedDict[str, _Outcome] = OrderedDict()
         # Every lease and tombstone deadline, soonest first: (deadline, seq, agent (""
@@ -211,17 +212,19 @@ class PrefillPush(PushConnector):
         self._drop(agent, rid)
         self._kept[(agent, rid)] = keep
         heapq.heappush(self._deadlines, (keep.deadline, next(self._seq), agent, rid, keep))
-        if len(self._deadlines) > 4 * (len(self._kept) + len(self._sends)) + 4096:
+        if len(self._deadlines) > 2 * (len(self._kept) + len(self._sends)) + 1024:
             self._compact_deadlines()
         self._kept_by_rid.setdefault(rid, set()).add(agent)
         rids = self._kept_by_agent.setdefault(agent, {})
         rids[rid] = None
         if keep.phase is Held.HELD:
             self._held_blocks[agent] = self._held_blocks.get(agent, 0) + keep.blocks
-        elif len(rids) > TOMBSTONES_PER_PEER + self.config.max_held_per_peer:
-            oldest = next(r for r in rids if self._kept[(agent, r)].phase is Held.TOMBSTONE)
-            self._drop(agent, oldest)
-            self.metrics.reject("tombstone_overflow")
+        else:
+            tombstones = self._tombstones.setdefault(agent, {})
+            tombstones[rid] = None
+            if len(tombstones) > TOMBSTONES_PER_PEER:
+                self._drop(agent, next(iter(tombstones)))
+                self.metrics.reject("tombstone_overflow")
 
     def _live(self, entry: tuple[float, int, str, str, _Send | _Keep]) -> bool:
         """Whether a deadline entry still stands for its record (call under the state lock)."""
@@ -269,6 +272,11 @@ class PrefillPush(PushConnector):
                 self._held_blocks[agent] = left
             else:
                 self._held_blocks.pop(agent, None)
+        else:
+            tombstones = self._tombstones[agent]
+            del tombstones[rid]
+            if not tombstones:
+                del self._tombstones[agent]
         return keep
 
     def _held_step(self, agent: str, rid: str, event: HeldEvent) -> tuple[_Keep | None, HeldAction]:
@@ -394,6 +402,7 @@ class PrefillPush(PushConnector):
             self._kept_by_rid.clear()
             self._kept_by_agent.clear()
             self._held_blocks.clear()
+            self._tombstones.clear()
             xfers = list(self._in_flight.values())
             self._in_flight.clear()
         for rid, send in sends:
