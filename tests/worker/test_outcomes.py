@@ -314,3 +314,44 @@ def test_stop_fails_everything_pending_tells_the_peers_and_releases(
     assert all(p.transfers_in_flight == 0 for p in registry.peer_states())
     with pytest.raises(RuntimeError, match="stopped"):
         prefill.request_send("after", [2], DECODE)
+
+
+def test_a_write_nixl_will_not_release_is_never_given_up_while_it_can_land(
+    prefill: PushConnector, registry: EngineRegistry, transport: FakeTransport, clock: FakeClock
+) -> None:
+    """Issue 55, defect 5: past any number of deadlines, a WRITE NIXL refuses to release
+    stays WRITING: no PUSH_FAIL, no outcome, counted; NIXL's own end then ends it."""
+    agent = add_engine(transport, registry, DECODE)
+    transport.write_state = "PROC"
+    transport.release_ok = False
+    prefill.request_send("r1", [0], DECODE)
+    transport.deliver(agent, _reg("r1", [5]))
+    prefill.progress_once()
+    for _ in range(5):
+        clock.advance(prefill.config.transfer_timeout_s + 0.1)
+        prefill.progress_once()
+    assert transport.sent == [] and prefill.get_finished().failed == []
+    assert prefill.writing("r1")
+    assert prefill.metrics.writes_unreleasable._value.get() == 1
+    transport.write_state = "ERR"  # NIXL ended it (failed): nothing of it can land now
+    prefill.progress_once()
+    assert [f.request_id for f in prefill.get_finished().failed] == ["r1"]
+    assert [decode_notification(p).request_id for _, p in transport.sent] == ["r1"]
+    assert prefill.metrics.writes_unreleasable._value.get() == 0
+
+
+def test_stopping_beside_a_write_nixl_will_not_release_tells_the_decode_nothing(
+    prefill: PushConnector, registry: EngineRegistry, transport: FakeTransport
+) -> None:
+    """Issue 55, defect 5: `stop()` ends the prefill's own request (the engine leaves), but
+    sends no PUSH_FAIL for a WRITE that can still land; one it released is told."""
+    agent = add_engine(transport, registry, DECODE)
+    transport.write_state = "PROC"
+    transport.release_ok = False
+    prefill.request_send("r1", [0], DECODE)
+    transport.deliver(agent, _reg("r1", [5]))
+    prefill.progress_once()
+    prefill.stop()
+    assert transport.sent == []
+    failed = prefill.get_finished().failed
+    assert [(f.request_id, f.reason) for f in failed] == [("r1", FailureType.SHUTDOWN)]

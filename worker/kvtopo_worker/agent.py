@@ -658,6 +658,7 @@ class ControlServer:
             pod=self.engine.metadata.pod,
             handshake_timeout_s=self.handshake_timeout_s,
             idle_ttl_s=self.registry.idle_ttl_s,
+            writes_unreleasable=int(self.metrics.writes_unreleasable._value.get()),
         )
 
     async def _get_state(self, request: web.Request) -> web.Response:

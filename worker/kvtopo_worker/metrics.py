@@ -60,6 +60,12 @@ class WorkerMetrics:
             "Second outcomes for an already ended request (dropped; must stay 0).",
             registry=self.registry,
         )
+        self.writes_unreleasable = Gauge(
+            "kvtopo_worker_writes_unreleasable",
+            "WRITEs past their deadline that NIXL would not release (they may still land: "
+            "their requests stay held until NIXL ends them).",
+            registry=self.registry,
+        )
         self.late_writes_total = Counter(
             "kvtopo_worker_late_writes",
             "KV blocks found written while no request held them (a WRITE that landed after "

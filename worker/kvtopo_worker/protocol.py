@@ -660,6 +660,9 @@ class WorkerState(msgspec.Struct, frozen=True, kw_only=True):
     pod: PodIdentity | None = None
     handshake_timeout_s: float | None = None
     idle_ttl_s: float | None = None
+    # WRITEs past their deadline that NIXL would not release (they may still land; their
+    # requests stay held): an engine's NIXL in trouble, for the operator and a person.
+    writes_unreleasable: int = 0
 
 
 def state_tag(state: WorkerState) -> str:

@@ -104,7 +104,8 @@ class _InFlight:
     started: float
     nbytes: int
     request_ids: tuple[str, ...]  # the requests this WRITE carries (keyed by the first)
-    abort_failed_at: float | None = None  # past its deadline, could not be aborted
+    abort_failed_at: float | None = None  # past its deadline, NIXL would not release it
+    released: bool = False  # aborted: nothing of it can land any more
 
 
 @dataclass(frozen=True)
@@ -405,12 +406,21 @@ class PrefillPush(PushConnector):
             self._tombstones.clear()
             xfers = list(self._in_flight.values())
             self._in_flight.clear()
+        for xfer in xfers:
+            if xfer.abort_failed_at is not None:
+                self.metrics.writes_unreleasable.dec()
         for rid, send in sends:
             self._fail_send(rid, FailureType.SHUTDOWN, why, send.decode_engine_id)
         for agent, rid, keep in held:
             self._answer(agent, keep.engine_id, rid, FailureType.SHUTDOWN, why)
         for xfer in xfers:
-            self._finish_transfer(xfer, "ERR", self._clock(), FailureType.SHUTDOWN, why)
+            # A WRITE NIXL will not release may still land: its requests end here (the
+            # engine stops), but its decode is not told they failed; its give-up bound ends
+            # them there.
+            released = self._release(xfer.handle)
+            self._finish_transfer(
+                xfer, "ERR", self._clock(), FailureType.SHUTDOWN, why, released=True, tell=released
+            )
 
     # --- registry events -------------------------------------------------------------------
 
@@ -822,37 +832,44 @@ class PrefillPush(PushConnector):
                 state = "ERR"
             if state == "PROC":
                 if now < xfer.deadline or not self._abort(xfer, now):
-                    continue
+                    continue  # in flight (or not releasable: it stays WRITING)
                 state = "ERR"
             with self._state_lock:
                 if self._in_flight.pop(rid, None) is None:
                     continue  # ended by stop()
+            if xfer.abort_failed_at is not None:
+                self.metrics.writes_unreleasable.dec()
             ended += 1
-            timed_out = now >= xfer.deadline and state != "DONE"
             self._finish_transfer(
                 xfer,
                 state,
                 now,
                 FailureType.TRANSFER_FAILED,
-                "WRITE timed out" if timed_out else why,
-                released=timed_out,
+                "WRITE timed out" if xfer.released else why,
+                released=xfer.released,
                 dropped=dropped,
             )
         return ended
 
     def _abort(self, xfer: _InFlight, now: float) -> bool:
         """A WRITE past its deadline: True once it is released (aborted: nothing of it can
-        land any more). One that cannot be released is watched on; after a further
-        `transfer_timeout_s` it is given up all the same (counted, and logged)."""
+        land any more). One NIXL will not release may still land: it stays WRITING (its
+        requests and their blocks stay held, no PUSH_FAIL is sent), counted in
+        `kvtopo_worker_writes_unreleasable` and `/v1/state`, polled and asked again until
+        NIXL ends or releases it; the decode's own give-up bound ends its side."""
         if self._release(xfer.handle):
+            xfer.released = True
             return True
         if xfer.abort_failed_at is None:
             xfer.abort_failed_at = now
-            return False
-        if now - xfer.abort_failed_at < self.config.transfer_timeout_s:
-            return False
-        log.error("WRITE %s to %s could not be aborted; giving it up", xfer.handle, xfer.agent_name)
-        return True
+            self.metrics.writes_unreleasable.inc()
+            log.error(
+                "WRITE %s to %s is past its deadline and NIXL will not release it: its "
+                "requests stay held until NIXL ends it",
+                xfer.handle,
+                xfer.agent_name,
+            )
+        return False
 
     def _release(self, handle: XferHandle) -> bool:
         try:
@@ -871,6 +888,7 @@ class PrefillPush(PushConnector):
         *,
         released: bool = False,
         dropped: bool = False,
+        tell: bool = True,
     ) -> None:
         """Releases a WRITE that ended (DONE, or ERR) and ends each of its requests: sent,
         or failed with `reason` (its decode agent told); the decode engine is unpinned
@@ -902,8 +920,9 @@ class PrefillPush(PushConnector):
             for rid in ended:
                 self._report("sent", rid)
         else:
+            told = xfer.agent_name if tell else ""
             for rid in ended:
-                self._fail_send(rid, reason, message, xfer.decode_engine_id, xfer.agent_name)
+                self._fail_send(rid, reason, message, xfer.decode_engine_id, told)
 
     def _keep_outcome(self, rid: str, outcome: _Outcome) -> None:
         """Remembers how a prefill request ended (call under the lock), to answer a cancel."""
