@@ -301,3 +301,41 @@ def test_a_paired_decode_s_cancel_flood_is_neither_answered_nor_kept_per_message
         server.shutdown()
         server.server_close()
         rogue.close()
+
+
+def test_a_draining_decode_beside_a_frozen_prefill_reports_what_the_prefill_does(
+    started: list[WorkerProcess], token_file: Path, tmp_path: Path
+) -> None:
+    """Issue 55, defect 4: a decode SIGTERMed (drain deadline 1 s) while its prefill is
+    frozen (SIGSTOP) with the decode's registration waiting there gives the request up at
+    its deadline, but neither reports it nor hands its blocks back while a WRITE of it can
+    land: it ends once the thawed prefill answered, with the prefill's outcome."""
+    p = start(started, "prefill", token_file, tmp_path)
+    d = start(
+        started, "decode", token_file, tmp_path, "--drain-timeout", "1",
+        "--registration-timeout", "12", "--transfer-timeout", "4",
+    )  # fmt: skip
+    connect(d, p)
+    connect(p, d)
+    assert d.submit("warm", p, 2) == 202 and p.submit("warm", d, 2) == 202
+    assert outcome(d, "warm")["status"] == "done"  # the two have greeted each other
+    assert p.submit("frozen", d, 2) == 202  # the prefill's KV is ready, waiting for D
+    p.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert d.submit("frozen", p, 2) == 202  # its registration waits in frozen P's queue
+        d.proc.send_signal(signal.SIGTERM)
+        # Past the drain deadline and well past twice it (where 7314fe4 failed the request
+        # and freed its blocks): nothing is reported while the frozen P can still WRITE.
+        deadline = time.monotonic() + 6
+        while time.monotonic() < deadline:
+            assert not [o for o in d.drain() if o["request_id"] == "frozen"], d.outcomes
+            time.sleep(0.1)
+    finally:
+        thawed = time.time()
+        p.proc.send_signal(signal.SIGCONT)
+    mine, theirs = outcome(d, "frozen", 30), outcome(p, "frozen", 30)
+    # The thawed prefill takes the registration and the cancel behind it in one pass: the
+    # cancel wins (nothing was written), and both say so; the decode only once P answered.
+    assert mine["status"] == theirs["status"], (mine, theirs)
+    assert mine["ended_at"] >= thawed, (mine, thawed)
+    assert d.proc.wait(30) == 0

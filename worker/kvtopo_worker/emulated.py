@@ -365,6 +365,9 @@ class EmulatedEngine(EngineTraffic):
                 connector.abandon(rid, FailureType.SHUTDOWN, message)
         return len(held)
 
+    def settles_within(self) -> float:
+        return max((c.settles_within() for c in self.connectors), default=0.0)
+
     def abort(self, request_id: str) -> bool:
         """Gives one request up with reason `aborted` on every rank (each rank ends its part
         once no WRITE of it can land); False when the request is not held."""

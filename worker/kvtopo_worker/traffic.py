@@ -106,6 +106,11 @@ class EngineTraffic:
         does not hold it (never taken, or ended already)."""
         raise NotImplementedError
 
+    def settles_within(self) -> float:
+        """Seconds until every request given up can have ended by its connectors' own
+        bounds (no WRITE of it can land after that); 0 when nothing is pending there."""
+        return 0.0
+
     def fail_held(self, message: str) -> int:
         """Ends every request still held as failed at once, for an engine that stops for
         good (its KV memory goes with it); returns how many. By default nothing: the
@@ -123,9 +128,13 @@ class EngineTraffic:
     ) -> None:
         """An engine process's life once it serves: prints `ready` to `out` (one JSON line,
         what its launcher waits for), waits for SIGTERM or SIGINT, then drains: no new
-        requests; those still held after `drain_timeout_s` are given up (`abandon_held`)
-        and, past twice that, failed (`fail_held`); returns once every outcome has been
-        handed out, or warns how many were not. Call from the main thread."""
+        requests; those still held after `drain_timeout_s` are given up (`abandon_held`),
+        each ending through its connector once no WRITE of it can land (a frozen peer's
+        WRITE may still land until the connector's give-up bound, `settles_within`: the
+        engine waits for that, never reporting such a request or handing its blocks back
+        earlier); returns once every outcome has been handed out, or warns how many were
+        not (the process then exits with them: its memory, and any WRITE into it, goes
+        with it). Call from the main thread."""
         signalled = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: signalled.set())
         signal.signal(signal.SIGINT, lambda *_: signalled.set())
@@ -134,10 +143,12 @@ class EngineTraffic:
         self.begin_drain(drain_timeout_s)
         if self.wait_drained(2 * drain_timeout_s + 1, stop):
             return
-        # Given up, and still unanswered by a peer: the engine is leaving (its memory goes
-        # with it), so what it holds fails now, and is handed out before it exits.
-        self.fail_held("the engine stopped before its peer answered for the request")
-        if not self.wait_drained(drain_timeout_s + 1, stop):
+        # Given up, and still unanswered by a peer (frozen, or its answer lost): each ends
+        # by its connector's own bound, when no WRITE of it can land any more.
+        settle = self.settles_within()
+        if settle > 0:
+            log.info("draining: waiting up to %.1f s for peers' WRITEs to settle", settle)
+        if not self.wait_drained(settle + drain_timeout_s + 1, stop):
             log.warning(
                 "exiting with requests not drained (outcomes not collected with GET "
                 "/v1/finished): %s",

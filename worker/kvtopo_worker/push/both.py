@@ -118,6 +118,9 @@ class BothPush(PushConnector):
     def writing(self, request_id: str) -> bool:
         return self.sending.writing(request_id)
 
+    def settles_within(self) -> float:
+        return max(self.sending.settles_within(), self.receiving.settles_within())
+
     def get_finished(self) -> Finished:
         """Both halves' outcomes (each half's requests end exactly once there)."""
         sent, received = self.sending.get_finished(), self.receiving.get_finished()

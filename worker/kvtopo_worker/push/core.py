@@ -307,6 +307,12 @@ class PushConnector:
         """Requests taken that have not ended yet."""
         raise NotImplementedError
 
+    def settles_within(self) -> float:
+        """Seconds until every request taken can have ended by this half's own bounds
+        (the last moment a WRITE of it could land, and the margin after it); 0 when none
+        is pending."""
+        return 0.0
+
     def wait_finished(self, timeout: float) -> bool:
         """Blocks the engine thread until an outcome may be ready (or `timeout` passes)."""
         ready = self._outcome_ready.wait(timeout)

@@ -178,6 +178,12 @@ class DecodePush(PushConnector):
         with self._state_lock:
             return len(self._recv)
 
+    def settles_within(self) -> float:
+        now = self._clock()
+        with self._state_lock:
+            last = max((rec.give_up_at for rec in self._recv.values()), default=now)
+        return max(0.0, last - now) + (self.config.deadline_check_s if last > now else 0.0)
+
     def _stop_pending(self, why: str) -> None:
         with self._state_lock:
             ended = list(self._recv.items())

@@ -388,6 +388,19 @@ class PrefillPush(PushConnector):
         with self._state_lock:
             return len(self._sends)
 
+    def settles_within(self) -> float:
+        now = self._clock()
+        with self._state_lock:
+            xfers = list(self._in_flight.values())
+        if not xfers:
+            return 0.0
+        # A WRITE NIXL will not release has no bound: wait one more transfer timeout.
+        last = max(
+            x.deadline if x.abort_failed_at is None else now + self.config.transfer_timeout_s
+            for x in xfers
+        )
+        return max(0.0, last - now)
+
     def writing(self, request_id: str) -> bool:
         with self._state_lock:
             send = self._sends.get(request_id)
