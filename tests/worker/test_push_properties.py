@@ -1,8 +1,10 @@
 """Random interleavings of a push's events on both sides, over real NIXL (two agents of
 this process over UCX loopback, real WRITEs into real tensors): registrations, cancels,
 aborts, KV becoming ready, passes of either side's progress, time passing, a decode process
-replaced under its engine id (its old process frozen or partitioned, not dead), in any order
-hypothesis finds.
+replaced under its engine id (its old process frozen or partitioned, not dead), either
+engine's drain deadline (every request it holds given up), the prefill engine stopping
+(`stop()`; it is not pumped again), and NIXL refusing to release (abort) the prefill's next
+WRITE past its deadline, in any order hypothesis finds.
 
 After every case: each request ends once on each side that took it; both sides agree (done
 on one side is done on the other); and no WRITE landed in blocks the decode had let go (the
@@ -88,7 +90,19 @@ steps = st.lists(
         st.tuples(st.sampled_from(["submit", "ready", "abort_d", "abort_p"]), st.integers(0, 3)),
         st.tuples(
             st.sampled_from(
-                ["pump_d", "pump_p", "pump_d", "pump_p", "later", "much_later", "replace"]
+                [
+                    "pump_d",
+                    "pump_p",
+                    "pump_d",
+                    "pump_p",
+                    "later",
+                    "much_later",
+                    "replace",
+                    "drain_d",
+                    "drain_p",
+                    "stop_p",
+                    "refuse_release",
+                ]
             ),
             st.just(0),
         ),
@@ -96,6 +110,26 @@ steps = st.lists(
     min_size=1,
     max_size=24,
 )
+
+
+class _RefusingRelease:
+    """The prefill's real NIXL transport, except that its next `refusals` releases (aborts
+    of a WRITE past its deadline) are refused, as NIXL does for a transfer it cannot stop
+    at that moment."""
+
+    def __init__(self, inner: NixlTransport) -> None:
+        self.inner = inner
+        self.agent_name = inner.agent_name
+        self.refusals = 0
+
+    def release(self, handle: Any) -> bool:
+        if self.refusals > 0:
+            self.refusals -= 1
+            return False
+        return self.inner.release(handle)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 class Case:
@@ -118,7 +152,9 @@ class Case:
         self.p_reg.add_engine("dec", {0: agents.decode.agent_name})
         self.d_reg = EngineRegistry(remove_agent=lambda name: None, clock=self.clock)
         self.d_reg.add_engine("pre", {0: agents.prefill.agent_name})
-        self.prefill = self._connector("pre", "prefill", agents.prefill, self.p_reg, cfg)
+        self.p_transport = _RefusingRelease(agents.prefill)
+        self.prefill = self._connector("pre", "prefill", self.p_transport, self.p_reg, cfg)
+        self.p_stopped = False
         self.decode = self._connector("dec", "decode", agents.decode, self.d_reg, cfg)
         self.replaced = False
         self.free = list(range(BLOCKS))
@@ -135,7 +171,7 @@ class Case:
             agents.kv[name].zero_()
 
     def _connector(
-        self, engine: str, role: str, t: NixlTransport, reg: EngineRegistry, cfg: PushConfig
+        self, engine: str, role: str, t: Any, reg: EngineRegistry, cfg: PushConfig
     ) -> PushConnector:
         return new_connector(
             engine_id=engine,
@@ -204,7 +240,7 @@ class Case:
             self.decode.request_receive(rid, "pre", blocks)
             self.d_taken.add(rid)
             self.decode.flush_registrations()
-        elif op == "ready" and rid not in self.p_taken:
+        elif op == "ready" and rid not in self.p_taken and not self.p_stopped:
             self.prefill.request_send(rid, [2 * i, 2 * i + 1], "dec")
             self.p_taken.add(rid)
         elif op == "abort_d":
@@ -214,8 +250,19 @@ class Case:
         elif op == "pump_d":
             self.decode.flush_registrations()
             self._pump(self.decode)
-        elif op == "pump_p":
+        elif op == "pump_p" and not self.p_stopped:
             self._pump(self.prefill)
+        elif op == "drain_d":  # the decode engine's drain deadline: what it holds given up
+            for held in sorted(self.d_taken - set(self.d_out)):
+                self.decode.abandon(held, FailureType.SHUTDOWN, "drain deadline")
+        elif op == "drain_p":
+            for held in sorted(self.p_taken - set(self.p_out)):
+                self.prefill.abandon(held, FailureType.SHUTDOWN, "drain deadline")
+        elif op == "stop_p" and not self.p_stopped:  # the prefill engine stops for good
+            self.p_stopped = True
+            self.prefill.stop()
+        elif op == "refuse_release":
+            self.p_transport.refusals += 1
         elif op == "later":
             self.clock.advance(0.7)
         elif op == "much_later":
@@ -244,7 +291,8 @@ class Case:
             self.clock.advance(0.25)
             self.decode.flush_registrations()
             self.decode.progress_once()
-            self.prefill.progress_once()
+            if not self.p_stopped:
+                self.prefill.progress_once()
             # A replacement deferred by a WRITE in flight is done once the WRITE ended.
             if self.replaced and "dec" not in self.p_reg:
                 self.p_reg.add_engine("dec", {0: self.a.successor.agent_name}, "b")

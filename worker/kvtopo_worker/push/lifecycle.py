@@ -27,7 +27,7 @@ import enum
 class Recv(enum.StrEnum):
     """Phases of a request on the decode side."""
 
-    QUEUED = "queued"  # registration not sent yet
+    QUEUED = "queued"  # registration not sent yet (queued, or parked until the prefill greets)
     REGISTERED = "registered"  # sent to one agent of the prefill engine (`_Recv.agent`)
     CANCELLING = "cancelling"  # given up; waiting for that agent's answer or the deadline
     DONE = "done"  # its KV landed
@@ -85,12 +85,17 @@ class SendEvent(enum.StrEnum):
     CANCELLED = "cancelled"  # its decode gave it up
     ABANDONED = "abandoned"  # the engine gave it up (abort, drain deadline)
     STOP = "stop"
+    # Past its deadline, NIXL would not release (abort) its WRITE: it may still land.
+    RELEASE_REFUSED = "release_refused"
+    # The engine stops beside a WRITE NIXL would not release.
+    STOP_UNRELEASED = "stop_unreleased"
 
 
 class SendAction(enum.StrEnum):
     NONE = "none"
     START_WRITE = "start_write"
     END = "end"  # report the outcome; a failure is told to the decode agent concerned
+    END_UNTOLD = "end_untold"  # report it here; tell the decode nothing (a WRITE may land)
 
 
 SEND_TABLE: dict[tuple[Send, SendEvent], tuple[Send, SendAction]] = {
@@ -106,6 +111,10 @@ SEND_TABLE: dict[tuple[Send, SendEvent], tuple[Send, SendAction]] = {
     (Send.WRITING, SendEvent.CANCELLED): (Send.WRITING, SendAction.NONE),
     (Send.WRITING, SendEvent.ABANDONED): (Send.WRITING, SendAction.NONE),
     (Send.WRITING, SendEvent.STOP): (Send.FAILED, SendAction.END),
+    # A WRITE that may still land is never given up: no PUSH_FAIL while it can land; the
+    # decode's own give-up bound ends its side.
+    (Send.WRITING, SendEvent.RELEASE_REFUSED): (Send.WRITING, SendAction.NONE),
+    (Send.WRITING, SendEvent.STOP_UNRELEASED): (Send.FAILED, SendAction.END_UNTOLD),
 }
 
 

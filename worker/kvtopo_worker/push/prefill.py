@@ -427,6 +427,13 @@ class PrefillPush(PushConnector):
         for agent, rid, keep in held:
             self._answer(agent, keep.engine_id, rid, FailureType.SHUTDOWN, why)
         for xfer in xfers:
+            try:
+                landed = self.transport.poll(xfer.handle) == "DONE"
+            except Exception:
+                landed = False
+            if landed:  # it landed before the stop: done on both sides
+                self._finish_transfer(xfer, "DONE", self._clock())
+                continue
             # A WRITE NIXL will not release may still land: its requests end here (the
             # engine stops), but its decode is not told they failed; its give-up bound ends
             # them there.
@@ -875,6 +882,11 @@ class PrefillPush(PushConnector):
             return True
         if xfer.abort_failed_at is None:
             xfer.abort_failed_at = now
+            with self._state_lock:
+                for rid in xfer.request_ids:
+                    send = self._sends.get(rid)
+                    if send is not None:
+                        self._advance(rid, send, SendEvent.RELEASE_REFUSED)
             self.metrics.writes_unreleasable.inc()
             log.error(
                 "WRITE %s to %s is past its deadline and NIXL will not release it: its "
@@ -917,13 +929,16 @@ class PrefillPush(PushConnector):
                 self._release(xfer.handle)
         finally:
             self.registry.end_transfer(xfer.decode_engine_id)
-        event = SendEvent.WRITE_DONE if state == "DONE" else SendEvent.WRITE_FAILED
+        if state == "DONE":
+            event = SendEvent.WRITE_DONE
+        else:
+            event = SendEvent.WRITE_FAILED if tell else SendEvent.STOP_UNRELEASED
         ended: list[str] = []
         with self._state_lock:
             for rid in xfer.request_ids:
                 send = self._sends.get(rid)
-                if send is not None:
-                    self._advance(rid, send, event)
+                if send is not None and self._advance(rid, send, event) is SendAction.END_UNTOLD:
+                    tell = False
                 if state == "DONE":
                     self._keep_outcome(rid, _Outcome(True, xfer.decode_engine_id, xfer.agent_name))
                 ended.append(rid)
