@@ -224,15 +224,22 @@ def test_a_registration_from_an_agent_the_registry_does_not_hold_is_not_kept(
     assert [w[2] for w in transport.writes] == [[5]]
 
 
-def test_a_write_that_cannot_be_aborted_is_watched_before_anyone_is_told(
-    prefill: PushConnector, registry: EngineRegistry, transport: FakeTransport, clock: FakeClock
+def _write_nixl_will_not_release(
+    prefill: PushConnector, registry: EngineRegistry, transport: FakeTransport
 ) -> None:
+    """Request r1's WRITE is in flight, and NIXL will neither finish nor release it."""
     agent = add_engine(transport, registry, DECODE)
     transport.write_state = "PROC"
     transport.release_ok = False
     prefill.request_send("r1", [0], DECODE)
     transport.deliver(agent, _reg("r1", [5]))
     prefill.progress_once()
+
+
+def test_a_write_that_cannot_be_aborted_is_watched_before_anyone_is_told(
+    prefill: PushConnector, registry: EngineRegistry, transport: FakeTransport, clock: FakeClock
+) -> None:
+    _write_nixl_will_not_release(prefill, registry, transport)
     clock.advance(prefill.config.transfer_timeout_s + 0.1)
     prefill.progress_once()
     prefill.progress_once()
@@ -321,12 +328,7 @@ def test_a_write_nixl_will_not_release_is_never_given_up_while_it_can_land(
 ) -> None:
     """Issue 55, defect 5: past any number of deadlines, a WRITE NIXL refuses to release
     stays WRITING: no PUSH_FAIL, no outcome, counted; NIXL's own end then ends it."""
-    agent = add_engine(transport, registry, DECODE)
-    transport.write_state = "PROC"
-    transport.release_ok = False
-    prefill.request_send("r1", [0], DECODE)
-    transport.deliver(agent, _reg("r1", [5]))
-    prefill.progress_once()
+    _write_nixl_will_not_release(prefill, registry, transport)
     for _ in range(5):
         clock.advance(prefill.config.transfer_timeout_s + 0.1)
         prefill.progress_once()
@@ -345,12 +347,7 @@ def test_stopping_beside_a_write_nixl_will_not_release_tells_the_decode_nothing(
 ) -> None:
     """Issue 55, defect 5: `stop()` ends the prefill's own request (the engine leaves), but
     sends no PUSH_FAIL for a WRITE that can still land; one it released is told."""
-    agent = add_engine(transport, registry, DECODE)
-    transport.write_state = "PROC"
-    transport.release_ok = False
-    prefill.request_send("r1", [0], DECODE)
-    transport.deliver(agent, _reg("r1", [5]))
-    prefill.progress_once()
+    _write_nixl_will_not_release(prefill, registry, transport)
     prefill.stop()
     assert transport.sent == []
     failed = prefill.get_finished().failed

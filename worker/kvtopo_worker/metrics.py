@@ -27,7 +27,7 @@ class WorkerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._lock = threading.Lock()
-        self._unauthenticated_warned = -1e9  # when a forged notification was last logged
+        self._last_warning: dict[str, float] = {}  # kind -> when `warn_limited` last logged
         self._failures: _Tally[str] = _Tally()
         self.last_failure: FailureRecord | None = None
         self.failures_total = Counter(
@@ -141,16 +141,25 @@ class WorkerMetrics:
         counted apart, as `unknown_agent`, and is no failure."""
         if known:
             self.reject("unauthenticated")
-            now = time.monotonic()
-            if now - self._unauthenticated_warned >= 1.0:  # a flood is counted, not logged
-                self._unauthenticated_warned = now
-                log.warning(
-                    "dropped a notification %s did not seal (forged or altered); more are "
-                    "counted in kvtopo_worker_rejected_messages{source=unauthenticated}",
-                    agent_name,
-                )
+            self.warn_limited(
+                "unauthenticated",
+                "dropped a notification %s did not seal (forged or altered); more are "
+                "counted in kvtopo_worker_rejected_messages{source=unauthenticated}",
+                agent_name,
+            )
         else:
             self.rejected_total.labels("unknown_agent").inc()
+
+    def warn_limited(self, kind: str, message: str, *args: object) -> None:
+        """A warning about what a peer sent, logged at most once a second per `kind` (the
+        rest at debug level): a flood is counted in the metrics, not written to the log
+        once per message."""
+        now = time.monotonic()
+        if now - self._last_warning.get(kind, -1e9) < 1.0:
+            log.debug(message, *args)
+            return
+        self._last_warning[kind] = now
+        log.warning(message, *args)
 
     def failure_counts(self) -> dict[str, int]:
         with self._lock:

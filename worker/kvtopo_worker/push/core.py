@@ -181,7 +181,6 @@ class PushConnector:
         # (only the progress thread touches it). Senders are agents the transport holds a
         # pair key for, so their number is bounded by the peers held.
         self._inbox: dict[str, deque[bytes]] = {}
-        self._last_warning: dict[str, float] = {}
         # Label lookups cost a lock and a dict probe per call: bind the children once.
         self._requests_total = {
             o: self.metrics.requests_total.labels(o) for o in ("done", "failed")
@@ -498,7 +497,7 @@ class PushConnector:
             if waiting <= free:
                 return waiting
             self.metrics.reject("notification_backlog", waiting - max(free, 0))
-            self._warn_limited(
+            self.metrics.warn_limited(
                 "backlog",
                 "agent %s has %d notifications waiting here: %d more dropped",
                 agent_name,
@@ -530,7 +529,7 @@ class PushConnector:
             msg = decode_notification(data)
         except MalformedMessage as exc:
             self.metrics.reject("notification")
-            self._warn_limited(
+            self.metrics.warn_limited(
                 "malformed",
                 "dropped malformed notification from %s: %s",
                 agent_name,
@@ -549,16 +548,6 @@ class PushConnector:
     def queued_notifications(self) -> int:
         """Notifications taken from NIXL and not handled yet (all senders)."""
         return sum(len(q) for q in list(self._inbox.values()))
-
-    def _warn_limited(self, kind: str, message: str, *args: object) -> None:
-        """A warning about what a peer sent, logged at most once a second per `kind` (a
-        flood is counted in the metrics, not written to the log once per message)."""
-        now = time.monotonic()
-        if now - self._last_warning.get(kind, -1e9) < 1.0:
-            log.debug(message, *args)
-            return
-        self._last_warning[kind] = now
-        log.warning(message, *args)
 
     def _on_message(self, agent_name: str, msg: Notification) -> None:
         """One decoded notification (not a greeting) from `agent_name`, in arrival order;

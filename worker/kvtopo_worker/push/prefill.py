@@ -489,7 +489,7 @@ class PrefillPush(PushConnector):
             or msg.decode_tp_rank != self.tp_rank
         ):
             self.metrics.reject("notification")
-            self._warn_limited(
+            self.metrics.warn_limited(
                 "registration",
                 "registration of %s from agent %s (not %s's current agent of rank %d) dropped",
                 msg.request_id,
@@ -593,7 +593,7 @@ class PrefillPush(PushConnector):
             or msg.decode_tp_rank != self.tp_rank
         ):
             self.metrics.reject("notification")
-            self._warn_limited(
+            self.metrics.warn_limited(
                 "cancel", "cancel of %s from agent %s dropped", msg.request_id, agent
             )
             return
